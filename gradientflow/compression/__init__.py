@@ -1,0 +1,1 @@
+"""GradientFlow compression layer."""

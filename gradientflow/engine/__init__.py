@@ -1,0 +1,1 @@
+"""GradientFlow engine layer."""

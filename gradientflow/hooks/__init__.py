@@ -1,0 +1,1 @@
+"""GradientFlow hooks layer."""

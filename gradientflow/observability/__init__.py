@@ -1,0 +1,1 @@
+"""GradientFlow observability layer."""
