@@ -1,0 +1,178 @@
+"""Shared helpers for the benchmarks: statistics, timing, markdown tables, JSON, plots.
+
+Every `benchmarks/bench_<name>.py` can use these so that all results read alike::
+
+    from benchmarks.common import median, p95, markdown_table, write_result, machine_info
+
+Leaf module: imports nothing of gradientflow; matplotlib only inside `line_plot`.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import time
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+
+
+# ---- statistics -------------------------------------------------------------------------------
+
+def percentile(values: Iterable[float], q: float) -> float:
+    """Return the q-th percentile (0..100) with linear interpolation; NaN for no values."""
+    xs = sorted(float(v) for v in values)
+    if not xs:
+        return float("nan")
+    if not 0 <= q <= 100:
+        raise ValueError(f"percentile: q must be in [0, 100], got {q}")
+    pos = (len(xs) - 1) * q / 100.0
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def median(values: Iterable[float]) -> float:
+    """Return the median (NaN for no values)."""
+    return percentile(values, 50.0)
+
+
+def p95(values: Iterable[float]) -> float:
+    """Return the 95th percentile (NaN for no values)."""
+    return percentile(values, 95.0)
+
+
+def time_calls(fn: Callable[[], object], reps: int, warmup: int = 1) -> list[float]:
+    """Call `fn` warmup + reps times; return the wall time in seconds of each timed call."""
+    for _ in range(warmup):
+        fn()
+    out = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+# ---- formatting -------------------------------------------------------------------------------
+
+def fmt(value, digits: int = 3) -> str:
+    """Format a table cell: floats to `digits` significant figures, None/NaN as a dash."""
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "-"
+        if math.isinf(value):
+            return "inf"
+        a = abs(value)
+        if a >= 1e6 or (0 < a < 1e-3):
+            return f"{value:.3g}"
+        # Three significant figures, but never scientific notation for everyday magnitudes.
+        return f"{value:.0f}" if a >= 100 else f"{value:.1f}" if a >= 10 else f"{value:.{digits - 1}f}" if a >= 1 else f"{value:.{digits}f}"
+    return str(value).replace("|", "\\|").replace("\n", " ")
+
+
+def markdown_table(columns: Sequence[str], rows: Iterable[dict],
+                   headers: Sequence[str] | None = None) -> str:
+    """Render `rows` (dicts) as a GitHub markdown table of `columns` (missing keys as dashes)."""
+    headers = list(headers or columns)
+    if len(headers) != len(columns):
+        raise ValueError("markdown_table: headers and columns must have the same length")
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    for row in rows:
+        lines.append("| " + " | ".join(fmt(row.get(c)) for c in columns) + " |")
+    return "\n".join(lines)
+
+
+# ---- results ----------------------------------------------------------------------------------
+
+def machine_info() -> dict:
+    """Describe the machine the numbers come from: cores, CPU model, memory, torch version."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    mem_gib = float("nan")
+    try:
+        with open("/proc/meminfo") as f:
+            mem_gib = int(f.readline().split()[1]) / 2**20
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        import torch
+        torch_version = torch.__version__
+    except ImportError:
+        torch_version = "not installed"
+    return {"nproc": os.cpu_count(), "cpu": cpu, "mem_gib": round(mem_gib, 1),
+            "torch": torch_version, "python": platform.python_version(),
+            "kernel": platform.release()}
+
+
+def machine_line(info: dict | None = None) -> str:
+    """One line stating the machine, for the top of every markdown section."""
+    m = info or machine_info()
+    return (f"Machine: {m['nproc']} cores ({m['cpu']}), {m['mem_gib']} GiB, "
+            f"torch {m['torch']}, Python {m['python']}, Linux {m['kernel']}.")
+
+
+def write_result(out_dir: str | os.PathLike, name: str, data: dict, markdown: str) -> Path:
+    """Write DIR/<name>.json (with machine info added) and DIR/<name>.md; return the JSON path."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    data = {"name": name, "machine": machine_info(), **data}
+    path = out / f"{name}.json"
+    path.write_text(json.dumps(data, indent=1, default=_json_default) + "\n")
+    (out / f"{name}.md").write_text(markdown.rstrip() + "\n")
+    return path
+
+
+def _json_default(obj):
+    if isinstance(obj, float) and math.isnan(obj):
+        return None
+    if hasattr(obj, "__dataclass_fields__"):
+        import dataclasses
+        return dataclasses.asdict(obj)
+    return str(obj)
+
+
+# ---- plots ------------------------------------------------------------------------------------
+
+def line_plot(path: str | os.PathLike, series: dict[str, tuple[Sequence[float], Sequence[float]]],
+              xlabel: str, ylabel: str, title: str = "", logx: bool = False,
+              logy: bool = False) -> Path | None:
+    """Plot named (x, y) series to a PNG; return its path, or None without matplotlib."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
+    for label, (xs, ys) in series.items():
+        pts = [(x, y) for x, y in zip(xs, ys)
+               if y is not None and not (isinstance(y, float) and math.isnan(y))]
+        if pts:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
+    if logx:
+        ax.set_xscale("log")
+    if logy:
+        ax.set_yscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    if title:
+        ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
