@@ -1,1 +1,13 @@
-"""GradientFlow observability layer."""
+"""GradientFlow observability layer: timeline (Chrome trace) and statistics.
+
+Leaf layer: imports nothing else of gradientflow (stdlib only; matplotlib lazily, to plot).
+The lead re-exports `start_timeline`, `stop_timeline`, `stats` and `reset_stats` as
+`gradientflow.*`; the engine records through `TIMELINE` and `STATS`.
+"""
+from gradientflow.observability.stats import STATS, Stats, reset_stats, stats
+from gradientflow.observability.timeline import (
+    TIMELINE, Timeline, merge, now_us, start_timeline, stop_timeline,
+)
+
+__all__ = ["TIMELINE", "Timeline", "start_timeline", "stop_timeline", "merge", "now_us",
+           "STATS", "Stats", "stats", "reset_stats"]
