@@ -1,0 +1,200 @@
+"""Pure-torch reference implementations of the CSC kernels (any device; the ground truth for tests).
+
+Every function here has the semantics documented in ``gradientflow.kernels`` (the dispatch
+module); the numba CPU and CUDA kernels must agree with these, element by element (norms within
+float accumulation error, everything else bit for bit).
+
+Conventions: 1-D contiguous float32 tensors of N elements cut into chunks of C elements;
+``nchunks = ceil(N / C)``; the last chunk may be partial and is treated as zero-padded.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = [
+    "chunk_norms",
+    "select_chunks",
+    "pack_chunks",
+    "unpack_update",
+    "cast_scaled",
+    "upcast_scaled",
+    "nchunks_of",
+]
+
+WIRE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def nchunks_of(numel: int, chunk_size: int) -> int:
+    """Return ceil(numel / chunk_size), the number of chunks of a flat buffer."""
+    return -(-numel // chunk_size)
+
+
+def _chunked(x: torch.Tensor, chunk_size: int) -> torch.Tensor:
+    """Return x as an (nchunks, C) matrix, zero-padding the last partial chunk (a copy only then)."""
+    n = x.numel()
+    nch = nchunks_of(n, chunk_size)
+    if n == nch * chunk_size:
+        return x.view(nch, chunk_size)
+    padded = x.new_zeros(nch * chunk_size)
+    padded[:n] = x
+    return padded.view(nch, chunk_size)
+
+
+def chunk_norms(
+    grad: torch.Tensor,
+    residual: torch.Tensor | None,
+    chunk_size: int,
+    norm: str = "l1",
+    *,
+    momentum: torch.Tensor | None = None,
+    momentum_out: torch.Tensor | None = None,
+    m: float = 0.9,
+    nesterov: bool = False,
+) -> torch.Tensor:
+    """Add the residual (and momentum) into ``grad`` in place and return each chunk's norm.
+
+    See ``gradientflow.kernels.chunk_norms`` for the contract. "l2" returns the *squared* L2
+    norm (sum of v*v): the ranking is the same and the square root is not needed.
+    """
+    if momentum is not None:
+        if nesterov:
+            u = (momentum + grad) * m
+        else:
+            u = momentum * m + grad
+        v = u if residual is None else residual + u
+        if nesterov:
+            v = v + grad
+        momentum_out.copy_(u)
+    else:
+        v = grad if residual is None else grad + residual
+    if v is not grad:
+        grad.copy_(v)
+    if grad.numel() == 0:
+        return grad.new_zeros(0)
+    mat = _chunked(grad, chunk_size)
+    if norm == "l1":
+        return mat.abs().sum(dim=1)
+    return (mat * mat).sum(dim=1)
+
+
+def select_chunks(
+    norms: torch.Tensor, k: int, *, forced: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Return the indices of the top-k chunks by norm (plus the forced ones), sorted ascending.
+
+    Ties go to the lower index and NaN ranks as +inf, so every rank holding the same reduced
+    norms picks the same chunks, and a non-finite chunk is always sent.
+    """
+    key = norms.detach().to(torch.float32).clone()
+    key[torch.isnan(key)] = float("inf")
+    idx = torch.arange(key.numel(), device=key.device)
+    if forced is not None:
+        forced = forced.to(device=key.device, dtype=torch.bool)
+        free = idx[~forced]
+        key = key[free]
+        k = min(k, free.numel())
+    else:
+        free = idx
+    # A stable descending sort keeps equal keys in index order: the deterministic tie-break.
+    order = torch.sort(key, descending=True, stable=True).indices[:k]
+    chosen = free[order]
+    if forced is not None:
+        chosen = torch.cat([chosen, idx[forced]])
+    return torch.sort(chosen).values.to(torch.int64)
+
+
+def pack_chunks(
+    v: torch.Tensor,
+    indices: torch.Tensor,
+    chunk_size: int,
+    scale: float,
+    wire_dtype: torch.dtype,
+    *,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Gather the chunks ``indices`` of v, multiply by ``scale`` and cast to ``wire_dtype``."""
+    k = indices.numel()
+    if out is None:
+        out = torch.empty(k * chunk_size, dtype=wire_dtype, device=v.device)
+    if k == 0:
+        return out
+    n = v.numel()
+    full = n // chunk_size
+    idx = indices.to(device=v.device, dtype=torch.int64)
+    rows = torch.empty(k, chunk_size, dtype=torch.float32, device=v.device)
+    is_full = idx < full
+    if full > 0:
+        body = v[: full * chunk_size].view(full, chunk_size)
+        rows.copy_(body.index_select(0, idx.clamp(max=full - 1)))
+    if full * chunk_size < n:
+        tail = v.new_zeros(chunk_size)
+        tail[: n - full * chunk_size] = v[full * chunk_size :]
+        rows[~is_full] = tail
+    # Multiply in float32 first, then one rounding to the wire type (as the kernels do).
+    rows.mul_(torch.tensor(scale, dtype=torch.float32))
+    out.view(k, chunk_size).copy_(rows)
+    return out
+
+
+def unpack_update(
+    v: torch.Tensor,
+    residual: torch.Tensor | None,
+    packed_reduced: torch.Tensor,
+    packed_local: torch.Tensor | None,
+    indices: torch.Tensor,
+    chunk_size: int,
+    unscale: float,
+    err_scale: float,
+    *,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """Scatter the reduced chunks into ``out`` (zeros elsewhere) and keep what was not sent in ``residual``."""
+    n = v.numel()
+    k = indices.numel()
+    idx = indices.to(device=v.device, dtype=torch.int64)
+    if residual is not None:
+        residual.copy_(v)
+        if k:
+            if packed_local is None:
+                err = torch.zeros(k, chunk_size, dtype=torch.float32, device=v.device)
+            else:
+                loc = packed_local.view(k, chunk_size).to(torch.float32)
+                err = loc * torch.tensor(err_scale, dtype=torch.float32)
+            # residual = v - upcast(local) * err_scale, written chunk by chunk (partial last chunk).
+            mat = _chunked(v, chunk_size)[idx] - err
+            _scatter_rows(residual, idx, mat, chunk_size)
+    # out may alias v: everything read from v above is already in `mat`/`residual`.
+    out.zero_()
+    if k:
+        red = packed_reduced.view(k, chunk_size).to(torch.float32)
+        red = red * torch.tensor(unscale, dtype=torch.float32)
+        _scatter_rows(out, idx, red, chunk_size)
+    return out
+
+
+def _scatter_rows(dst: torch.Tensor, idx: torch.Tensor, rows: torch.Tensor, chunk_size: int) -> None:
+    """Write rows[j] into dst's chunk idx[j], cutting the part past the end of dst."""
+    n = dst.numel()
+    full = n // chunk_size
+    is_full = idx < full
+    if full > 0 and bool(is_full.any()):
+        dst[: full * chunk_size].view(full, chunk_size)[idx[is_full]] = rows[is_full]
+    if full * chunk_size < n and bool((~is_full).any()):
+        dst[full * chunk_size :] = rows[~is_full][0, : n - full * chunk_size]
+
+
+def cast_scaled(
+    x: torch.Tensor, scale: float, wire_dtype: torch.dtype, *, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Return cast(x * scale) in ``wire_dtype`` (one float32 multiply, one rounding)."""
+    if out is None:
+        out = torch.empty(x.numel(), dtype=wire_dtype, device=x.device)
+    out.copy_(x * torch.tensor(scale, dtype=torch.float32))
+    return out
+
+
+def upcast_scaled(x: torch.Tensor, scale: float, *, out: torch.Tensor) -> torch.Tensor:
+    """Write float32(x) * scale into ``out`` (float32)."""
+    torch.mul(x.to(torch.float32), torch.tensor(scale, dtype=torch.float32), out=out)
+    return out
