@@ -1,0 +1,648 @@
+"""Train a torchvision model on ImageNet (or any ImageFolder) with GradientFlow's compressed DDP.
+
+The flags of pytorch/examples' imagenet/main.py are kept as they are (data, -a/--arch, -j,
+--epochs, --start-epoch, -b, --lr, --momentum, --wd, -p, --resume, -e, --seed, --dist-backend,
+--dummy); ours sit beside them. `-b` is the GLOBAL batch (all ranks together); `--lr` is the rate
+for a batch of `--lr-base-batch` images and is scaled linearly to `-b` (Goyal et al. 2017).
+
+One process (CPU or one GPU; a one-rank process group on a free local port):
+    python experiments/imagenet/train.py --dummy -a resnet18 -b 32 --steps-per-epoch 10 --epochs 1
+
+One node, 8 GPUs (or 2 CPU ranks), CSC at 1% density with an FP16 wire:
+    torchrun --standalone --nproc-per-node 8 experiments/imagenet/train.py /data/imagenet \\
+        -a resnet50 -b 2048 --lr 0.1 --compression csc --density 0.01 --wire-dtype fp16 \\
+        --warmup 4 --amp --log runs/r50.jsonl
+
+Two nodes (run on each node; NODE0 is any address every node can reach):
+    torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint NODE0:29400 \\
+        --rdzv-id r50 experiments/imagenet/train.py /data/imagenet -a resnet50 -b 4096 \\
+        --lr 0.1 --lr-warmup-epochs 5 --compression csc --density 0.01 --wire-dtype fp16
+
+The built-in small real data set (see prepare.py and README.md):
+    python experiments/imagenet/prepare.py
+    torchrun --standalone --nproc-per-node 2 experiments/imagenet/train.py \\
+        experiments/imagenet/data/digits -a resnet18 --image-size 32 --num-classes 10 \\
+        --augment none -b 64 --lr 0.05 --lr-base-batch 64 --epochs 8 --compression csc --density 0.01
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import random
+import re
+import socket
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torchvision.models as tv_models
+
+PROG = "train.py"
+
+
+# --------------------------------------------------------------------------------------------
+# Command line and configuration: resolved once, validated before any process group exists.
+# --------------------------------------------------------------------------------------------
+class ConfigError(ValueError):
+    """Bad input: reported as one line, exit code 2, before init_process_group."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line instead of argparse's usage block
+        raise ConfigError(message)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = _Parser(prog=PROG, description="Train a torchvision model with GradientFlow (see the module docstring).")
+    # --- pytorch/examples imagenet/main.py flags, names and meanings kept ---
+    p.add_argument("data", nargs="?", default="imagenet", help="dataset root with train/ and val/ (ImageFolder)")
+    p.add_argument("-a", "--arch", default="resnet18", help="torchvision.models classification model name")
+    p.add_argument("-j", "--workers", default=4, type=int, help="DataLoader workers per rank (started by forkserver/spawn)")
+    p.add_argument("--epochs", default=90, type=int, help="number of total epochs to run")
+    p.add_argument("--start-epoch", default=0, type=int, help="manual epoch number (useful on restarts)")
+    p.add_argument("-b", "--batch-size", default=256, type=int, help="global mini-batch size, all ranks together")
+    p.add_argument("--lr", "--learning-rate", default=0.1, type=float, dest="lr", help="LR for --lr-base-batch images")
+    p.add_argument("--momentum", default=0.9, type=float)
+    p.add_argument("--wd", "--weight-decay", default=1e-4, type=float, dest="weight_decay")
+    p.add_argument("-p", "--print-freq", default=10, type=int, help="progress-bar refresh, in steps")
+    p.add_argument("--resume", default="", type=str, help="path to checkpoint.pth.tar")
+    p.add_argument("-e", "--evaluate", action="store_true", help="evaluate on the validation set and exit")
+    p.add_argument("--seed", default=None, type=int, help="seed for initialisation and data order")
+    p.add_argument("--dist-backend", default="gradientflow", help="torch.distributed backend (gradientflow, gloo, nccl)")
+    p.add_argument("--dummy", action="store_true", help="use fake data to benchmark")
+    # --- GradientFlow: compression and transport ---
+    p.add_argument("--compression", default="none", choices=["none", "fp16", "csc"],
+                   help="gradient compression in the DDP comm hook")
+    p.add_argument("--density", default=0.01, type=float, help="CSC: fraction of chunks sent per step, in (0, 1]")
+    p.add_argument("--chunk-size", default=None, type=int, help="CSC: elements per chunk (default: the library's)")
+    p.add_argument("--wire-dtype", default=None, choices=["fp32", "fp16", "bf16"],
+                   help="dtype of the values on the wire (default: fp16 for fp16, the library's for csc)")
+    p.add_argument("--warmup", default="0", help="CSC dense warm-up: N epochs of DGC's decaying density "
+                   "(0.25, 0.0625, ...) or a comma list of densities per epoch, e.g. 0.25,0.0625")
+    p.add_argument("--momentum-correction", action="store_true", help="CSC: DGC momentum correction of the residual")
+    p.add_argument("--fusion-threshold", default=None, help="lazy-allreduce fusion threshold, e.g. 64MB "
+                   "(exported as GRADIENTFLOW_FUSION_THRESHOLD before init)")
+    p.add_argument("--bucket-cap-mb", default=25.0, type=float, help="DDP bucket size in MB (a compressed unit)")
+    # --- training recipe ---
+    p.add_argument("--amp", action="store_true", help="mixed precision (fp16+GradScaler on CUDA, bf16 on CPU)")
+    p.add_argument("--lr-base-batch", default=256, type=int, help="batch size that --lr is meant for (linear scaling)")
+    p.add_argument("--lr-warmup-epochs", default=0.0, type=float, help="linear LR warm-up from 0 (large batches: 5)")
+    p.add_argument("--lr-schedule", default="step", choices=["step", "cosine"])
+    p.add_argument("--lr-steps", default="30,60", help="step schedule: epochs where the LR is multiplied by 0.1")
+    p.add_argument("--lars", action="store_true", help="LARS layer-wise trust ratio (You et al. 2017) for huge batches")
+    p.add_argument("--lars-eta", default=0.001, type=float)
+    p.add_argument("--label-smoothing", default=0.0, type=float)
+    # --- data and model shape ---
+    p.add_argument("--image-size", default=224, type=int, help="training crop side in pixels")
+    p.add_argument("--num-classes", default=1000, type=int)
+    p.add_argument("--augment", default="imagenet", choices=["imagenet", "light", "none"],
+                   help="imagenet: RandomResizedCrop+flip; light: small crop jitter, no flip; none")
+    p.add_argument("--steps-per-epoch", default=0, type=int, help="cap on train (and val) steps per epoch; 0 = all")
+    # --- output ---
+    p.add_argument("--log", default=None, help="append one JSON line per epoch to this file")
+    p.add_argument("--checkpoint-dir", default=".", help="where checkpoint.pth.tar (+ one shard per rank) is written")
+    p.add_argument("--no-checkpoint", action="store_true", help="do not write checkpoints")
+    return p.parse_args(argv)
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Everything the run needs, resolved once from the command line and the launcher's environment."""
+
+    # data and model
+    data: str
+    dummy: bool
+    arch: str
+    num_classes: int
+    image_size: int
+    augment: str
+    workers: int
+    # schedule
+    epochs: int
+    start_epoch: int
+    steps_per_epoch: int      # 0: the whole data set
+    batch_size: int           # global
+    per_rank_batch: int       # batch_size / world_size
+    peak_lr: float            # lr * batch_size / lr_base_batch
+    lr_warmup_epochs: float
+    lr_schedule: str
+    lr_steps: tuple
+    momentum: float
+    weight_decay: float
+    lars: bool
+    lars_eta: float
+    label_smoothing: float
+    amp: bool
+    seed: int | None
+    # distribution and compression
+    world_size: int
+    rank: int
+    local_rank: int
+    dist_backend: str
+    compression: str
+    compression_config: object  # gradientflow.compression.CompressionConfig, or None for "none"
+    fusion_threshold: str | None
+    bucket_cap_mb: float
+    # output
+    resume: str
+    evaluate: bool
+    print_freq: int
+    log: str | None
+    checkpoint_dir: str
+    checkpoint: bool
+
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMG]i?B|B)?\s*$", re.IGNORECASE)
+
+
+def dgc_warmup(spec: str, target: float) -> tuple:
+    """Parse --warmup into per-epoch densities: "N" -> DGC's 0.25 * 4**-k for k < N (never below target)."""
+    spec = spec.strip()
+    if re.fullmatch(r"\d+", spec):
+        return tuple(max(0.25 * 4.0 ** -k, target) for k in range(int(spec)))
+    try:
+        values = tuple(float(v) for v in spec.split(",") if v.strip())
+    except ValueError:
+        raise ConfigError(f"--warmup {spec!r} is neither a number of epochs nor a comma list of densities")
+    if not all(0.0 < v <= 1.0 for v in values):
+        raise ConfigError(f"--warmup densities must lie in (0, 1], got {spec!r}")
+    return values
+
+
+def build_compression_config(args, warmup: tuple):
+    """Turn our flags into gradientflow.compression.CompressionConfig (which validates them)."""
+    try:
+        import gradientflow.hooks  # noqa: F401
+        from gradientflow.compression import CompressionConfig
+        register = getattr(gradientflow.hooks, "register")
+    except (ImportError, AttributeError) as exc:
+        raise ConfigError(f"--compression {args.compression} is waiting on gradientflow.hooks.register and "
+                          f"gradientflow.compression.CompressionConfig ({exc}); use --compression none for now")
+    del register
+    fields = {f.name for f in dataclasses.fields(CompressionConfig)}
+    kwargs = {"method": args.compression}
+    wire = args.wire_dtype or ("fp16" if args.compression == "fp16" else None)
+    if wire is not None:
+        kwargs["wire_dtype"] = wire
+    if args.compression == "csc":
+        kwargs["density"] = args.density
+        if args.chunk_size is not None:
+            kwargs["chunk_size"] = args.chunk_size
+        if warmup:
+            kwargs[_first(fields, "warmup", "warmup_densities", "warmup_schedule")] = warmup
+        if args.momentum_correction:
+            kwargs["momentum_correction"] = True
+            if "momentum" in fields:
+                kwargs["momentum"] = args.momentum
+    try:
+        return CompressionConfig(**kwargs)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"compression settings rejected: {exc}")
+
+
+def _first(fields, *names):
+    for n in names:
+        if n in fields:
+            return n
+    return names[0]
+
+
+def resolve(args: argparse.Namespace, env=os.environ) -> Config:
+    """Validate the arguments and derive the run's values; raise ConfigError with one sentence."""
+    if args.arch not in tv_models.list_models(module=tv_models):
+        raise ConfigError(f"unknown arch {args.arch!r}: choose a torchvision.models classification model, "
+                          f"e.g. alexnet, resnet18, resnet50")
+    if not args.dummy:
+        for split in ("train", "val"):
+            if not os.path.isdir(os.path.join(args.data, split)):
+                raise ConfigError(f"data directory {os.path.join(args.data, split)!r} not found: pass the "
+                                  f"ImageFolder root holding train/ and val/, or --dummy")
+    if not 0.0 < args.density <= 1.0:
+        raise ConfigError(f"--density must lie in (0, 1] (the fraction of chunks sent), got {args.density}")
+    if args.chunk_size is not None and args.chunk_size < 1:
+        raise ConfigError(f"--chunk-size must be a positive number of elements, got {args.chunk_size}")
+    if args.fusion_threshold is not None and not _SIZE.match(args.fusion_threshold):
+        raise ConfigError(f"--fusion-threshold {args.fusion_threshold!r} is not a size such as 64MB or 1048576")
+    if args.resume and not os.path.isfile(args.resume):
+        raise ConfigError(f"--resume: no checkpoint at {args.resume!r}")
+    if args.epochs < 1 or not 0 <= args.start_epoch <= args.epochs:
+        raise ConfigError(f"--epochs must be >= 1 and --start-epoch in [0, epochs], got {args.epochs}, {args.start_epoch}")
+    for name in ("workers", "steps_per_epoch"):
+        if getattr(args, name) < 0:
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= 0")
+    if args.image_size < 8 or args.num_classes < 2 or args.print_freq < 1 or args.lr <= 0 or args.lr_base_batch < 1:
+        raise ConfigError("--image-size >= 8, --num-classes >= 2, -p >= 1, --lr > 0 and --lr-base-batch >= 1 are required")
+    try:
+        lr_steps = tuple(sorted(float(s) for s in args.lr_steps.split(",") if s.strip()))
+    except ValueError:
+        raise ConfigError(f"--lr-steps {args.lr_steps!r} must be a comma list of epochs, e.g. 30,60")
+    world_size = int(env.get("WORLD_SIZE", "1"))
+    if args.batch_size < world_size or args.batch_size % world_size:
+        raise ConfigError(f"-b {args.batch_size} (the global batch) must be a multiple of the world size {world_size}")
+    warmup = dgc_warmup(args.warmup, args.density)
+    comp = None if args.compression == "none" else build_compression_config(args, warmup)
+    return Config(
+        data=args.data, dummy=args.dummy, arch=args.arch, num_classes=args.num_classes,
+        image_size=args.image_size, augment=args.augment, workers=args.workers,
+        epochs=args.epochs, start_epoch=args.start_epoch, steps_per_epoch=args.steps_per_epoch,
+        batch_size=args.batch_size, per_rank_batch=args.batch_size // world_size,
+        peak_lr=args.lr * args.batch_size / args.lr_base_batch, lr_warmup_epochs=args.lr_warmup_epochs,
+        lr_schedule=args.lr_schedule, lr_steps=lr_steps, momentum=args.momentum,
+        weight_decay=args.weight_decay, lars=args.lars, lars_eta=args.lars_eta,
+        label_smoothing=args.label_smoothing, amp=args.amp, seed=args.seed,
+        world_size=world_size, rank=int(env.get("RANK", "0")), local_rank=int(env.get("LOCAL_RANK", "0")),
+        dist_backend=args.dist_backend, compression=args.compression, compression_config=comp,
+        fusion_threshold=args.fusion_threshold, bucket_cap_mb=args.bucket_cap_mb,
+        resume=args.resume, evaluate=args.evaluate, print_freq=args.print_freq, log=args.log,
+        checkpoint_dir=args.checkpoint_dir, checkpoint=not args.no_checkpoint,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Process group, data, model, optimiser.
+# --------------------------------------------------------------------------------------------
+def init_distributed(cfg: Config) -> torch.device:
+    """Create the process group (env://, set by torchrun; a free local port when run alone)."""
+    if "MASTER_ADDR" not in os.environ:  # plain `python train.py`: a one-rank group on this machine
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(s.getsockname()[1]),
+                              RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    if cfg.fusion_threshold is not None:
+        # The backend reads its configuration once, at init, from GRADIENTFLOW_* variables.
+        os.environ["GRADIENTFLOW_FUSION_THRESHOLD"] = cfg.fusion_threshold.strip()
+    if cfg.dist_backend == "gradientflow":
+        import gradientflow  # noqa: F401  registers the backend (the entry point does too)
+    if torch.cuda.is_available():
+        device = torch.device("cuda", cfg.local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    dist.init_process_group(backend=cfg.dist_backend, init_method="env://",
+                            world_size=cfg.world_size, rank=cfg.rank)
+    return device
+
+
+def build_datasets(cfg: Config):
+    """ImageNet's standard transforms on an ImageFolder, or FakeData for --dummy."""
+    import torchvision.datasets as datasets
+    import torchvision.transforms as T
+
+    normalize = T.Normalize(mean=[0.485, 0.456, 0.406], std=[0.229, 0.224, 0.225])
+    if cfg.dummy:
+        n_train = cfg.steps_per_epoch * cfg.batch_size if cfg.steps_per_epoch else 1281167
+        n_val = cfg.steps_per_epoch * cfg.batch_size if cfg.steps_per_epoch else 50000
+        shape = (3, cfg.image_size, cfg.image_size)
+        return (datasets.FakeData(n_train, shape, cfg.num_classes, T.ToTensor()),
+                datasets.FakeData(n_val, shape, cfg.num_classes, T.ToTensor(), random_offset=n_train))
+    s = cfg.image_size
+    train_tf = {
+        "imagenet": [T.RandomResizedCrop(s), T.RandomHorizontalFlip()],
+        "light": [T.RandomResizedCrop(s, scale=(0.7, 1.0), ratio=(0.9, 1.1))],  # digits are not mirror-symmetric
+        "none": [T.Resize(s), T.CenterCrop(s)],
+    }[cfg.augment]
+    val_tf = [T.Resize(int(s * 256 / 224)), T.CenterCrop(s)] if cfg.augment == "imagenet" else [T.Resize(s), T.CenterCrop(s)]
+    return (datasets.ImageFolder(os.path.join(cfg.data, "train"), T.Compose(train_tf + [T.ToTensor(), normalize])),
+            datasets.ImageFolder(os.path.join(cfg.data, "val"), T.Compose(val_tf + [T.ToTensor(), normalize])))
+
+
+def make_loader(dataset, cfg: Config, sampler, device) -> torch.utils.data.DataLoader:
+    # Workers start by forkserver (spawn where there is none): forking a process whose torch or
+    # numba OpenMP runtime has already run kills the child.
+    ctx = None
+    if cfg.workers > 0:
+        import multiprocessing as mp
+        ctx = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
+    return torch.utils.data.DataLoader(
+        dataset, batch_size=cfg.per_rank_batch, sampler=sampler, num_workers=cfg.workers,
+        multiprocessing_context=ctx, persistent_workers=cfg.workers > 0,
+        pin_memory=device.type == "cuda", drop_last=sampler is not None)
+
+
+class LARS(torch.optim.SGD):
+    """SGD whose update of each weight matrix is scaled by eta*||w|| / (||g + wd*w||) (You et al. 2017).
+
+    Tensors in groups with lars=False (biases, BatchNorm) take plain SGD, as in the LARS paper.
+    """
+
+    def __init__(self, param_groups, lr, momentum, weight_decay, eta):
+        for g in param_groups:
+            g.setdefault("lars", True)
+            g["lars_wd"] = weight_decay if g["lars"] else 0.0
+            g["weight_decay"] = 0.0 if g["lars"] else g.get("weight_decay", 0.0)
+        super().__init__(param_groups, lr=lr, momentum=momentum)
+        self.eta = eta
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            if not group["lars"]:
+                continue
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                p.grad.add_(p, alpha=group["lars_wd"])
+                w_norm, g_norm = torch.linalg.vector_norm(p), torch.linalg.vector_norm(p.grad)
+                trust = torch.where((w_norm > 0) & (g_norm > 0), self.eta * w_norm / g_norm, torch.ones_like(w_norm))
+                p.grad.mul_(trust)
+        return super().step(closure)
+
+
+def build_optimizer(model: nn.Module, cfg: Config) -> torch.optim.Optimizer:
+    if not cfg.lars:
+        return torch.optim.SGD(model.parameters(), lr=cfg.peak_lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    matrices = [p for p in model.parameters() if p.ndim > 1]
+    vectors = [p for p in model.parameters() if p.ndim <= 1]
+    return LARS([{"params": matrices, "lars": True}, {"params": vectors, "lars": False, "weight_decay": 0.0}],
+                lr=cfg.peak_lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay, eta=cfg.lars_eta)
+
+
+def learning_rate(cfg: Config, epoch: float) -> float:
+    """Linear warm-up from 0, then step decay (x0.1 at each --lr-steps epoch) or cosine to 0."""
+    if epoch < cfg.lr_warmup_epochs:
+        return cfg.peak_lr * epoch / cfg.lr_warmup_epochs
+    if cfg.lr_schedule == "cosine":
+        progress = (epoch - cfg.lr_warmup_epochs) / max(cfg.epochs - cfg.lr_warmup_epochs, 1e-9)
+        return 0.5 * cfg.peak_lr * (1.0 + math.cos(math.pi * min(progress, 1.0)))
+    return cfg.peak_lr * 0.1 ** sum(epoch >= s for s in cfg.lr_steps)
+
+
+# --------------------------------------------------------------------------------------------
+# Gradient communication: gradientflow's hook, or a plain timed allreduce for --compression none.
+# --------------------------------------------------------------------------------------------
+class DenseAllreduce:
+    """The --compression none path: DDP's allreduce-mean, timed and counted like gradientflow's hooks."""
+
+    def __init__(self, ddp_model):
+        self.world_size = dist.get_world_size()
+        self.wire_bytes = 0
+        self.comm_s = 0.0
+        ddp_model.register_comm_hook(self, DenseAllreduce.hook)
+
+    @staticmethod
+    def hook(state: "DenseAllreduce", bucket):
+        start = time.perf_counter()
+        buf = bucket.buffer()
+        state.wire_bytes += buf.numel() * buf.element_size()
+        fut = dist.all_reduce(buf.div_(state.world_size), async_op=True).get_future()
+
+        def done(f):
+            state.comm_s += time.perf_counter() - start
+            return f.value()[0]
+
+        return fut.then(done)
+
+    def set_epoch(self, epoch: int) -> None:
+        pass
+
+    def stats(self) -> dict:
+        return {"wire_bytes": self.wire_bytes, "dense_bytes": self.wire_bytes, "comm_s": self.comm_s, "density": 1.0}
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
+class GradientFlowHook:
+    """Adapter over gradientflow.hooks.register's state: epoch for the warm-up, counters, residuals."""
+
+    def __init__(self, ddp_model, config):
+        import gradientflow.hooks
+
+        self.state = gradientflow.hooks.register(ddp_model, config)
+
+    def set_epoch(self, epoch: int) -> None:
+        setter = getattr(self.state, "set_epoch", None)
+        if setter is not None:
+            setter(epoch)
+        else:
+            self.state.epoch = epoch
+
+    def stats(self) -> dict:
+        s = self.state.stats()
+        s = dataclasses.asdict(s) if dataclasses.is_dataclass(s) else dict(s)
+        return {"wire_bytes": _pick(s, "wire_bytes", "bytes_sent", default=0),
+                "dense_bytes": _pick(s, "dense_bytes", "dense_equivalent_bytes", default=0),
+                "comm_s": _pick(s, "comm_s", "comm_time_s", "time_s", default=0.0),
+                "density": _pick(s, "density", "density_in_force", default=None)}
+
+    def state_dict(self) -> dict:
+        return self.state.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.state.load_state_dict(state)
+
+
+def _pick(d: dict, *names, default):
+    for n in names:
+        if n in d and d[n] is not None:
+            return d[n]
+    return default
+
+
+# --------------------------------------------------------------------------------------------
+# Train, evaluate, checkpoint.
+# --------------------------------------------------------------------------------------------
+def accuracy(output: torch.Tensor, target: torch.Tensor, topk=(1, 5)) -> list:
+    """Number of samples whose target is among the top-k predictions, for each k."""
+    maxk = min(max(topk), output.shape[1])
+    pred = output.topk(maxk, 1, True, True).indices
+    correct = pred.eq(target[:, None])
+    return [correct[:, :min(k, maxk)].any(dim=1).sum().item() for k in topk]
+
+
+def autocast(cfg: Config, device: torch.device):
+    dtype = torch.float16 if device.type == "cuda" else torch.bfloat16
+    return torch.autocast(device.type, dtype=dtype, enabled=cfg.amp)
+
+
+def train_one_epoch(cfg, epoch, model, criterion, optimizer, scaler, loader, comm, device):
+    from tqdm import tqdm
+
+    model.train()
+    steps = len(loader) if not cfg.steps_per_epoch else min(cfg.steps_per_epoch, len(loader))
+    bar = tqdm(total=steps, desc=f"epoch {epoch}", disable=None if cfg.rank == 0 else True,
+               dynamic_ncols=True, leave=False)
+    sums = torch.zeros(4, dtype=torch.float64)  # loss*n, correct@1, correct@5, n
+    comm_before = comm.stats()
+    start = time.perf_counter()
+    for i, (images, target) in enumerate(loader):
+        if i >= steps:
+            break
+        for g in optimizer.param_groups:
+            g["lr"] = learning_rate(cfg, epoch + i / steps)
+        images, target = images.to(device, non_blocking=True), target.to(device, non_blocking=True)
+        with autocast(cfg, device):
+            output = model(images)
+            loss = criterion(output, target)
+        optimizer.zero_grad(set_to_none=True)
+        scaler.scale(loss).backward()  # DDP's comm hook runs here, overlapped with backward
+        scaler.step(optimizer)
+        scaler.update()
+        top1, top5 = accuracy(output.detach().float(), target)
+        sums += torch.tensor([loss.item() * len(target), top1, top5, len(target)], dtype=torch.float64)
+        bar.update(1)
+        if i % cfg.print_freq == 0:
+            bar.set_postfix(loss=f"{sums[0] / sums[3]:.3f}", top1=f"{100 * sums[1] / sums[3]:.1f}",
+                            lr=f"{optimizer.param_groups[0]['lr']:.3g}")
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    elapsed = time.perf_counter() - start
+    bar.close()
+    comm_after = comm.stats()
+    dist.all_reduce(sums)  # exact: a plain all_reduce is never compressed
+    return {
+        "steps": steps, "train_time_s": elapsed,
+        "images_per_s": sums[3].item() / elapsed,
+        "train_loss": sums[0].item() / sums[3].item(), "train_top1": 100 * sums[1].item() / sums[3].item(),
+        "comm_s": comm_after["comm_s"] - comm_before["comm_s"],
+        "wire_bytes": comm_after["wire_bytes"] - comm_before["wire_bytes"],
+        "dense_bytes": comm_after["dense_bytes"] - comm_before["dense_bytes"],
+        "density": comm_after["density"],
+    }
+
+
+@torch.no_grad()
+def evaluate(cfg, model, criterion, val_set, device) -> dict:
+    """Each rank scores every world_size-th image (no padding), then the sums are allreduced."""
+    model.eval()
+    shard = torch.utils.data.Subset(val_set, range(cfg.rank, len(val_set), cfg.world_size))
+    loader = make_loader(shard, dataclasses.replace(cfg, workers=min(cfg.workers, 1)), None, device)
+    sums = torch.zeros(4, dtype=torch.float64)
+    for i, (images, target) in enumerate(loader):
+        if cfg.steps_per_epoch and i >= cfg.steps_per_epoch:
+            break
+        images, target = images.to(device, non_blocking=True), target.to(device, non_blocking=True)
+        with autocast(cfg, device):
+            output = model(images)
+        loss = criterion(output.float(), target)
+        top1, top5 = accuracy(output.float(), target)
+        sums += torch.tensor([loss.item() * len(target), top1, top5, len(target)], dtype=torch.float64)
+    dist.all_reduce(sums)
+    n = max(sums[3].item(), 1.0)
+    return {"val_loss": sums[0].item() / n, "val_top1": 100 * sums[1].item() / n, "val_top5": 100 * sums[2].item() / n}
+
+
+def shard_path(checkpoint: str, rank: int) -> str:
+    """Per-rank file beside the checkpoint: compressor residuals and RNG state differ per rank."""
+    return f"{checkpoint}.rank{rank}"
+
+
+def save_checkpoint(cfg, epoch, model, optimizer, scaler, comm, best_acc1) -> None:
+    os.makedirs(cfg.checkpoint_dir, exist_ok=True)
+    path = os.path.join(cfg.checkpoint_dir, "checkpoint.pth.tar")
+    shard = {"rank": cfg.rank, "world_size": cfg.world_size, "compressor": comm.state_dict(),
+             "rng": {"torch": torch.get_rng_state(), "python": random.getstate(),
+                     "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}}
+    torch.save(shard, shard_path(path, cfg.rank) + ".tmp")
+    os.replace(shard_path(path, cfg.rank) + ".tmp", shard_path(path, cfg.rank))
+    if cfg.rank == 0:
+        torch.save({"epoch": epoch + 1, "arch": cfg.arch, "state_dict": model.module.state_dict(),
+                    "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict(),
+                    "best_acc1": best_acc1, "world_size": cfg.world_size,
+                    "config": {k: repr(v) for k, v in dataclasses.asdict(cfg).items()}}, path + ".tmp")
+        os.replace(path + ".tmp", path)
+    dist.barrier()  # every shard is on disk before anyone goes on (or exits)
+
+
+def load_checkpoint(cfg, model, optimizer, scaler, comm, device) -> tuple:
+    ckpt = torch.load(cfg.resume, map_location=device, weights_only=False)
+    model.module.load_state_dict(ckpt["state_dict"])
+    optimizer.load_state_dict(ckpt["optimizer"])
+    scaler.load_state_dict(ckpt["scaler"])
+    shard_file = shard_path(cfg.resume, cfg.rank)
+    if ckpt.get("world_size") == cfg.world_size and os.path.isfile(shard_file):
+        shard = torch.load(shard_file, map_location="cpu", weights_only=False)
+        comm.load_state_dict(shard["compressor"])
+        torch.set_rng_state(shard["rng"]["torch"])
+        random.setstate(shard["rng"]["python"])
+        if shard["rng"]["cuda"] is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state(shard["rng"]["cuda"])
+    else:
+        print(f"[rank {cfg.rank}] warning: {shard_file} missing or saved by {ckpt.get('world_size')} ranks "
+              f"(now {cfg.world_size}): compressor residuals start at zero", file=sys.stderr)
+    return ckpt["epoch"], ckpt.get("best_acc1", 0.0)
+
+
+def print_config(cfg: Config, device: torch.device) -> None:
+    derived = {"world_size": cfg.world_size, "device": str(device), "per_rank_batch": cfg.per_rank_batch,
+               "peak_lr": round(cfg.peak_lr, 6), "compression": cfg.compression_config or "none",
+               "threads_per_rank": torch.get_num_threads()}
+    print("config: " + " ".join(f"{k}={v}" for k, v in dataclasses.asdict(cfg).items()
+                                if k not in ("compression_config",)), flush=True)
+    print("derived: " + " ".join(f"{k}={v}" for k, v in derived.items()), flush=True)
+
+
+# --------------------------------------------------------------------------------------------
+def main(argv=None) -> int:
+    try:
+        cfg = resolve(parse_args(argv))
+    except ConfigError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 2
+
+    device = init_distributed(cfg)
+    try:
+        if cfg.seed is not None:
+            random.seed(cfg.seed)
+            torch.manual_seed(cfg.seed)
+            torch.backends.cudnn.deterministic = True
+        train_set, val_set = build_datasets(cfg)
+        model = tv_models.get_model(cfg.arch, weights=None, num_classes=cfg.num_classes).to(device)
+        ddp = nn.parallel.DistributedDataParallel(
+            model, device_ids=[device.index] if device.type == "cuda" else None, bucket_cap_mb=cfg.bucket_cap_mb)
+        comm = DenseAllreduce(ddp) if cfg.compression == "none" else GradientFlowHook(ddp, cfg.compression_config)
+        criterion = nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing).to(device)
+        optimizer = build_optimizer(model, cfg)
+        scaler = torch.amp.GradScaler(device.type, enabled=cfg.amp and device.type == "cuda")
+        start_epoch, best_acc1 = cfg.start_epoch, 0.0
+        if cfg.resume:
+            start_epoch, best_acc1 = load_checkpoint(cfg, ddp, optimizer, scaler, comm, device)
+        if cfg.rank == 0:
+            print_config(cfg, device)
+            print(f"model: {cfg.arch}, {sum(p.numel() for p in model.parameters()) / 1e6:.2f} M parameters; "
+                  f"train {len(train_set)} / val {len(val_set)} images", flush=True)
+        if cfg.evaluate:
+            result = evaluate(cfg, ddp, criterion, val_set, device)
+            if cfg.rank == 0:
+                print(json.dumps(result), flush=True)
+            return 0
+
+        sampler = torch.utils.data.distributed.DistributedSampler(
+            train_set, num_replicas=cfg.world_size, rank=cfg.rank, shuffle=True, seed=cfg.seed or 0, drop_last=True)
+        train_loader = make_loader(train_set, cfg, sampler, device)
+        for epoch in range(start_epoch, cfg.epochs):
+            sampler.set_epoch(epoch)
+            comm.set_epoch(epoch)
+            record = {"epoch": epoch, "lr": learning_rate(cfg, epoch)}
+            record.update(train_one_epoch(cfg, epoch, ddp, criterion, optimizer, scaler, train_loader, comm, device))
+            record.update(evaluate(cfg, ddp, criterion, val_set, device))
+            record["wire_bytes_per_step"] = record["wire_bytes"] / record["steps"]
+            record["dense_bytes_per_step"] = record["dense_bytes"] / record["steps"]
+            best_acc1 = max(best_acc1, record["val_top1"])
+            if cfg.rank == 0:
+                print(f"epoch {epoch}: loss {record['train_loss']:.4f} val top-1 {record['val_top1']:.2f} "
+                      f"top-5 {record['val_top5']:.2f} | {record['images_per_s']:.0f} img/s | "
+                      f"wire {record['wire_bytes_per_step'] / 1e6:.3f} MB/step of "
+                      f"{record['dense_bytes_per_step'] / 1e6:.3f} dense | comm {record['comm_s']:.2f} s", flush=True)
+                if cfg.log:
+                    Path(cfg.log).parent.mkdir(parents=True, exist_ok=True)
+                    with open(cfg.log, "a") as f:
+                        f.write(json.dumps(record) + "\n")
+            if cfg.checkpoint:
+                save_checkpoint(cfg, epoch, ddp, optimizer, scaler, comm, best_acc1)
+        return 0
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
