@@ -1,0 +1,120 @@
+"""The compressor interface: one flat gradient buffer in, a stage generator out."""
+from __future__ import annotations
+
+import abc
+import warnings
+from typing import ClassVar, Generator
+
+import torch
+
+from ..engine.stages import StageGen
+from .config import CompressionConfig
+from .layout import Layout
+from .memory import ResidualMemory
+from .stats import CompressionStats
+
+__all__ = ["Compressor"]
+
+
+class Compressor(abc.ABC):
+    """Turn one flat float32 gradient buffer into the average over ranks, as a StageGen.
+
+    A compressor knows nothing of process groups: `reduce` yields each tensor to be
+    SUM-allreduced in place and receives it reduced (see gradientflow.engine.stages). It owns
+    the per-rank state: error-feedback memory keyed by parameter name, the warm-up position
+    (epoch, step) and the wire statistics.
+    """
+
+    name: ClassVar[str] = "?"
+
+    def __init__(self, config: CompressionConfig, world_size: int) -> None:
+        if not isinstance(config, CompressionConfig):
+            raise TypeError(f"{type(self).__name__}: config must be a CompressionConfig, got {type(config).__name__}")
+        if not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"{type(self).__name__}: world_size={world_size!r} must be an integer >= 1")
+        # --- tuned by the user ---
+        self.config = config
+        self.world_size = world_size
+        # --- internal ---
+        self.memory = ResidualMemory()
+        self.epoch = 0
+        self.step = 0
+        self._epoch_told = False
+        self._warned_epoch = False
+        # --- statistics ---
+        self.stats = CompressionStats()
+
+    # --- the op -----------------------------------------------------------------------------------
+    @abc.abstractmethod
+    def reduce(self, flat: torch.Tensor, layout: Layout, *, loss_scale: float = 1.0) -> StageGen:
+        """Return a StageGen that averages `flat` over the ranks (in place where it can).
+
+        Args:
+            flat: the 1-D float32 gradient buffer of this rank (may be overwritten).
+            layout: which parameter lives where in `flat` (names key the residual memory).
+            loss_scale: the loss scale `flat` was produced under (GradScaler's), so state kept
+                across steps is rescaled when it changes. The result is in the same units.
+        """
+
+    def _stage(self, tensor: torch.Tensor) -> Generator[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Yield one tensor to the SUM allreduce, counting its bytes as wire bytes."""
+        self.stats.add_wire(tensor.numel() * tensor.element_size())
+        reduced = yield tensor
+        return reduced
+
+    # --- schedule ---------------------------------------------------------------------------------
+    def set_epoch(self, epoch: int) -> None:
+        """Tell the compressor the epoch (for an epoch-based warm-up), like DistributedSampler.set_epoch."""
+        self.epoch = int(epoch)
+        self._epoch_told = True
+
+    def end_step(self) -> None:
+        """Close a step (every bucket of one backward pass reduced): counts steps and statistics."""
+        self.stats.end_step()
+        self.step += 1
+
+    def density_in_force(self) -> float:
+        """Return the density the warm-up schedule prescribes now."""
+        cfg = self.config
+        if (cfg.warmup_unit == "epoch" and cfg.warmup_densities and not self._epoch_told
+                and not self._warned_epoch and self.step == 0):
+            self._warned_epoch = True
+            warnings.warn(
+                f"{type(self).__name__}: the warm-up schedule is per epoch but no epoch was set; density "
+                f"stays at {cfg.density_at(0, 0):g} until you call set_epoch(epoch) at the start of every "
+                "epoch (or configure warmup_unit='step', or warmup_densities=() for none)",
+                RuntimeWarning, stacklevel=3)
+        return cfg.density_at(self.epoch, self.step)
+
+    def in_warmup(self) -> bool:
+        """Whether a warm-up stage (not the target density) is in force."""
+        return self.config.in_warmup(self.epoch, self.step)
+
+    # --- checkpoints ------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """Return this rank's state: residual/momentum by parameter name (unscaled), schedule, stats."""
+        return {
+            "method": self.name,
+            "world_size": self.world_size,
+            "epoch": self.epoch,
+            "step": self.step,
+            "memory": self.memory.state_dict(),
+            "stats": self.stats.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore one rank's state saved by `state_dict` (same method; see checkpoint.py for resizes)."""
+        if state.get("method") != self.name:
+            raise ValueError(
+                f"{type(self).__name__}.load_state_dict: the checkpoint is for method {state.get('method')!r}, "
+                f"this compressor is {self.name!r}; build the state with the checkpoint's method")
+        if int(state["world_size"]) != self.world_size:
+            raise ValueError(
+                f"{type(self).__name__}.load_state_dict: this shard was saved with world size {state['world_size']}, "
+                f"the group now has {self.world_size}; load the whole checkpoint through "
+                "gradientflow.compression.checkpoint.shard_for_rank, which applies a resize policy")
+        self.epoch = int(state["epoch"])
+        self.step = int(state["step"])
+        self._epoch_told = True
+        self.memory.load_state_dict(state["memory"])
+        self.stats.load_state_dict(state["stats"])

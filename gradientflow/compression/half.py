@@ -1,0 +1,50 @@
+"""FP16/BF16 wire: pre-scale by 1/world_size, cast, SUM-allreduce, cast back.
+
+Pre-scaling BEFORE the sum is what keeps the sum in range: if every rank's values fit the wire
+type, so does their average, whereas the plain sum of n of them can overflow (Horovod #278,
+#1699). With error feedback the rounding error of the cast stays in the residual, so nothing is
+lost over steps beyond the rounding of the sum itself.
+"""
+from __future__ import annotations
+
+import torch
+
+from gradientflow import kernels
+
+from ..engine.stages import StageGen
+from .base import Compressor
+from .layout import Layout
+from .registry import register_compressor
+
+__all__ = ["HalfCompressor"]
+
+
+@register_compressor("fp16")
+class HalfCompressor(Compressor):
+    """Send the whole buffer in the half-precision wire dtype (config.wire_dtype: fp16 or bf16)."""
+
+    def __init__(self, config, world_size: int) -> None:
+        super().__init__(config, world_size)
+        if config.wire_dtype == "fp32":
+            raise ValueError(
+                "HalfCompressor: method 'fp16' casts to a half-precision wire dtype, but wire_dtype='fp32'; "
+                "use wire_dtype 'fp16' or 'bf16' (or method 'none' for the dense FP32 average)")
+
+    def reduce(self, flat: torch.Tensor, layout: Layout, *, loss_scale: float = 1.0) -> StageGen:
+        """Return a StageGen: v = grad + residual; send cast(v / n); residual <- rounding error."""
+        layout.check(flat, "HalfCompressor.reduce")
+        cfg, n = self.config, self.world_size
+        self.stats.add_bucket(numel=flat.numel(), density=1.0)
+        residual = None
+        if cfg.error_feedback:
+            residual = self.memory.get(layout, ("residual",), flat, loss_scale)["residual"]
+            flat.add_(residual)
+        wire = kernels.cast_scaled(flat, 1.0 / n, cfg.torch_wire_dtype)
+        if residual is not None:
+            # flat becomes the candidate residual v - upcast(wire) * n, committed only if the
+            # reduced result is finite (a step GradScaler skips must leave the residual alone).
+            flat.add_(wire, alpha=-float(n))
+        reduced = yield from self._stage(wire)
+        if residual is not None and bool(torch.isfinite(reduced).all()):
+            residual.copy_(flat)
+        return kernels.upcast_scaled(reduced, 1.0, out=flat)

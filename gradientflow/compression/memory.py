@@ -1,0 +1,124 @@
+"""Error-feedback memory: per-parameter state kept flat per bucket layout, keyed by parameter NAME.
+
+Why names: DDP rebuilds its buckets after the first iteration, and a DDP resumed from a
+checkpoint starts from its *first* layout again (PyTorch PR #48670), so state keyed by bucket
+index lands on the wrong parameters. Here each layout owns one flat tensor per slot (so the
+kernels read it in one pass, like the gradient); when a new layout appears, every parameter's
+slice is moved over from wherever it lives now (or from a loaded checkpoint), once.
+
+Loss scaling: stored values are in the units of the loss scale they were produced under
+(`scale`). When the compressor is told a new scale, a layout's buffers are multiplied by
+new/old once, on first use: no per-step cost, and a residual produced under one scale is never
+added to gradients of another. `state_dict()` stores them unscaled.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .layout import Layout
+
+__all__ = ["ResidualMemory"]
+
+
+@dataclass
+class _Entry:
+    slots: dict[str, torch.Tensor]
+    scale: float
+    live: set[str] = field(default_factory=set)  # names whose state still lives here
+
+
+class ResidualMemory:
+    """Hold flat per-layout state tensors (residual, momentum, ...) whose identity is the parameter name.
+
+    Slots whose name starts with "_" are scratch (e.g. a double buffer) and never checkpointed.
+    """
+
+    def __init__(self) -> None:
+        self._entries: dict[Layout, _Entry] = {}
+        self._owner: dict[str, Layout] = {}
+        # slot -> name -> unscaled tensor, loaded from a checkpoint and not yet claimed by a layout.
+        self._pending: dict[str, dict[str, torch.Tensor]] = {}
+
+    # --- use -------------------------------------------------------------------------------------
+    def get(self, layout: Layout, slots: tuple[str, ...], like: torch.Tensor, scale: float = 1.0) -> dict[str, torch.Tensor]:
+        """Return this layout's flat state tensors (creating, re-laying out or rescaling as needed)."""
+        entry = self._entries.get(layout)
+        if entry is None:
+            entry = self._build(layout, slots, like, scale)
+        for slot in slots:
+            if slot not in entry.slots:
+                entry.slots[slot] = torch.zeros(layout.numel, dtype=torch.float32, device=like.device)
+        if entry.scale != scale:
+            ratio = float(scale) / float(entry.scale)
+            for t in entry.slots.values():
+                t.mul_(ratio)
+            entry.scale = float(scale)
+        return entry.slots
+
+    def swap(self, layout: Layout, a: str, b: str) -> None:
+        """Exchange two slots of a layout (a double buffer committed without a copy)."""
+        s = self._entries[layout].slots
+        s[a], s[b] = s[b], s[a]
+
+    def _build(self, layout: Layout, slots: tuple[str, ...], like: torch.Tensor, scale: float) -> _Entry:
+        bufs = {s: torch.zeros(layout.numel, dtype=torch.float32, device=like.device) for s in slots}
+        entry = _Entry(bufs, float(scale), set(layout.names))
+        for name, start, end in layout.slices():
+            old_layout = self._owner.get(name)
+            if old_layout is not None:
+                old = self._entries[old_layout]
+                o_start = old_layout.offsets[old_layout.names.index(name)]
+                ratio = float(scale) / old.scale
+                for slot, t in old.slots.items():
+                    if slot not in bufs:
+                        bufs[slot] = torch.zeros(layout.numel, dtype=torch.float32, device=like.device)
+                    bufs[slot][start:end].copy_(t[o_start:o_start + end - start]).mul_(ratio)
+                old.live.discard(name)
+                if not old.live:
+                    del self._entries[old_layout]  # every parameter moved on: free the old buffers
+            else:
+                for slot, per_name in self._pending.items():
+                    saved = per_name.pop(name, None)
+                    if saved is None:
+                        continue
+                    if saved.numel() != end - start:
+                        raise ValueError(
+                            f"ResidualMemory: the checkpoint's {slot} for parameter {name!r} has {saved.numel()} "
+                            f"elements but the parameter has {end - start}; was the model changed?")
+                    if slot not in bufs:
+                        bufs[slot] = torch.zeros(layout.numel, dtype=torch.float32, device=like.device)
+                    bufs[slot][start:end].copy_(saved.reshape(-1)).mul_(float(scale))
+            self._owner[name] = layout
+        self._entries[layout] = entry
+        return entry
+
+    # --- checkpoints ---------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
+        """Return {slot: {parameter name: unscaled tensor of its shape}} (copies; scratch slots left out)."""
+        out: dict[str, dict[str, torch.Tensor]] = {}
+        for slot, per_name in self._pending.items():
+            for name, t in per_name.items():
+                out.setdefault(slot, {})[name] = t.clone()
+        for layout, entry in self._entries.items():
+            for slot, t in entry.slots.items():
+                if slot.startswith("_"):
+                    continue
+                d = out.setdefault(slot, {})
+                for name, start, end in layout.slices():
+                    if name in entry.live:
+                        shape = layout.shapes[layout.names.index(name)]
+                        d[name] = (t[start:end] / entry.scale).reshape(shape).clone()
+        return out
+
+    def load_state_dict(self, state: dict[str, dict[str, torch.Tensor]]) -> None:
+        """Replace all state by a checkpoint's; it is placed into layouts as they are first used."""
+        self._entries.clear()
+        self._owner.clear()
+        self._pending = {slot: {name: t.detach().clone().float() for name, t in per_name.items()}
+                         for slot, per_name in state.items()}
+
+    def reset(self) -> None:
+        """Forget everything (e.g. after a world-size change with the 'reset' policy)."""
+        self.load_state_dict({})
