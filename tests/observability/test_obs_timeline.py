@@ -241,3 +241,20 @@ def test_trace_path_for_rank(tmp_path):
     assert T.trace_path_for_rank("t.json", 1) == "t.rank1.json"
     assert T.trace_path_for_rank("trace", 0) == "trace.rank0.json"
     assert T.trace_path_for_rank(str(tmp_path), 4) == os.path.join(str(tmp_path), "timeline.rank4.json")
+
+
+def test_bad_times_and_odd_args_never_break_the_json(tmp_path):
+    tl = T.Timeline()
+    path = tl.start(str(tmp_path / "odd.json"))
+    tl.complete("allreduce", T.CAT_COMM, float("nan"), 1.0, tid="b")   # dropped, counted
+    tl.complete("allreduce", T.CAT_COMM, T.now_us(), -5.0, tid="b")    # dropped, counted
+    tl.complete('we"ird\nname', T.CAT_COMM, T.now_us(), 1.0, tid="b",
+                args={"dtype": object(), "nan": float("nan")})
+    tl.complete("fuse", T.CAT_ENGINE, T.now_us(), 1.0, tid=7, args={"dtype": T})
+    tl.stop()
+    data = assert_chrome_trace(path)
+    got = {e["name"]: e for e in phases(data)}
+    assert set(got) == {'we"ird\nname', "fuse"}
+    assert "repr" in got['we"ird\nname']["args"]           # NaN arg: kept as its repr
+    assert isinstance(got["fuse"]["args"]["dtype"], str)   # odd value: its str
+    assert data["otherData"]["dropped_events"] == 2
