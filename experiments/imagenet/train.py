@@ -11,7 +11,7 @@ One process (CPU or one GPU; a one-rank process group on a free local port):
 One node, 8 GPUs (or 2 CPU ranks), CSC at 1% density with an FP16 wire:
     torchrun --standalone --nproc-per-node 8 experiments/imagenet/train.py /data/imagenet \\
         -a resnet50 -b 2048 --lr 0.1 --compression csc --density 0.01 --wire-dtype fp16 \\
-        --warmup 4 --amp --log runs/r50.jsonl
+        --warmup 4 --amp --json-log runs/r50.jsonl
 
 Two nodes (run on each node; NODE0 is any address every node can reach):
     torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint NODE0:29400 \\
@@ -105,7 +105,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="imagenet: RandomResizedCrop+flip; light: small crop jitter, no flip; none")
     p.add_argument("--steps-per-epoch", default=0, type=int, help="cap on train (and val) steps per epoch; 0 = all")
     # --- output ---
-    p.add_argument("--log", default=None, help="append one JSON line per epoch to this file")
+    p.add_argument("--json-log", default=None, dest="log", help="append one JSON line per epoch to this file "
+                   "(not --log: torchrun would take it for an abbreviation of its own --log-dir)")
     p.add_argument("--checkpoint-dir", default=".", help="where checkpoint.pth.tar (+ one shard per rank) is written")
     p.add_argument("--no-checkpoint", action="store_true", help="do not write checkpoints")
     return p.parse_args(argv)
@@ -556,6 +557,8 @@ def save_checkpoint(cfg, epoch, model, optimizer, scaler, comm, best_acc1) -> No
 def load_checkpoint(cfg, model, optimizer, scaler, comm, device) -> tuple:
     ckpt = torch.load(cfg.resume, map_location=device, weights_only=False)
     model.module.load_state_dict(ckpt["state_dict"])
+    if cfg.evaluate:  # weights are all -e needs; the optimiser may have been another (e.g. LARS)
+        return ckpt["epoch"], ckpt.get("best_acc1", 0.0)
     optimizer.load_state_dict(ckpt["optimizer"])
     scaler.load_state_dict(ckpt["scaler"])
     shard_file = shard_path(cfg.resume, cfg.rank)
