@@ -1,1 +1,35 @@
-"""GradientFlow hooks layer."""
+"""GradientFlow's DDP communication hooks (PyTorch style: a hook function, its state class beside it).
+
+The one-line common case::
+
+    state = gradientflow.hooks.register(ddp_model, CompressionConfig(method="csc", density=0.01))
+    ...
+    state.set_epoch(epoch); state.stats(); torch.save(state.gather_state_dict(), path)
+"""
+from __future__ import annotations
+
+from ..compression import CompressionConfig
+from ._state import CompressionState, compression_hook
+from .csc_hook import CSCState, csc_hook
+from .fp16_hook import FP16State, fp16_hook
+
+__all__ = ["CompressionState", "compression_hook", "CSCState", "csc_hook", "FP16State", "fp16_hook", "register"]
+
+_STATES = {"csc": (CSCState, csc_hook), "fp16": (FP16State, fp16_hook), "none": (CompressionState, compression_hook)}
+
+
+def register(ddp_model, config: CompressionConfig, process_group=None, *, grad_scaler=None) -> CompressionState:
+    """Register the hook `config.method` names on a DDP model, with its parameter names bound; return the state.
+
+    Example::
+
+        >>> state = gradientflow.hooks.register(ddp, CompressionConfig(density=0.01))
+    """
+    if not isinstance(config, CompressionConfig):
+        raise TypeError(f"register: config must be a CompressionConfig, got {type(config).__name__}")
+    state_cls, hook = _STATES.get(config.method, (CompressionState, compression_hook))
+    state = state_cls(process_group if process_group is not None else getattr(ddp_model, "process_group", None),
+                      config, grad_scaler=grad_scaler)
+    state.bind_parameter_names(ddp_model.module)
+    ddp_model.register_comm_hook(state, hook)
+    return state

@@ -1,0 +1,198 @@
+"""The state shared by GradientFlow's DDP compression hooks, and how a hook submits its stages.
+
+Private: the public state classes (CSCState, FP16State) live beside their hooks.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import Iterable
+
+import torch
+import torch.distributed as dist
+
+from ..compression import CompressionConfig, Compressor, Layout, make_compressor
+from ..compression import checkpoint as _ckpt
+from ..engine.stages import StageGen, drive
+
+__all__ = ["CompressionState", "compression_hook", "submit"]
+
+_uid = itertools.count()
+
+
+def submit(process_group, key, gen: StageGen) -> torch.futures.Future:
+    """Run a StageGen on the group: through the engine when it exists, else synchronously here.
+
+    The engine (gradientflow.engine.submit_stages) runs every stage of one bucket back to back on
+    its thread, in bucket order on every rank. Until it is there, this shim drives the generator
+    on the calling thread: DDP calls hooks in bucket-index order on every rank, so the order of
+    the collectives is the same everywhere, at the cost of no overlap with the backward pass.
+    """
+    try:
+        from ..engine import submit_stages  # provided by the engine (gradientflow/engine/api.py)
+    except ImportError:
+        submit_stages = None
+    if submit_stages is not None:
+        return submit_stages(process_group, key, gen)
+    fut: torch.futures.Future = torch.futures.Future()
+    try:
+        fut.set_result(drive(gen, lambda t: dist.all_reduce(t, group=process_group)))
+    except BaseException as exc:  # noqa: BLE001 - the future carries it to DDP
+        fut.set_exception(exc)
+    return fut
+
+
+class CompressionState:
+    """Hold what a compression hook needs across steps: the compressor, parameter names, loss scale.
+
+    Args:
+        process_group: the group to average over (None: the default group).
+        config: a CompressionConfig; or leave it None and pass its fields as keyword arguments.
+        grad_scaler: a GradScaler whose current scale the gradients carry (optional; see
+            `set_loss_scale` for the alternative). Residuals are rescaled when it changes.
+        **kwargs: CompressionConfig fields (only without `config`).
+
+    Example::
+
+        >>> state = CompressionState(None, CompressionConfig(method="csc", density=0.01))
+        >>> state.bind_parameter_names(model)          # names make checkpoints survive restarts
+        >>> ddp.register_comm_hook(state, compression_hook)
+    """
+
+    _method: str | None = None  # a subclass fixes the method (CSCState: "csc")
+
+    def __init__(self, process_group=None, config: CompressionConfig | None = None, *, grad_scaler=None, **kwargs) -> None:
+        if config is not None and kwargs:
+            raise ValueError(f"{type(self).__name__}: pass either config or its fields {sorted(kwargs)}, not both")
+        if config is None:
+            if self._method is not None:
+                kwargs.setdefault("method", self._method)
+            config = CompressionConfig(**kwargs)  # validates: ValueError naming the range
+        if not isinstance(config, CompressionConfig):
+            raise TypeError(f"{type(self).__name__}: config must be a CompressionConfig, got {type(config).__name__}")
+        if self._method is not None and config.method != self._method:
+            raise ValueError(f"{type(self).__name__}: config.method={config.method!r} but this state is for {self._method!r}")
+        # --- tuned by the user ---
+        self.process_group = process_group
+        self.config = config
+        self.grad_scaler = grad_scaler
+        # --- internal ---
+        self.world_size = dist.get_world_size(process_group) if dist.is_initialized() else 1
+        self.rank = dist.get_rank(process_group) if dist.is_initialized() else 0
+        self.compressor: Compressor = make_compressor(config, self.world_size)
+        self._uid = next(_uid)
+        self._names: dict[int, str] = {}  # id(parameter) -> name
+        self._auto_names = 0  # first-appearance names when none were bound
+        self._layouts: dict[tuple, Layout] = {}
+        self._loss_scale = 1.0
+        self._step_open = False
+
+    # --- parameter names ------------------------------------------------------------------------------
+    def bind_parameter_names(self, named: "torch.nn.Module | Iterable[tuple[str, torch.Tensor]]") -> None:
+        """Name the parameters (a module, or (name, tensor) pairs) so residuals are keyed by name.
+
+        Without it, parameters are named "param<i>" by first appearance in the hook, which is the
+        same across restarts only if the model and DDP's bucket size are the same.
+        """
+        pairs = named.named_parameters() if isinstance(named, torch.nn.Module) else named
+        self._names = {id(p): name for name, p in pairs}
+        self._layouts.clear()
+
+    def _name(self, p: torch.Tensor) -> str:
+        name = self._names.get(id(p))
+        if name is None:
+            name = self._names[id(p)] = f"param{self._auto_names}"
+            self._auto_names += 1
+        return name
+
+    def layout_of(self, bucket) -> Layout:
+        """Return the Layout of a DDP GradBucket (parameters back to back, by name)."""
+        params = bucket.parameters()
+        key = tuple(id(p) for p in params)
+        layout = self._layouts.get(key)
+        if layout is None:
+            layout = self._layouts[key] = Layout.from_shapes((self._name(p), tuple(p.shape)) for p in params)
+        buf = bucket.buffer()
+        if layout.numel != buf.numel():
+            raise ValueError(
+                f"{type(self).__name__}: bucket {bucket.index()} has {buf.numel()} elements but its "
+                f"{len(params)} parameters add up to {layout.numel}; sparse or padded buckets are not supported")
+        return layout
+
+    # --- schedule and loss scale ------------------------------------------------------------------------
+    def set_epoch(self, epoch: int) -> None:
+        """Tell the warm-up schedule the epoch (call at the start of every epoch)."""
+        self.compressor.set_epoch(epoch)
+
+    def set_loss_scale(self, scale: float) -> None:
+        """Tell the state the loss scale of the gradients to come (instead of giving a grad_scaler)."""
+        if not (scale > 0 and torch.isfinite(torch.tensor(float(scale)))):
+            raise ValueError(f"{type(self).__name__}.set_loss_scale: scale={scale!r} must be a finite number > 0")
+        self._loss_scale = float(scale)
+
+    def _current_loss_scale(self) -> float:
+        s = self.grad_scaler
+        if s is not None and s.is_enabled():
+            return float(s.get_scale())
+        return self._loss_scale
+
+    # --- the op -------------------------------------------------------------------------------------------
+    def _stages(self, bucket) -> StageGen:
+        """Return the StageGen of one bucket (closes the step after the last bucket)."""
+        if not self._step_open:
+            self._step_open = True
+            self._step_scale = self._current_loss_scale()  # one read per step: get_scale() syncs on CUDA
+        layout = self.layout_of(bucket)
+        gen = self.compressor.reduce(bucket.buffer(), layout, loss_scale=self._step_scale)
+        return self._closing(gen) if bucket.is_last() else gen
+
+    def _closing(self, gen: StageGen) -> StageGen:
+        result = yield from gen
+        self.compressor.end_step()
+        self._step_open = False
+        return result
+
+    # --- checkpoints and statistics ------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """Return this rank's shard: residual/momentum by parameter name, schedule, statistics."""
+        return {"rank": self.rank, "config": dataclasses.asdict(self.config), **self.compressor.state_dict()}
+
+    def load_state_dict(self, state: dict, resize_policy: str = "redistribute") -> None:
+        """Load this rank's shard, or pick it from a full checkpoint (every rank's shards, see gather_state_dict).
+
+        A full checkpoint saved by another world size follows `resize_policy`
+        ("redistribute" | "reset" | "error", see gradientflow.compression.checkpoint), with a warning.
+        """
+        if _ckpt.is_full_checkpoint(state):
+            state = _ckpt.shard_for_rank(state, self.rank, self.world_size, resize_policy)
+        self.compressor.load_state_dict(state)
+
+    def gather_state_dict(self, dst: int = 0) -> dict | None:
+        """Collect every rank's shard on rank `dst` (a collective: call it on every rank)."""
+        return _ckpt.gather_shards(self.state_dict(), self.process_group if dist.is_initialized() else None, dst)
+
+    def stats(self) -> dict:
+        """Return the wire statistics (see gradientflow.compression.stats for the definitions)."""
+        return self.compressor.stats.as_dict()
+
+    def __getstate__(self) -> dict:
+        # A process group cannot be pickled, and parameter ids mean nothing in another process.
+        state = {k: v for k, v in self.__dict__.items() if k not in ("process_group", "grad_scaler", "_names", "_layouts")}
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.process_group = None
+        self.grad_scaler = None
+        self._names = {}
+        self._layouts = {}
+
+
+def compression_hook(state: CompressionState, bucket) -> torch.futures.Future:
+    """Average one DDP bucket with the state's compressor; return a Future of the averaged buffer.
+
+    Example::
+
+        >>> ddp.register_comm_hook(CompressionState(None, CompressionConfig(method="fp16")), compression_hook)
+    """
+    return submit(state.process_group, ("ddp", state._uid, bucket.index()), state._stages(bucket))

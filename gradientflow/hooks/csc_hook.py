@@ -1,0 +1,50 @@
+"""DDP communication hook for coarse-grained sparse communication (CSC), with its state.
+
+Two collectives per bucket (the chunk norms, then the packed chunks), run back to back by the
+engine so that buckets never interleave differently on different ranks.
+"""
+from __future__ import annotations
+
+import torch
+
+from ._state import CompressionState, compression_hook
+
+__all__ = ["CSCState", "csc_hook"]
+
+
+class CSCState(CompressionState):
+    """Hold CSC's per-rank state: error-feedback residuals by parameter name, warm-up position, stats.
+
+    Args:
+        process_group: the group to average over (None: the default group).
+        config: a CompressionConfig with method "csc"; or leave it None and pass its fields,
+            e.g. ``density=0.01, chunk_size=1024, wire_dtype="fp16"``.
+        grad_scaler: the GradScaler producing the gradients, if any (residuals are rescaled
+            when its scale moves, so they are never weighted by a stale scale).
+
+    Raises:
+        ValueError: a field out of range (density outside (0, 1], chunk_size < 1, ...).
+
+    Example::
+
+        >>> state = CSCState(None, density=0.01)
+        >>> state.bind_parameter_names(model)
+        >>> ddp.register_comm_hook(state, csc_hook)
+        >>> for epoch in range(epochs):
+        ...     state.set_epoch(epoch)            # drives the dense warm-up
+    """
+
+    _method = "csc"
+
+
+def csc_hook(state: CSCState, bucket) -> torch.futures.Future:
+    """Average one bucket by CSC; return a Future of the averaged (sparse) buffer.
+
+    Example::
+
+        >>> ddp.register_comm_hook(CSCState(None, density=0.01), csc_hook)
+    """
+    if not isinstance(state, CSCState):
+        raise TypeError(f"csc_hook: state must be a CSCState, got {type(state).__name__}; "
+                        "use compression_hook for a generic CompressionState")
+    return compression_hook(state, bucket)

@@ -1,0 +1,110 @@
+"""Nothing is lost: what the ranks applied plus what they still hold equals what they produced."""
+from __future__ import annotations
+
+import torch
+from hypothesis import given, strategies as st
+
+from compression_helpers import flat_slot, grads_for, layouts, lost_tolerance, make_ranks, step
+from gradientflow.compression import CompressionConfig
+
+
+@given(
+    layout=layouts(),
+    world=st.integers(1, 4),
+    density=st.sampled_from([0.05, 0.2, 0.5, 1.0]),
+    chunk=st.sampled_from([1, 7, 32, 100]),
+    steps=st.integers(1, 5),
+    method=st.sampled_from(["csc", "fp16"]),
+    wire=st.sampled_from(["fp32", "fp16", "bf16"]),
+    dense_wire=st.sampled_from([None, "fp32", "fp16"]),
+    seed=st.integers(0, 2**16),
+)
+def test_nothing_lost_without_momentum(layout, world, density, chunk, steps, method, wire, dense_wire, seed):
+    """sum_ranks(applied so far) + sum_ranks(residual) == sum of all gradients, within the wire sum's rounding.
+
+    The applied update of a step is the same on every rank (the average), so the sum over ranks
+    of what was applied is world x the output.
+    """
+    if method == "fp16" and wire == "fp32":
+        wire = "fp16"
+    cfg = CompressionConfig(method=method, density=density, chunk_size=chunk, wire_dtype=wire,
+                            dense_wire_dtype=dense_wire, warmup_densities=(), min_numel=0)
+    comps = make_ranks(cfg, world)
+    produced = torch.zeros(layout.numel, dtype=torch.float64)
+    applied = torch.zeros_like(produced)
+    for t in range(steps):
+        grads = grads_for(world, layout.numel, seed + t)
+        for g in grads:
+            produced += g.double()
+        outs = step(comps, layout, grads)
+        for o in outs[1:]:
+            assert torch.equal(o, outs[0]), "ranks disagree on the averaged gradient"
+        applied += world * outs[0].double()
+    held = sum(flat_slot(c, layout) for c in comps)
+    vmax = steps * 5.0
+    err = (applied + held - produced).abs().max().item()
+    assert err <= lost_tolerance(cfg, world, steps, vmax), err
+
+
+@given(
+    layout=layouts(),
+    world=st.integers(1, 3),
+    density=st.sampled_from([0.1, 0.3, 1.0]),
+    chunk=st.sampled_from([1, 16, 50]),
+    steps=st.integers(1, 5),
+    nesterov=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_momentum_correction_identity(layout, world, density, chunk, steps, nesterov, seed):
+    """With momentum correction the residual holds accumulated velocity. Identity (DGC):
+
+    each step a rank adds its increment a_t = u_t (Nesterov: u_t + g_t) to its residual, where
+    u_t = m * u_{t-1} + g_t (Nesterov: (u_{t-1} + g_t) * m) and u_{t-1} is the factor-MASKED
+    momentum the rank held; then sum_ranks(applied so far) + sum_ranks(residual) == sum_ranks sum_t a_t.
+    Factor masking: after the step, the momentum is 0 in every sent chunk (outside dense
+    parameters) and u_t elsewhere.
+    """
+    m = 0.9
+    cfg = CompressionConfig(method="csc", density=density, chunk_size=chunk, wire_dtype="fp32",
+                            warmup_densities=(), momentum_correction=True, momentum=m, nesterov=nesterov,
+                            min_numel=0)
+    comps = make_ranks(cfg, world)
+    increments = torch.zeros(layout.numel, dtype=torch.float64)
+    applied = torch.zeros_like(increments)
+    dense_mask = torch.zeros(layout.numel, dtype=torch.bool)
+    for (name, s, e), shape in zip(layout.slices(), layout.shapes):
+        dense_mask[s:e] = cfg.is_dense_param(shape)
+    for t in range(steps):
+        grads = grads_for(world, layout.numel, seed + t)
+        velocities = []
+        for c, g in zip(comps, grads):
+            u_prev = flat_slot(c, layout, "momentum")
+            u = (u_prev + g.double()) * m if nesterov else m * u_prev + g.double()
+            velocities.append(u)
+            increments += u + g.double() if nesterov else u
+        outs = step(comps, layout, grads)
+        applied += world * outs[0].double()
+        sent = outs[0] != 0  # positions that received something (sent chunks / dense)
+        for c, u in zip(comps, velocities):
+            u_now = flat_slot(c, layout, "momentum")
+            keep = ~sent | dense_mask
+            assert torch.allclose(u_now[keep], u[keep], atol=1e-4 * (t + 1))
+            assert torch.all(u_now[sent & ~dense_mask] == 0)
+    held = sum(flat_slot(c, layout) for c in comps)
+    err = (applied + held - increments).abs().max().item()
+    assert err <= 1e-4 * steps * steps * world * 10, err
+
+
+@given(layout=layouts(), world=st.integers(1, 4), chunk=st.sampled_from([1, 8, 64]), seed=st.integers(0, 2**16))
+def test_density_one_fp32_is_the_plain_average(layout, world, chunk, seed):
+    """Density 1 on an FP32 wire gives what plain DDP gives (sum / world), step after step."""
+    cfg = CompressionConfig(method="csc", density=1.0, chunk_size=chunk, wire_dtype="fp32",
+                            dense_wire_dtype="fp32", warmup_densities=())
+    comps = make_ranks(cfg, world)
+    ref = make_ranks(CompressionConfig(method="none"), world)
+    for t in range(3):
+        grads = grads_for(world, layout.numel, seed + t)
+        out = step(comps, layout, grads)[0]
+        plain = step(ref, layout, grads)[0]
+        torch.testing.assert_close(out, plain, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(plain, sum(grads) / world, rtol=1e-5, atol=1e-6)
