@@ -1,0 +1,375 @@
+"""The gradientflow process-group backend: thin validation over the ordered engine.
+
+A Python subclass of torch's C++ `Backend`, registered per device with extended_api=True.
+Each collective is validated, numbered in issue order by the engine and handed to the
+transport underneath: PyTorch's own ProcessGroupGloo for CPU tensors, ProcessGroupNCCL for CUDA
+tensors (created lazily on first CUDA use, on the same store). We never write sockets.
+"""
+from __future__ import annotations
+
+import datetime
+import threading
+from typing import Any, Callable
+
+import torch
+from torch._C._distributed_c10d import (
+    AllreduceOptions,
+    Backend as _CBackend,
+    PrefixStore,
+    ProcessGroupGloo,
+    ReduceOp,
+)
+
+from gradientflow.backend import validate as V
+from gradientflow.config import Config, current_overrides
+from gradientflow.engine.engine import Engine
+
+# Strong references: torch's TORCH_DISTRIBUTED_DEBUG=DETAIL wrapper needs the backend kept
+# alive by its creator, and `pg._get_backend()` returns the wrapper then, so this registry is
+# how the rest of gradientflow reaches its own backend (by group name).
+_BACKENDS: dict[str, "GradientFlowBackend"] = {}
+_BACKENDS_LOCK = threading.Lock()
+
+
+def _make_gloo(store, rank: int, size: int, timeout: datetime.timedelta, prefix: str):
+    return ProcessGroupGloo(PrefixStore(prefix, store), rank, size, timeout)
+
+
+def _make_nccl(store, rank: int, size: int, timeout: datetime.timedelta, prefix: str):
+    from torch._C._distributed_c10d import ProcessGroupNCCL
+
+    opts = ProcessGroupNCCL.Options()
+    opts._timeout = timeout
+    return ProcessGroupNCCL(PrefixStore(prefix, store), rank, size, opts)
+
+
+class Transports:
+    """The transport process group per device type; CUDA's is created on first use."""
+
+    # Factories are class attributes so tests can substitute fakes for the CUDA path.
+    factories: dict[str, Callable[..., Any]] = {"cpu": _make_gloo, "cuda": _make_nccl}
+
+    def __init__(self, store, rank: int, size: int, timeout: datetime.timedelta) -> None:
+        self._args = (store, rank, size, timeout)
+        self._by_type: dict[str, Any] = {}
+        self._lock = threading.Lock()
+        self.get(torch.device("cpu"))  # gloo eagerly: connecting it is part of init
+
+    def get(self, device: torch.device) -> Any:
+        """The transport for `device`, created on first use."""
+        pg = self._by_type.get(device.type)
+        if pg is None:
+            with self._lock:
+                pg = self._by_type.get(device.type)
+                if pg is None:
+                    factory = self.factories.get(device.type)
+                    if factory is None:
+                        raise RuntimeError(f"gradientflow has no transport for {device.type}")
+                    pg = factory(*self._args, f"gradientflow/{device.type}/")
+                    self._by_type[device.type] = pg
+        return pg
+
+    def created(self) -> list[str]:
+        return sorted(self._by_type)
+
+    def shutdown(self) -> None:
+        for pg in self._by_type.values():
+            try:
+                pg.shutdown()
+            except Exception:  # noqa: BLE001 - best effort at teardown
+                pass
+
+
+class GradientFlowBackend(_CBackend):
+    """A torch.distributed backend whose collectives go through one ordered engine."""
+
+    def __init__(self, store, rank: int, size: int, timeout: datetime.timedelta,
+                 config: Config, group_name: str = "") -> None:
+        super().__init__(rank, size)
+        self._rank = rank
+        self._size = size
+        self.config = config
+        self.group_name = group_name
+        self._timeout = timeout
+        self._seq_for_group = 0
+        self.transports = Transports(store, rank, size, timeout)
+        # A side group for the agreement rounds, so that they never pair with data messages.
+        agree = _make_gloo(store, rank, size, timeout, "gradientflow/agree/")
+        self._agree = agree
+        self.engine = Engine(rank, size, config, timeout.total_seconds(),
+                             self.transports.get, agree, name=group_name or "gradientflow")
+
+    # ------------------------------------------------------------------ plumbing
+    def _get_backend_name(self) -> str:
+        return "gradientflow"
+
+    @property
+    def supports_coalescing(self) -> bool:
+        # Left to the base class, reading it recurses until RecursionError. We issue the
+        # operations of batch_isend_irecv one by one (gloo pairs them by peer and tag).
+        return False
+
+    def _get_sequence_number_for_group(self) -> int:
+        return self._seq_for_group
+
+    def _set_sequence_number_for_group(self, *args) -> None:
+        self._seq_for_group = 0
+
+    def shutdown(self) -> None:
+        """Close the engine (failing queued operations clearly) and the transports."""
+        self.engine.close()
+        self.transports.shutdown()
+        try:
+            self._agree.shutdown()
+        except Exception:  # noqa: BLE001
+            pass
+        with _BACKENDS_LOCK:
+            if _BACKENDS.get(self.group_name) is self:
+                del _BACKENDS[self.group_name]
+
+    def flush(self) -> None:
+        """Agree on every queued allreduce now (a local hint: results never change)."""
+        self.engine.flush()
+
+    def _tp(self, device: torch.device):
+        return self.transports.get(device)
+
+    def _eager(self, name: str, device: torch.device, call: Callable[[Any], Any],
+               outputs: Any) -> Any:
+        self._seq_for_group += 1
+        return self.engine.submit_eager(name, lambda: call(self._tp(device)), outputs)
+
+    # ------------------------------------------------------------------ reductions
+    def allreduce(self, tensors, opts=None):
+        opts = opts if isinstance(opts, AllreduceOptions) else _allreduce_opts(opts)
+        t = V.check_single(self._rank, "all_reduce", tensors)
+        V.check_reduce(self._rank, "all_reduce", t, opts.reduceOp)
+        if getattr(opts, "asyncOp", True) and self.engine.fusable(t):
+            self._seq_for_group += 1
+            return self.engine.submit_allreduce(t, opts.reduceOp)
+        return self._eager("all_reduce", t.device, lambda tp: tp.allreduce(tensors, opts), tensors)
+
+    def allreduce_coalesced(self, tensors, opts=None):
+        dev = V.check_tensors(self._rank, "all_reduce_coalesced", tensors)
+        for t in tensors:
+            V.check_reduce(self._rank, "all_reduce_coalesced", t, opts.reduceOp)
+        return self._eager("all_reduce_coalesced", dev,
+                           lambda tp: tp.allreduce_coalesced(tensors, opts), tensors)
+
+    def reduce(self, tensors, opts):
+        t = V.check_single(self._rank, "reduce", tensors)
+        V.check_root(self._rank, "reduce", opts.rootRank, self._size)
+        V.check_reduce(self._rank, "reduce", t, opts.reduceOp)
+        return self._eager("reduce", t.device, lambda tp: tp.reduce(tensors, opts), tensors)
+
+    def reduce_scatter(self, output_tensors, input_tensors, opts):
+        out = V.check_single(self._rank, "reduce_scatter", output_tensors)
+        if len(input_tensors) != 1:
+            raise V.fail(self._rank, "reduce_scatter", "expected one input list",
+                         "pass one list of world_size tensors")
+        V.check_list_len(self._rank, "reduce_scatter", input_tensors[0], self._size, "input_list")
+        V.check_tensors(self._rank, "reduce_scatter", input_tensors[0], "input_list", out.device)
+        V.check_same_shape(self._rank, "reduce_scatter", input_tensors[0], out, "input_list")
+        V.check_reduce(self._rank, "reduce_scatter", out, opts.reduceOp)
+        return self._eager("reduce_scatter", out.device,
+                           lambda tp: tp.reduce_scatter(output_tensors, input_tensors, opts),
+                           output_tensors)
+
+    def _reduce_scatter_base(self, output, input, opts):
+        name = "reduce_scatter_tensor"
+        V.check_tensors(self._rank, name, [output, input])
+        if input.numel() != output.numel() * self._size or input.dtype != output.dtype:
+            raise V.fail(self._rank, name,
+                         f"input has {input.numel()} {input.dtype} elements, output "
+                         f"{output.numel()} {output.dtype}",
+                         f"input must hold world_size ({self._size}) x output.numel() elements "
+                         "of the output's dtype")
+        V.check_reduce(self._rank, name, output, opts.reduceOp)
+        return self._eager(name, output.device,
+                           lambda tp: tp._reduce_scatter_base(output, input, opts), [output])
+
+    reduce_scatter_single = _reduce_scatter_base
+
+    # ------------------------------------------------------------------ data movement
+    def broadcast(self, tensors, opts):
+        t = V.check_single(self._rank, "broadcast", tensors)
+        V.check_root(self._rank, "broadcast", opts.rootRank, self._size)
+        return self._eager("broadcast", t.device, lambda tp: tp.broadcast(tensors, opts), tensors)
+
+    def allgather(self, output_tensors, input_tensors, opts=None):
+        t = V.check_single(self._rank, "all_gather", input_tensors)
+        if len(output_tensors) != 1:
+            raise V.fail(self._rank, "all_gather", "expected one output list",
+                         "pass one list of world_size tensors")
+        V.check_list_len(self._rank, "all_gather", output_tensors[0], self._size, "tensor_list")
+        V.check_tensors(self._rank, "all_gather", output_tensors[0], "tensor_list", t.device)
+        V.check_same_shape(self._rank, "all_gather", output_tensors[0], t, "tensor_list")
+        return self._eager("all_gather", t.device,
+                           lambda tp: tp.allgather(output_tensors, input_tensors, opts),
+                           output_tensors)
+
+    def _allgather_base(self, output, input, opts=None):
+        name = "all_gather_into_tensor"
+        V.check_tensors(self._rank, name, [output, input])
+        if output.numel() != input.numel() * self._size or input.dtype != output.dtype:
+            raise V.fail(self._rank, name,
+                         f"output has {output.numel()} {output.dtype} elements, input "
+                         f"{input.numel()} {input.dtype}",
+                         f"output must hold world_size ({self._size}) x input.numel() elements "
+                         "of the input's dtype")
+        return self._eager(name, input.device,
+                           lambda tp: tp._allgather_base(output, input, opts), [output])
+
+    all_gather_single = _allgather_base
+
+    def allgather_coalesced(self, output_lists, input_list, opts=None):
+        dev = V.check_tensors(self._rank, "all_gather_coalesced", input_list)
+        return self._eager("all_gather_coalesced", dev,
+                           lambda tp: tp.allgather_coalesced(output_lists, input_list, opts),
+                           output_lists)
+
+    def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
+        dev = V.check_tensors(self._rank, "all_gather_into_tensor_coalesced", inputs)
+        return self._eager("all_gather_into_tensor_coalesced", dev,
+                           lambda tp: tp.allgather_into_tensor_coalesced(outputs, inputs, opts),
+                           outputs)
+
+    all_gather_single_coalesced = allgather_into_tensor_coalesced
+
+    def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
+        dev = V.check_tensors(self._rank, "reduce_scatter_tensor_coalesced", inputs)
+        return self._eager("reduce_scatter_tensor_coalesced", dev,
+                           lambda tp: tp.reduce_scatter_tensor_coalesced(outputs, inputs, opts),
+                           outputs)
+
+    reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
+
+    def alltoall(self, output_tensors, input_tensors, opts=None):
+        V.check_list_len(self._rank, "all_to_all", output_tensors, self._size, "output_tensor_list")
+        V.check_list_len(self._rank, "all_to_all", input_tensors, self._size, "input_tensor_list")
+        dev = V.check_tensors(self._rank, "all_to_all", list(input_tensors) + list(output_tensors))
+        return self._eager("all_to_all", dev,
+                           lambda tp: tp.alltoall(output_tensors, input_tensors, opts),
+                           output_tensors)
+
+    def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
+        name = "all_to_all_single"
+        V.check_tensors(self._rank, name, [output, input])
+        for label, splits, t in (("output_split_sizes", output_split_sizes, output),
+                                 ("input_split_sizes", input_split_sizes, input)):
+            if splits and len(splits) != self._size:
+                raise V.fail(self._rank, name, f"{label} has {len(splits)} entries",
+                             f"pass one split size per rank ({self._size})")
+            if splits and sum(splits) != t.shape[0]:
+                raise V.fail(self._rank, name,
+                             f"{label} sums to {sum(splits)} but the tensor has {t.shape[0]} rows",
+                             "make the split sizes add up to the first dimension")
+            if not splits and t.shape[0] % self._size:
+                raise V.fail(self._rank, name,
+                             f"{t.shape[0]} rows cannot be split evenly over {self._size} ranks",
+                             f"pass {label} for uneven splits")
+        return self._eager(name, input.device,
+                           lambda tp: tp.alltoall_base(output, input, output_split_sizes,
+                                                       input_split_sizes, opts), [output])
+
+    all_to_all_single = alltoall_base
+
+    def gather(self, output_tensors, input_tensors, opts):
+        t = V.check_single(self._rank, "gather", input_tensors)
+        V.check_root(self._rank, "gather", opts.rootRank, self._size)
+        if self._rank == opts.rootRank:
+            if len(output_tensors) != 1:
+                raise V.fail(self._rank, "gather", "expected one output list on the root",
+                             "pass gather_list with world_size tensors on the root")
+            V.check_list_len(self._rank, "gather", output_tensors[0], self._size, "gather_list")
+            V.check_tensors(self._rank, "gather", output_tensors[0], "gather_list", t.device)
+            V.check_same_shape(self._rank, "gather", output_tensors[0], t, "gather_list")
+        return self._eager("gather", t.device,
+                           lambda tp: tp.gather(output_tensors, input_tensors, opts),
+                           output_tensors)
+
+    def scatter(self, output_tensors, input_tensors, opts):
+        t = V.check_single(self._rank, "scatter", output_tensors)
+        V.check_root(self._rank, "scatter", opts.rootRank, self._size)
+        if self._rank == opts.rootRank:
+            if len(input_tensors) != 1:
+                raise V.fail(self._rank, "scatter", "expected one input list on the root",
+                             "pass scatter_list with world_size tensors on the root")
+            V.check_list_len(self._rank, "scatter", input_tensors[0], self._size, "scatter_list")
+            V.check_tensors(self._rank, "scatter", input_tensors[0], "scatter_list", t.device)
+            V.check_same_shape(self._rank, "scatter", input_tensors[0], t, "scatter_list")
+        return self._eager("scatter", t.device,
+                           lambda tp: tp.scatter(output_tensors, input_tensors, opts),
+                           output_tensors)
+
+    def barrier(self, opts=None):
+        # A barrier is a collective like any other: it goes through the sequence, after
+        # everything issued before it (and the deferred allreduces are agreed first).
+        return self._eager("barrier", torch.device("cpu"),
+                           lambda tp: tp.barrier(opts), [])
+
+    # ------------------------------------------------------------------ point to point
+    # Point-to-point operations involve two ranks only, so they take no sequence number
+    # (the sequence must be identical on every rank); gloo pairs them by peer and tag.
+    def send(self, tensors, dst_rank, tag):
+        t = V.check_single(self._rank, "send", tensors)
+        V.check_root(self._rank, "send", dst_rank, self._size)
+        return self._tp(t.device).send(tensors, dst_rank, tag)
+
+    def recv(self, tensors, src_rank, tag):
+        t = V.check_single(self._rank, "recv", tensors)
+        V.check_root(self._rank, "recv", src_rank, self._size)
+        return self._tp(t.device).recv(tensors, src_rank, tag)
+
+    def recv_anysource(self, tensors, tag):
+        raise V.fail(self._rank, "recv", "a receive from any source (src=None) is not supported "
+                     "by a Python backend in torch 2.14",
+                     "name the source rank: dist.recv(tensor, src=...)")
+
+    def gather_single(self, output, input, opts):
+        raise V.fail(self._rank, "gather_single", "not available on a Python backend in torch 2.14",
+                     "use dist.gather with a gather_list")
+
+    def monitored_barrier(self, opts=None, wait_all_ranks=False):
+        return self.barrier()
+
+
+def _allreduce_opts(op) -> AllreduceOptions:
+    opts = AllreduceOptions()
+    opts.reduceOp = op if op is not None else ReduceOp.SUM
+    return opts
+
+
+def _resolve_config(pg_options: Any) -> Config:
+    if pg_options is None:
+        return Config.resolve(current_overrides())
+    if isinstance(pg_options, Config):
+        return pg_options
+    if isinstance(pg_options, dict):
+        return Config.resolve({**current_overrides(), **pg_options})
+    raise TypeError(
+        "gradientflow: pg_options must be None, a dict of gradientflow options or a "
+        f"gradientflow.Config, not {type(pg_options).__name__}"
+    )
+
+
+def create_backend(dist_backend_opts, pg_options) -> GradientFlowBackend:
+    """The creator torch calls for backend="gradientflow" (extended API)."""
+    config = _resolve_config(pg_options)
+    backend = GradientFlowBackend(
+        dist_backend_opts.store, dist_backend_opts.group_rank, dist_backend_opts.group_size,
+        dist_backend_opts.timeout, config, str(dist_backend_opts.group_id),
+    )
+    with _BACKENDS_LOCK:
+        _BACKENDS[backend.group_name] = backend
+    return backend
+
+
+def backend_of(group=None) -> GradientFlowBackend | None:
+    """The gradientflow backend of `group` (default: the world group), or None."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return None
+    pg = group if group is not None else dist.group.WORLD
+    return _BACKENDS.get(str(pg.group_name))

@@ -1,0 +1,154 @@
+"""Configuration, resolved once: arguments, then GRADIENTFLOW_* environment, then defaults.
+
+This is the only module that reads the environment. Everything else receives a frozen `Config`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from typing import Any, Mapping
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6,
+          "mib": 2**20, "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12,
+          "tib": 2**40}
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
+
+ENV_PREFIX = "GRADIENTFLOW_"
+
+
+def parse_size(value: Any, name: str = "size") -> int:
+    """Parse a byte count: an int, or a string such as '64MB', '4MiB', '1048576'."""
+    if isinstance(value, bool):
+        raise ValueError(f"{name}: expected a byte count such as 64MB, got {value!r}")
+    if isinstance(value, int):
+        out = value
+    else:
+        m = _SIZE_RE.match(str(value))
+        if not m or (m.group(2) or "").lower() not in _UNITS:
+            raise ValueError(
+                f"{name}={value!r} is not a byte count: use an integer number of bytes or a "
+                "suffix such as 64MB, 16MiB, 512KB (0 disables)"
+            )
+        out = int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
+    if out < 0:
+        raise ValueError(f"{name}={value!r} must be >= 0 bytes")
+    return out
+
+
+def _parse_bool(value: Any, name: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    s = str(value).strip().lower()
+    if s in _TRUE:
+        return True
+    if s in _FALSE:
+        return False
+    raise ValueError(f"{name}={value!r} is not a boolean: use 1/0, true/false, on/off")
+
+
+def _parse_float(value: Any, name: str, lo: float, hi: float) -> float:
+    try:
+        out = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name}={value!r} is not a number; valid range [{lo}, {hi}]") from None
+    if not lo <= out <= hi:
+        raise ValueError(f"{name}={value!r} is out of range; valid range [{lo}, {hi}]")
+    return out
+
+
+def _parse_int(value: Any, name: str, lo: int, hi: int) -> int:
+    try:
+        out = int(str(value).strip()) if not isinstance(value, int) else value
+    except ValueError:
+        raise ValueError(f"{name}={value!r} is not an integer; valid range [{lo}, {hi}]") from None
+    if isinstance(value, bool) or not lo <= out <= hi:
+        raise ValueError(f"{name}={value!r} is out of range; valid range [{lo}, {hi}]")
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Backend configuration: one frozen value per process group, passed down to every layer."""
+
+    # --- tuned by the user ---
+    # Largest fused message in bytes. Tensors at least this big go alone, without a copy.
+    # 0 disables fusion. 16 MB: measured best on the ResNet-50 gradient list here (see
+    # benchmarks/results); big enough to amortise the per-message cost, small enough that two
+    # segments pipeline the copy into the buffer with the transport.
+    fusion_threshold: int = 16 * 10**6
+    # Persistent fusion buffers per queue (device, dtype, op): packing message i+1 overlaps
+    # the transport of message i. Extra memory <= segments * threshold per active queue.
+    fusion_segments: int = 2
+    # Horovod's cycle time: how long a partial fused message may wait for more tensors before
+    # an agreement round is started. 0: start a round as soon as no fused message is in flight.
+    cycle_time_ms: float = 0.0
+    # Cheap collective-mismatch fingerprints carried on agreement rounds.
+    debug: bool = False
+    # Seconds a collective may wait before a stall warning (0 disables) / an abort (0 disables).
+    stall_warning_s: float = 60.0
+    stall_abort_s: float = 0.0
+    # Chrome-trace timeline path ("" disables); {rank} is substituted.
+    timeline: str = ""
+
+    # Fields, their env names and parsers, in one table so validation is uniform.
+    @staticmethod
+    def _parsers() -> dict[str, Any]:
+        return {
+            "fusion_threshold": lambda v, n: parse_size(v, n),
+            "fusion_segments": lambda v, n: _parse_int(v, n, 1, 8),
+            "cycle_time_ms": lambda v, n: _parse_float(v, n, 0.0, 1000.0),
+            "debug": _parse_bool,
+            "stall_warning_s": lambda v, n: _parse_float(v, n, 0.0, 86400.0),
+            "stall_abort_s": lambda v, n: _parse_float(v, n, 0.0, 86400.0),
+            "timeline": lambda v, n: str(v),
+        }
+
+    @classmethod
+    def resolve(cls, overrides: Mapping[str, Any] | None = None,
+                environ: Mapping[str, str] | None = None) -> "Config":
+        """Build the config: explicit overrides win over GRADIENTFLOW_* variables over defaults.
+
+        Raises ValueError naming the variable or option and its valid range; an unknown
+        GRADIENTFLOW_* variable is an error too (a typo would otherwise be silently ignored).
+        """
+        environ = os.environ if environ is None else environ
+        parsers = cls._parsers()
+        values: dict[str, Any] = {}
+        known_env = {ENV_PREFIX + f.upper() for f in parsers}
+        for key in environ:
+            if key.startswith(ENV_PREFIX) and key not in known_env:
+                raise ValueError(
+                    f"unknown environment variable {key}: gradientflow knows "
+                    f"{', '.join(sorted(known_env))}"
+                )
+        for field, parse in parsers.items():
+            env_name = ENV_PREFIX + field.upper()
+            if env_name in environ:
+                values[field] = parse(environ[env_name], env_name)
+        for field, value in (overrides or {}).items():
+            if field not in parsers:
+                raise ValueError(
+                    f"unknown gradientflow option {field!r}: valid options are "
+                    f"{', '.join(sorted(parsers))}"
+                )
+            if value is not None:
+                values[field] = parsers[field](value, field)
+        return cls(**values)
+
+
+_user_overrides: dict[str, Any] = {}
+
+
+def configure(**options: Any) -> Config:
+    """Set options for process groups created from now on (validated at once); returns them resolved."""
+    cfg = Config.resolve({**_user_overrides, **options})
+    _user_overrides.update({k: v for k, v in options.items() if v is not None})
+    return cfg
+
+
+def current_overrides() -> dict[str, Any]:
+    """The options set by `configure()` so far."""
+    return dict(_user_overrides)

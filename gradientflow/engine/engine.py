@@ -1,0 +1,417 @@
+"""The ordered engine: one per gradientflow process group.
+
+Every collective of the group gets a sequence number in issue order (the same on every rank,
+because torch.distributed requires every rank to issue the same collectives in the same order).
+The engine hands transport operations to the transport (gloo, NCCL) in that order, so nothing
+overtakes anything and every rank pairs the same messages.
+
+Lazy allreduce. An async allreduce smaller than the fusion threshold is *deferred*: queued,
+and sent later fused with its neighbours. Where a fused message may end cannot be decided
+locally: rank 0 may wait on op 3 right after issuing it while rank 1 has issued ops 3-7, so
+rank 1 must not fuse 3 with 4 unless every rank has issued 4. Each batch of deferred ops is
+therefore closed by one *agreement round* on a side group: every rank contributes its local
+frontier (one past the last deferred op it has queued before any other collective), the MIN
+is the batch end on every rank. Within the agreed batch the cut into messages is a pure
+function of the batch (threshold, per-(device, dtype, op) queues): no further talk.
+
+Which calls pay a round follows from the call sequence alone: exactly one round per batch of
+deferred ops, none for a collective that is not deferred (synchronous calls, other
+collectives, allreduces at least as large as the threshold) when no deferred op precedes it.
+A round is *started* on each rank for a local reason (a wait on a queued op, flush(), the
+threshold reached, another collective queued behind the batch, or the transport falling idle),
+but the rounds themselves pair one-to-one across ranks because every rank closes the same
+batches. See docs/DESIGN.md for why threshold cuts alone cannot skip the round.
+"""
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Hashable
+
+import torch
+from torch._C._distributed_c10d import AllreduceOptions, ReduceOp
+
+from gradientflow.config import Config
+from gradientflow.engine import completion
+from gradientflow.engine.fusion import FusableOp, Message, SegmentPool, plan_messages
+from gradientflow.engine.stages import StageGen
+from gradientflow.engine.work import FutureWork
+
+
+class EngineError(RuntimeError):
+    """The engine can no longer make progress (a peer died, a round timed out, shutdown)."""
+
+
+@dataclass
+class EagerOp:
+    """A collective sent as issued, in sequence order: launch() hands it to the transport."""
+
+    seq: int
+    name: str
+    launch: Callable[[], Any]  # -> c10d Work
+    outputs: Any
+    fut: torch.futures.Future
+    post: Callable[[], None] | None = None  # runs after the transport finished (e.g. unpacking)
+
+
+@dataclass
+class StagesOp:
+    """A multi-collective op (a compressed bucket): its stages run back to back on the engine."""
+
+    seq: int
+    name: str
+    gen: StageGen
+    device: torch.device
+    fut: torch.futures.Future
+    key: Hashable = None
+
+
+@dataclass
+class _Counters:
+    rounds: int = 0
+    round_s: float = 0.0
+    messages: int = 0
+    fused_tensors: int = 0
+    deferred: int = 0
+    eager: int = 0
+    fast_path: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+class Engine:
+    """Sequences every collective of one process group onto its transports, fusing allreduces."""
+
+    def __init__(self, rank: int, world_size: int, config: Config, timeout_s: float,
+                 transport_for: Callable[[torch.device], Any], agree_group: Any,
+                 name: str = "gradientflow") -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.config = config
+        self.timeout_s = timeout_s
+        self._transport_for = transport_for
+        self._agree = agree_group
+        self._name = name
+        self._cv = threading.Condition()
+        self._q: collections.deque = collections.deque()
+        self._seq = 0  # next sequence number
+        self._run_len = 0  # leading deferred ops in _q
+        self._run_bytes = 0
+        self._run_since = 0.0
+        self._wanted_upto = -1  # highest seq somebody waits on (or flushed)
+        self._busy = False
+        self._inflight = 0  # fused messages handed to the transport, not yet unpacked
+        self._closing = False
+        self._error: BaseException | None = None
+        self._pools: dict[Hashable, SegmentPool] = {}
+        self.counters = _Counters()
+        self._thread = threading.Thread(target=self._main, name=f"{name}-engine", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ submission
+    def describe(self, seq: int, name: str) -> str:
+        return f"rank {self.rank}: {name} (sequence number {seq}) on process group {self._name}"
+
+    def check_not_engine_thread(self, what: str) -> None:
+        """Refuse a blocking wait on the engine's own thread: it would wait on itself forever."""
+        if threading.current_thread() is self._thread:
+            raise RuntimeError(
+                f"gradientflow: {what}: wait() called on the engine thread, which is the thread "
+                "that must complete it (a deadlock). Chain work with Future.then() instead of "
+                "waiting inside a stage."
+            )
+
+    def _check_usable(self, what: str) -> None:
+        if self._error is not None:
+            raise EngineError(
+                f"gradientflow: rank {self.rank}: cannot run {what}: the process group "
+                f"{self._name} failed earlier and is unusable ({self._error}). Destroy it and "
+                "create a new one (or restart the job from a checkpoint)."
+            ) from self._error
+        if self._closing:
+            raise EngineError(
+                f"gradientflow: rank {self.rank}: cannot run {what}: the process group "
+                f"{self._name} was destroyed. Create a new process group first."
+            )
+
+    def _work(self, fut: torch.futures.Future, seq: int, name: str, nudge: bool) -> FutureWork:
+        return FutureWork(
+            fut, lambda: self.describe(seq, name), self.timeout_s,
+            nudge=(lambda: self.want(seq)) if nudge else None,
+            check_thread=self.check_not_engine_thread,
+        )
+
+    def fusable(self, tensor: torch.Tensor) -> bool:
+        """Whether an async allreduce of `tensor` is deferred for fusion (same on every rank)."""
+        thr = self.config.fusion_threshold
+        return thr > 0 and tensor.numel() * tensor.element_size() < thr
+
+    def submit_allreduce(self, tensor: torch.Tensor, reduce_op: Any) -> FutureWork:
+        """Queue an async allreduce for fusion; returns its Work at once."""
+        fut = torch.futures.Future()
+        with self._cv:
+            self._check_usable("allreduce")
+            seq = self._seq
+            self._seq += 1
+            op = FusableOp(seq, tensor, (tensor.device, tensor.dtype, int(getattr(reduce_op, "op", reduce_op))),
+                           reduce_op, fut)
+            if self._run_len == len(self._q):
+                if self._run_len == 0:
+                    self._run_since = time.monotonic()
+                self._run_len += 1
+                self._run_bytes += op.nbytes
+            self._q.append(op)
+            self.counters.deferred += 1
+            self._cv.notify_all()
+        return self._work(fut, seq, "allreduce", nudge=True)
+
+    def submit_eager(self, name: str, launch: Callable[[], Any], outputs: Any,
+                     post: Callable[[], None] | None = None) -> Any:
+        """Run a collective in sequence order; returns a Work.
+
+        When nothing is queued or running, the transport call is made right here on the
+        caller's thread (no hand-off, no round): this is what keeps synchronous collectives
+        as fast as plain gloo. Otherwise it queues behind what was issued before it.
+        """
+        with self._cv:
+            self._check_usable(name)
+            seq = self._seq
+            self._seq += 1
+            if not self._q and not self._busy and post is None:
+                self.counters.fast_path += 1
+                self.counters.eager += 1
+                return launch()
+            fut = torch.futures.Future()
+            self._q.append(EagerOp(seq, name, launch, outputs, fut, post))
+            self.counters.eager += 1
+            self._cv.notify_all()
+        return self._work(fut, seq, name, nudge=False)
+
+    def submit_stages(self, name: str, gen: StageGen, device: torch.device,
+                      key: Hashable = None) -> torch.futures.Future:
+        """Run a multi-stage op (a compressed bucket) in sequence order on the engine thread."""
+        fut = torch.futures.Future()
+        with self._cv:
+            self._check_usable(name)
+            seq = self._seq
+            self._seq += 1
+            self._q.append(StagesOp(seq, name, gen, device, fut, key))
+            self._cv.notify_all()
+        return fut
+
+    def want(self, seq: int) -> None:
+        """Somebody waits on op `seq`: close its batch soon (a local hint; results never change)."""
+        with self._cv:
+            if seq > self._wanted_upto:
+                self._wanted_upto = seq
+                self._cv.notify_all()
+
+    def flush(self) -> None:
+        """Agree on everything queued now (a local hint; it never changes any result)."""
+        with self._cv:
+            self._wanted_upto = max(self._wanted_upto, self._seq - 1)
+            self._cv.notify_all()
+
+    def close(self, timeout_s: float | None = None) -> None:
+        """Stop accepting work; fail what is still queued with a clear error; join the thread."""
+        with self._cv:
+            if self._closing:
+                return
+            self._closing = True
+            err = EngineError(
+                f"gradientflow: rank {self.rank}: the process group {self._name} was destroyed "
+                "while this operation was still queued; wait on every Work before "
+                "destroy_process_group()"
+            )
+            while self._q:
+                op = self._q.popleft()
+                completion.complete(op.fut, error=err)
+            self._run_len = self._run_bytes = 0
+            self._cv.notify_all()
+        self._thread.join(timeout_s if timeout_s is not None else 5.0)
+
+    # ------------------------------------------------------------------ engine thread
+    def _should_round(self, now: float) -> tuple[bool, float | None]:
+        """Whether to start the agreement round for the leading batch now (local reasons)."""
+        if self._run_len < len(self._q):  # another collective is queued behind the batch
+            return True, None
+        first_seq = self._q[0].seq
+        if self._wanted_upto >= first_seq or self._run_bytes >= self.config.fusion_threshold:
+            return True, None
+        if self._inflight == 0:
+            cycle = self.config.cycle_time_ms / 1000.0
+            left = self._run_since + cycle - now
+            return (left <= 0), (left if left > 0 else None)
+        return False, None
+
+    def _main(self) -> None:
+        while True:
+            with self._cv:
+                job = None
+                while job is None:
+                    if self._closing and not self._q:
+                        self._busy = False
+                        return
+                    if not self._q:
+                        self._busy = False
+                        self._cv.wait()
+                        continue
+                    head = self._q[0]
+                    if not isinstance(head, FusableOp):
+                        self._q.popleft()
+                        job = head
+                        break
+                    go, delay = self._should_round(time.monotonic())
+                    if go:
+                        job = "round"
+                        frontier = self._q[self._run_len - 1].seq + 1
+                        break
+                    self._cv.wait(delay)
+                self._busy = True
+            try:
+                if job == "round":
+                    self._run_batch(frontier)
+                elif isinstance(job, StagesOp):
+                    self._run_stages(job)
+                else:
+                    self._run_eager(job)
+            except BaseException as exc:  # noqa: BLE001 - the engine must fail loudly, not die
+                self._fail(exc)
+                return
+
+    def _fail(self, exc: BaseException) -> None:
+        err = exc if isinstance(exc, EngineError) else EngineError(
+            f"gradientflow: rank {self.rank}: process group {self._name} failed: {exc}")
+        with self._cv:
+            self._error = err
+            while self._q:
+                completion.complete(self._q.popleft().fut, error=err)
+            self._run_len = self._run_bytes = 0
+            self._busy = False
+            self._cv.notify_all()
+
+    def _round(self, frontier: int) -> int:
+        """One agreement round: the batch end every rank has reached (MIN of the frontiers)."""
+        t0 = time.perf_counter()
+        vec = torch.tensor([frontier], dtype=torch.int64)
+        opts = AllreduceOptions()
+        opts.reduceOp = ReduceOp.MIN
+        work = self._agree.allreduce([vec], opts)
+        try:
+            work.wait()
+        except Exception as exc:
+            raise EngineError(
+                f"gradientflow: rank {self.rank}: agreement round for the fused allreduces from "
+                f"sequence number {self._q[0].seq if self._q else '?'} failed (a peer may have "
+                f"died or stopped issuing the same collectives): {exc}"
+            ) from exc
+        self.counters.rounds += 1
+        self.counters.round_s += time.perf_counter() - t0
+        return int(vec[0])
+
+    def _run_batch(self, frontier: int) -> None:
+        agreed = self._round(frontier)
+        with self._cv:
+            batch = []
+            while self._q and isinstance(self._q[0], FusableOp) and self._q[0].seq < agreed:
+                batch.append(self._q.popleft())
+            self._run_len = 0
+            self._run_bytes = 0
+            for op in self._q:  # recompute the leading deferred run left behind
+                if not isinstance(op, FusableOp):
+                    break
+                self._run_len += 1
+                self._run_bytes += op.nbytes
+            self._run_since = time.monotonic()
+        if not batch or batch[-1].seq != agreed - 1:
+            raise EngineError(
+                f"gradientflow: rank {self.rank}: ranks disagree on the fused allreduce batch "
+                f"ending at sequence number {agreed}: this rank has no matching deferred "
+                "allreduces there (collectives issued in a different order on different ranks)"
+            )
+        for msg in plan_messages(batch, self.config.fusion_threshold):
+            self._launch_message(msg)
+
+    def _launch_message(self, msg: Message) -> None:
+        device = msg.ops[0].tensor.device
+        transport = self._transport_for(device)
+        opts = AllreduceOptions()
+        opts.reduceOp = msg.ops[0].reduce_op
+        if msg.solo:
+            buf, seg, pool = msg.ops[0].tensor, None, None
+        else:
+            pool = self._pools.get(msg.key)
+            if pool is None:
+                pool = self._pools[msg.key] = SegmentPool(
+                    msg.ops[0].tensor.dtype, device, self.config.fusion_segments)
+            seg, buf = pool.acquire(msg.numel, self.timeout_s)
+            torch.cat([op.tensor.reshape(-1) for op in msg.ops], out=buf)
+        with self._cv:
+            self._inflight += 1
+        self.counters.messages += 1
+        self.counters.fused_tensors += len(msg.ops)
+        work = transport.allreduce([buf], opts)
+        work.get_future().then(lambda f: self._message_done(f, msg, buf, pool, seg, work))
+
+    def _message_done(self, fut, msg: Message, buf: torch.Tensor, pool: SegmentPool | None,
+                      seg: int | None, work: Any) -> None:
+        error = None
+        try:
+            fut.value()
+            if pool is not None:
+                off = 0
+                for op in msg.ops:
+                    n = op.tensor.numel()
+                    op.tensor.copy_(buf[off:off + n].view(op.tensor.shape))
+                    off += n
+        except BaseException as exc:  # noqa: BLE001
+            error = EngineError(
+                f"gradientflow: rank {self.rank}: fused allreduce of {len(msg.ops)} tensor(s) "
+                f"(sequence numbers {msg.ops[0].seq}-{msg.ops[-1].seq}) failed: {exc}")
+        finally:
+            if pool is not None:
+                pool.release(seg)
+            with self._cv:
+                self._inflight -= 1
+                self._cv.notify_all()
+        for op in msg.ops:
+            completion.complete(op.fut, [op.tensor], error)
+        if error is not None:
+            self._fail(error)
+
+    def _run_eager(self, op: EagerOp) -> None:
+        work = op.launch()
+
+        def done(f, op=op, work=work):
+            try:
+                f.value()
+                if op.post is not None:
+                    op.post()
+                completion.complete(op.fut, op.outputs)
+            except BaseException as exc:  # noqa: BLE001
+                completion.complete(op.fut, error=exc)
+
+        work.get_future().then(done)
+
+    def _run_stages(self, op: StagesOp) -> None:
+        # Any error inside a multi-stage op leaves the other ranks one collective ahead or
+        # behind: the group cannot stay consistent, so it fails the op and then the engine.
+        transport = self._transport_for(op.device)
+        opts = AllreduceOptions()
+        opts.reduceOp = ReduceOp.SUM
+        try:
+            tensor = next(op.gen)
+            while True:
+                transport.allreduce([tensor], opts).wait()
+                tensor = op.gen.send(tensor)
+        except StopIteration as stop:
+            completion.complete(op.fut, stop.value)
+        except BaseException as exc:
+            completion.complete(op.fut, error=exc)
+            raise
+
+    # ------------------------------------------------------------------ introspection
+    def fusion_memory_bytes(self) -> int:
+        """Bytes held by persistent fusion buffers."""
+        return sum(p.allocated_bytes for p in self._pools.values())

@@ -1,0 +1,106 @@
+"""Lazy allreduce: cutting an agreed batch into fused messages, and their persistent buffers.
+
+Everything here is a pure function of the agreed batch (the same on every rank), so every
+rank cuts the same messages in the same order without talking.
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Hashable, Sequence
+
+import torch
+
+
+@dataclass
+class FusableOp:
+    """One queued async allreduce: the unit the engine fuses."""
+
+    seq: int
+    tensor: torch.Tensor
+    key: Hashable  # (device, dtype, reduce op): one fusion queue per key
+    reduce_op: object
+    fut: torch.futures.Future
+    name: str = "allreduce"
+
+    @property
+    def nbytes(self) -> int:
+        return self.tensor.numel() * self.tensor.element_size()
+
+
+@dataclass
+class Message:
+    """One transport allreduce: a single op sent in place, or several packed into a buffer."""
+
+    key: Hashable
+    ops: list[FusableOp] = field(default_factory=list)
+    nbytes: int = 0
+
+    @property
+    def solo(self) -> bool:
+        return len(self.ops) == 1 and self.ops[0].tensor.is_contiguous()
+
+    @property
+    def numel(self) -> int:
+        return sum(op.tensor.numel() for op in self.ops)
+
+
+def plan_messages(batch: Sequence[FusableOp], threshold: int) -> list[Message]:
+    """Cut an agreed batch into messages: per key in order of first appearance, greedy up to
+    `threshold` bytes; a tensor of at least `threshold` bytes goes alone (no copy).
+
+    Separate keys keep an fp16 tensor between fp32 ones from breaking the fp32 fusion.
+    """
+    by_key: dict[Hashable, list[Message]] = {}
+    for op in batch:
+        msgs = by_key.setdefault(op.key, [])
+        cur = msgs[-1] if msgs else None
+        if (op.nbytes >= threshold or cur is None or cur.ops[0].nbytes >= threshold
+                or cur.nbytes + op.nbytes > threshold):
+            cur = Message(op.key)
+            msgs.append(cur)
+        cur.ops.append(op)
+        cur.nbytes += op.nbytes
+    return [m for msgs in by_key.values() for m in msgs]
+
+
+class SegmentPool:
+    """Persistent fusion buffers of one key, used round-robin.
+
+    Packing message i+1 into the next segment overlaps the transport of message i; a segment
+    is reused only after its message was unpacked. Memory: at most `segments` buffers of the
+    largest fused message seen (<= threshold) per key.
+    """
+
+    def __init__(self, dtype: torch.dtype, device: torch.device, segments: int) -> None:
+        self._dtype = dtype
+        self._device = device
+        self._buffers: list[torch.Tensor | None] = [None] * segments
+        self._free = [threading.Event() for _ in range(segments)]
+        for ev in self._free:
+            ev.set()
+        self._next = 0
+
+    def acquire(self, numel: int, timeout_s: float) -> tuple[int, torch.Tensor]:
+        """Wait for the next segment to be free and return (index, a view of `numel` elements)."""
+        idx = self._next
+        self._next = (idx + 1) % len(self._buffers)
+        if not self._free[idx].wait(timeout_s):
+            raise TimeoutError(
+                f"fusion segment {idx} was not released within {timeout_s:.1f} s: the previous "
+                "fused allreduce of this queue has not completed"
+            )
+        self._free[idx].clear()
+        buf = self._buffers[idx]
+        if buf is None or buf.numel() < numel:
+            buf = torch.empty(numel, dtype=self._dtype, device=self._device)
+            self._buffers[idx] = buf
+        return idx, buf[:numel]
+
+    def release(self, idx: int) -> None:
+        """Mark segment `idx` reusable."""
+        self._free[idx].set()
+
+    @property
+    def allocated_bytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self._buffers if b is not None)

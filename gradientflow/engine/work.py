@@ -1,0 +1,56 @@
+"""The Work handed back for queued operations: a torch Future, plus a wait() that makes progress."""
+from __future__ import annotations
+
+import datetime
+import threading
+from typing import Callable
+
+import torch
+from torch._C._distributed_c10d import Work
+
+
+class FutureWork(Work):
+    """A c10d Work over a torch Future whose wait() nudges the engine and honours the timeout.
+
+    torch wraps Python Works so that only wait() and get_future() pass through;
+    is_completed() stays False there: use get_future().done().
+    """
+
+    def __init__(self, fut: torch.futures.Future, describe: Callable[[], str],
+                 timeout_s: float, nudge: Callable[[], None] | None = None,
+                 check_thread: Callable[[str], None] | None = None) -> None:
+        super().__init__()
+        self._fut = fut
+        self._describe = describe
+        self._timeout_s = timeout_s
+        self._nudge = nudge
+        self._check_thread = check_thread
+        self._done = threading.Event()
+        fut.add_done_callback(lambda _f: self._done.set())
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:  # noqa: D401
+        """Block until the operation finished; raise its error, or a timeout naming the op."""
+        if self._check_thread is not None:
+            self._check_thread(self._describe())
+        if self._nudge is not None and not self._done.is_set():
+            self._nudge()
+        limit = self._timeout_s
+        if isinstance(timeout, datetime.timedelta) and timeout.total_seconds() > 0:
+            limit = timeout.total_seconds()
+        if not self._done.wait(limit):
+            raise RuntimeError(
+                f"gradientflow: {self._describe()} did not complete within {limit:.1f} s. "
+                "Another rank may not have issued the same collective, may have died, or "
+                "may be stalled; check that every rank issues the same collectives in the "
+                "same order (GRADIENTFLOW_DEBUG=1 checks it) or raise the timeout of "
+                "init_process_group(timeout=...)."
+            )
+        self._fut.wait()  # re-raises the operation's error, if any
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        """The future of this operation (its value: the list of output tensors)."""
+        return self._fut
+
+    def is_completed(self) -> bool:
+        return self._fut.done()
