@@ -188,9 +188,14 @@ def test_full_buffer_drops_and_counts_instead_of_blocking(tmp_path):
 
 def test_module_functions_and_interpreter_exit_close_the_file(tmp_path):
     # A process that never calls stop_timeline(): the atexit hook must write the closing bracket.
+    # The module is loaded from its file alone, without the package (which imports torch): that
+    # keeps the test fast and checks that the timeline is a stdlib-only leaf.
     out = tmp_path / "exit.json"
     code = textwrap.dedent(f"""
-        from gradientflow.observability import timeline as T
+        import importlib.util, sys
+        spec = importlib.util.spec_from_file_location("tl", {T.__file__!r})
+        T = importlib.util.module_from_spec(spec); spec.loader.exec_module(T)
+        assert "torch" not in sys.modules and "gradientflow" not in sys.modules
         p = T.start_timeline({str(out)!r}, rank=0)
         T.TIMELINE.mark_step(0)
         for i in range(1000):
