@@ -8,10 +8,13 @@ Leaf module: imports nothing of gradientflow; matplotlib only inside `line_plot`
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import platform
+import signal
+import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -51,6 +54,29 @@ def time_calls(fn: Callable[[], object], reps: int, warmup: int = 1) -> list[flo
         fn()
         out.append(time.perf_counter() - t0)
     return out
+
+
+@contextlib.contextmanager
+def sigterm_raises():
+    """Within this block SIGTERM raises KeyboardInterrupt, so `finally` clean-up runs.
+
+    A runner that times a benchmark out sends SIGTERM; Python's default would end the process
+    at once, leaving rank processes and network namespaces behind. Only the main thread can
+    install handlers; elsewhere (or when a handler is already set) this does nothing.
+    """
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, None):
+        yield
+        return
+
+    def _raise(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, _raise)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 # ---- formatting -------------------------------------------------------------------------------
@@ -110,7 +136,11 @@ def machine_info() -> dict:
         torch_version = torch.__version__
     except ImportError:
         torch_version = "not installed"
-    return {"nproc": os.cpu_count(), "cpu": cpu, "mem_gib": round(mem_gib, 1),
+    try:
+        load = [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        load = []
+    return {"nproc": os.cpu_count(), "cpu": cpu, "mem_gib": round(mem_gib, 1), "loadavg": load,
             "torch": torch_version, "python": platform.python_version(),
             "kernel": platform.release()}
 
@@ -119,7 +149,8 @@ def machine_line(info: dict | None = None) -> str:
     """One line stating the machine, for the top of every markdown section."""
     m = info or machine_info()
     return (f"Machine: {m['nproc']} cores ({m['cpu']}), {m['mem_gib']} GiB, "
-            f"torch {m['torch']}, Python {m['python']}, Linux {m['kernel']}.")
+            f"torch {m['torch']}, Python {m['python']}, Linux {m['kernel']}; load average "
+            f"{'/'.join(str(x) for x in m.get('loadavg', [])) or '?'} (1/5/15 min) when written.")
 
 
 def write_result(out_dir: str | os.PathLike, name: str, data: dict, markdown: str) -> Path:

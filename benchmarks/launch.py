@@ -27,6 +27,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from benchmarks.common import sigterm_raises
+
 REPO = Path(__file__).resolve().parent.parent
 _FAIL_GRACE_S = 10.0  # how long the other ranks may still finish after one rank failed
 
@@ -83,6 +85,8 @@ def launch(target: str, world_size: int, kwargs: dict | None = None, cluster=Non
         base_env[var] = str(threads_per_rank)
     base_env.update(env_extra or {})
     t0 = time.monotonic()
+    guard = sigterm_raises()
+    guard.__enter__()
     try:
         for rank in range(world_size):
             out, log = tmp / f"rank{rank}.json", tmp / f"rank{rank}.log"
@@ -120,6 +124,7 @@ def launch(target: str, world_size: int, kwargs: dict | None = None, cluster=Non
     finally:
         for p in procs:
             _kill(p)
+        guard.__exit__(None, None, None)
     wall = time.monotonic() - t0
     results, log_texts = [], []
     for out, log in zip(outs, logs):
@@ -152,6 +157,22 @@ def _kill(proc: subprocess.Popen) -> None:
         proc.wait(timeout=10)
     except subprocess.TimeoutExpired:
         pass
+
+
+def selftest_worker(rank: int, world_size: int, fail_rank: int = -1, hang_rank: int = -1) -> dict:
+    """Smoke target: allreduce the rank ids; `fail_rank` raises, `hang_rank` never returns."""
+    import threading
+
+    import torch
+    import torch.distributed as dist
+
+    if rank == fail_rank:
+        raise RuntimeError(f"selftest_worker: rank {rank} fails on purpose")
+    if rank == hang_rank:
+        threading.Event().wait()  # blocks until the launcher kills us: tests the time limit
+    t = torch.tensor([float(rank)])
+    dist.all_reduce(t)
+    return {"rank": rank, "sum": t.item()}
 
 
 def _worker(target: str, kwargs: dict, out: str, timeout_s: float) -> int:

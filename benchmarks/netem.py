@@ -24,10 +24,11 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import signal
 import subprocess
 import sys
 from dataclasses import dataclass, field
+
+from benchmarks.common import sigterm_raises
 
 # Private /24 used only inside the namespaces this module creates (never routed outside).
 SUBNET = "10.213.7"
@@ -176,27 +177,27 @@ class Cluster:
         if os.geteuid() != 0:
             return self._fallback("not root")
         clean_stale()
-        # Ctrl-C or SIGTERM while building must still tear down: turn SIGTERM into an exception.
-        self._old_term = signal.getsignal(signal.SIGTERM)
-        if self._old_term in (signal.SIG_DFL, None):
-            signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+        # A SIGTERM (runner's time limit) while we exist must still tear down: make it raise.
+        self._sigterm = sigterm_raises()
+        self._sigterm.__enter__()
         try:
             self._build()
         except NetemUnavailable as exc:
-            self._teardown()
+            self.__exit__(None, None, None)
             if not self.allow_fallback:
                 raise
             return self._fallback(str(exc))
         except BaseException:
-            self._teardown()
+            self.__exit__(None, None, None)
             raise
         self.shaped = True
         return self
 
     def __exit__(self, *exc) -> None:
         self._teardown()
-        if hasattr(self, "_old_term") and self._old_term in (signal.SIG_DFL, None):
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        if getattr(self, "_sigterm", None) is not None:
+            self._sigterm.__exit__(None, None, None)
+            self._sigterm = None
 
     def _fallback(self, why: str) -> "Cluster":
         self.shaped = False
@@ -246,10 +247,6 @@ class Cluster:
             return f"{self.world_size} ranks on loopback, unshaped ({self.reason or 'requested'})"
         return (f"{self.world_size} ranks, one namespace each, veth into a bridge; "
                 f"{self.shape.label} tbf both directions, MTU {self.shape.mtu}")
-
-
-def _raise_keyboard_interrupt(signum, frame):
-    raise KeyboardInterrupt(f"signal {signum}")
 
 
 # ---- tier measurement -------------------------------------------------------------------------

@@ -1,0 +1,408 @@
+"""End-to-end training step time on an emulated cluster network: what compression buys.
+
+    python -m benchmarks.bench_e2e --quick                 # tiny model, loopback, seconds
+    python -m benchmarks.bench_e2e                         # AlexNet + ResNet-50, 2 ranks, all tiers
+    python -m benchmarks.bench_e2e --ranks 2,4 --models resnet50 --tiers 1,10
+
+Each rank is a process with one thread, in its own network namespace behind a tbf-shaped veth
+into a bridge (see benchmarks/netem.py); inputs are synthetic (ResNet-50: batch 4 of 64x64) so
+that a step fits one core. Within one launch every variant is built up front and the variants
+are run in interleaved rounds, so ratios are measured side by side under the same load.
+
+Variants: the limit (`nocomm`: the same step with no communication), DDP on gloo, DDP with
+PyTorch's fp16_compress_hook, powerSGD_hook rank 2 (one bucket: its chained allreduces race
+across buckets on gloo), and, when gradientflow's backend and hooks import, gradientflow dense,
+FP16 and CSC at 10%, 1%, 0.1%. The gradientflow variants run in a second launch with their own
+DDP and nocomm anchors, so a fault there cannot cost the peers' figures.
+
+Reported per model, ranks and tier: median and p95 step time (max over ranks of each step),
+communication time (step minus the no-communication step), bytes each rank sent per step
+(the NIC's tx counter), speedup over DDP-on-gloo, the measured communication-to-computation
+ratio of DDP, and scaling efficiency = throughput at n ranks / (n x throughput at 1 rank).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+from benchmarks.common import (fmt, line_plot, machine_info, machine_line, markdown_table,
+                               median, p95, write_result)
+
+NAME = "e2e"
+PEERS = ("nocomm", "ddp", "fp16_hook", "powersgd")
+GF_VARIANTS = ("gf_dense", "gf_fp16", "gf_csc10", "gf_csc1", "gf_csc0.1")
+LABELS = {
+    "nocomm": "no communication (limit)", "ddp": "DDP gloo", "fp16_hook": "DDP + fp16_compress_hook",
+    "powersgd": "DDP + powerSGD_hook r2", "gf_dense": "gradientflow dense",
+    "gf_fp16": "gradientflow FP16", "gf_csc10": "gradientflow CSC 10%",
+    "gf_csc1": "gradientflow CSC 1%", "gf_csc0.1": "gradientflow CSC 0.1%",
+}
+# Defaults chosen so that one step fits one core of this machine in a fraction of a second.
+MODELS = {"resnet50": {"batch": 4, "image": 64}, "alexnet": {"batch": 8, "image": 64},
+          "tiny": {"batch": 8, "image": 16}}
+
+
+# ---- rank side ---------------------------------------------------------------------------------
+
+def _build_model(name: str):
+    import torch
+    if name == "tiny":
+        return torch.nn.Sequential(
+            torch.nn.Conv2d(3, 16, 3, padding=1), torch.nn.ReLU(), torch.nn.AdaptiveAvgPool2d(4),
+            torch.nn.Flatten(), torch.nn.Linear(256, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10))
+    import torchvision
+    return getattr(torchvision.models, name)(weights=None)
+
+
+def _nic_tx_bytes(ifname: str) -> int:
+    # /proc/net/dev is per network namespace, so inside a rank namespace this is the rank's NIC.
+    with open("/proc/net/dev") as f:
+        for line in f:
+            if ":" in line and line.split(":", 1)[0].strip() == ifname:
+                return int(line.split(":", 1)[1].split()[8])
+    return 0
+
+
+def _gf_config(method: str, density: float):
+    from gradientflow.compression import CompressionConfig  # noqa: PLC0415
+    kw = {"method": method}
+    names = {f.name for f in dataclasses.fields(CompressionConfig)}
+    if method == "csc":
+        kw["density"] = density
+    if "warmup_densities" in names:
+        kw["warmup_densities"] = ()  # measure the target density, not the warm-up ramp
+    return CompressionConfig(**kw)
+
+
+def _make_variant(variant: str, model_name: str, gf_group):
+    """Return (module, on_backward_done) for one variant; raises with a reason to skip it."""
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)  # every variant starts from the same weights
+    model = _build_model(model_name)
+    if variant == "nocomm":
+        return model
+    if variant == "ddp":
+        return DDP(model)
+    if variant == "fp16_hook":
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+        ddp = DDP(model)
+        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        return ddp
+    if variant == "powersgd":
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+        # One bucket: chained allreduces of several buckets race on gloo (collective mismatch).
+        ddp = DDP(model, bucket_cap_mb=4096)
+        state = psgd.PowerSGDState(process_group=None, matrix_approximation_rank=2,
+                                   start_powerSGD_iter=2)
+        ddp.register_comm_hook(state, psgd.powerSGD_hook)
+        return ddp
+    if variant.startswith("gf_"):
+        ddp = DDP(model, process_group=gf_group)
+        if variant == "gf_dense":
+            return ddp
+        import gradientflow.hooks as gfh
+        if variant == "gf_fp16":
+            cfg = _gf_config("fp16", 1.0)
+        else:
+            cfg = _gf_config("csc", float(variant[len("gf_csc"):]) / 100)
+        gfh.register(ddp, cfg)
+        return ddp
+    raise ValueError(f"bench_e2e: unknown variant {variant!r}; use one of {list(LABELS)}")
+
+
+def worker(rank: int, world_size: int, model: str, batch: int, image: int, variants: list,
+           steps: int, rounds: int, warmup: int, ifname: str) -> dict:
+    """One rank: build every variant, run them in interleaved rounds, return per-step times."""
+    import torch
+    import torch.distributed as dist
+
+    gf_group, skipped = None, {}
+    if any(v.startswith("gf_") for v in variants):
+        try:
+            import gradientflow  # noqa: F401  (registers the backend)
+            gf_group = dist.new_group(backend="gradientflow")
+        except Exception as exc:  # noqa: BLE001 - any failure means: skip, say why
+            skipped.update({v: f"gradientflow backend: {type(exc).__name__}: {exc}"
+                            for v in variants if v.startswith("gf_")})
+    runners = {}
+    for v in variants:
+        if v in skipped:
+            continue
+        try:
+            runners[v] = _make_variant(v, model, gf_group)
+        except Exception as exc:  # noqa: BLE001
+            skipped[v] = f"{type(exc).__name__}: {exc}"
+    torch.manual_seed(1 + rank)  # each rank its own data shard
+    x = torch.randn(batch, 3, image, image)
+    y = torch.randint(0, 10, (batch,))
+    loss_fn = torch.nn.CrossEntropyLoss()
+    opts = {v: torch.optim.SGD(m.parameters(), lr=1e-3) for v, m in runners.items()}
+
+    def step(v):
+        m, opt = runners[v], opts[v]
+        opt.zero_grad(set_to_none=False)
+        loss_fn(m(x), y).backward()
+        opt.step()
+
+    times = {v: [] for v in runners}
+    tx = {v: 0 for v in runners}
+    for v in runners:  # warm-up (powerSGD needs start_powerSGD_iter=2 steps before compressing)
+        for _ in range(warmup):
+            step(v)
+    # The link as achieved in this launch, under this launch's CPU load (tbf shapes bytes, but
+    # gloo on a busy core may not even reach the tier): a 16 MB allreduce, median of 3.
+    probe = torch.ones(4 * 2**20)
+    probe_t = []
+    for _ in range(3):
+        dist.barrier()
+        t0 = time.perf_counter()
+        dist.all_reduce(probe)
+        probe_t.append(time.perf_counter() - t0)
+    busbw = (2 * (world_size - 1) / world_size * probe.numel() * 4 * 8 / median(probe_t) / 1e9
+             if world_size > 1 else None)
+    del probe
+    per_round = max(1, steps // rounds)
+    for _ in range(rounds):
+        for v in runners:
+            dist.barrier()
+            b0 = _nic_tx_bytes(ifname)
+            for _ in range(per_round):
+                t0 = time.perf_counter()
+                step(v)
+                times[v].append(time.perf_counter() - t0)
+            tx[v] += _nic_tx_bytes(ifname) - b0
+    n_params = {v: sum(p.numel() for p in m.parameters()) for v, m in runners.items()}
+    return {"times": times, "tx_bytes": tx, "steps": {v: len(t) for v, t in times.items()},
+            "skipped": skipped, "params": n_params, "probe_busbw_gbps": busbw}
+
+
+# ---- driver ------------------------------------------------------------------------------------
+
+def _gf_available() -> str:
+    """'' when gradientflow's backend and hooks import, else the reason they do not."""
+    try:
+        import gradientflow.backend.backend  # noqa: F401
+        import gradientflow.hooks as gfh
+        from gradientflow.compression import CompressionConfig  # noqa: F401
+    except Exception as exc:  # noqa: BLE001
+        return f"{type(exc).__name__}: {exc}"
+    if not hasattr(gfh, "register"):
+        return "gradientflow.hooks.register is not defined yet"
+    return ""
+
+
+def _summarise(res, variants, world_size, model, tier_label, shaped, batch):
+    """Turn one launch's per-rank results into rows (one per variant)."""
+    rows, r0 = [], res.results[0]
+    for v in variants:
+        if v in r0["skipped"]:
+            rows.append({"model": model, "ranks": world_size, "tier": tier_label, "variant": v,
+                         "label": LABELS[v], "skipped": r0["skipped"][v]})
+            continue
+        per_rank = [r["times"][v] for r in res.results]
+        step_times = [max(ts) for ts in zip(*per_rank)]  # a step ends when its slowest rank does
+        tx = [r["tx_bytes"][v] / max(r["steps"][v], 1) for r in res.results]
+        rows.append({"model": model, "ranks": world_size, "tier": tier_label, "variant": v,
+                     "label": LABELS[v], "link_gbps": r0.get("probe_busbw_gbps"),
+                     "median_ms": median(step_times) * 1e3,
+                     "p95_ms": p95(step_times) * 1e3, "n_steps": len(step_times),
+                     # On loopback every rank shares `lo`: its counter holds all ranks' bytes.
+                     "wire_MB_per_step": (median(tx) if shaped else median(tx) / world_size) / 1e6,
+                     "params": r0["params"][v], "batch": batch})
+    by = {r["variant"]: r for r in rows if "median_ms" in r}
+    base, limit = by.get("ddp"), by.get("nocomm")
+    for r in rows:
+        if "median_ms" not in r:
+            continue
+        if limit:
+            r["comm_ms"] = max(r["median_ms"] - limit["median_ms"], 0.0)
+            r["comm_to_comp"] = r["comm_ms"] / limit["median_ms"]
+        if base:
+            r["speedup_vs_ddp"] = base["median_ms"] / r["median_ms"]
+    return rows
+
+
+def run(models, ranks_list, tiers, steps, rounds, warmup, timeout_s, loopback, log=print):
+    """Measure every (model, ranks, tier); return (rows, tier_rows, single_rank, notes)."""
+    from benchmarks.launch import launch
+    from benchmarks.netem import Cluster, ShapeConfig
+
+    rows, notes, single = [], [], {}
+    gf_reason = _gf_available()
+    groups = [list(PEERS)]
+    if gf_reason:
+        notes.append(f"gradientflow variants skipped: {gf_reason}")
+    else:
+        groups.append(["nocomm", "ddp", *GF_VARIANTS])
+    for model in models:
+        cfg = MODELS[model]
+        common = {"model": model, "batch": cfg["batch"], "image": cfg["image"],
+                  "steps": steps, "rounds": rounds, "warmup": warmup}
+        # One rank alone (no contention, no communication): the scaling-efficiency reference.
+        res = launch("benchmarks.bench_e2e:worker", 1,
+                     {**common, "variants": ["nocomm"], "ifname": "lo"}, timeout_s=timeout_s)
+        if res.ok:
+            single[model] = median(res.results[0]["times"]["nocomm"]) * 1e3
+            log(f"[e2e] {model} 1 rank: {single[model]:.1f} ms/step")
+        else:
+            notes.append(f"{model} single-rank run failed: {res.error}")
+        for n in ranks_list:
+            for rate in tiers:
+                shape = ShapeConfig(rate_gbps=rate)
+                if loopback:  # no namespaces at all: every rank on this machine's loopback
+                    cluster = Cluster(n, shape)
+                    cluster.tag, cluster.shaped, cluster.reason = "loopback", False, "requested"
+                    ctx = contextlib.nullcontext(cluster)
+                else:
+                    ctx = Cluster(n, shape, allow_fallback=True)
+                with ctx as cluster:
+                    if rate is not None and not cluster.shaped:
+                        notes.append(f"{shape.label} not emulated ({cluster.reason}): skipped")
+                        continue
+                    for variants in groups:
+                        t0 = time.monotonic()
+                        res = launch("benchmarks.bench_e2e:worker", n,
+                                     {**common, "variants": variants, "ifname": cluster.ifname},
+                                     cluster=cluster, timeout_s=timeout_s)
+                        label = shape.label if cluster.shaped else "loopback"
+                        if not res.ok:
+                            notes.append(f"{model} {n} ranks {label} {variants}: {res.error}")
+                            log(f"[e2e] FAILED {model} n={n} {label}: {res.error}")
+                            continue
+                        got = _summarise(res, variants, n, model, label, cluster.shaped,
+                                         cfg["batch"])
+                        for r in got:
+                            r["rate_gbps"] = rate
+                            r["group"] = "peers" if variants[2] == "fp16_hook" else "gradientflow"
+                            if model in single and "median_ms" in r:
+                                r["scaling_eff"] = single[model] / r["median_ms"]
+                        rows.extend(got)
+                        log(f"[e2e] {model} n={n} {label} ({time.monotonic() - t0:.0f} s): " +
+                            ", ".join(f"{r['variant']} {fmt(r.get('median_ms'))} ms"
+                                      for r in got))
+    return rows, single, notes
+
+
+def _markdown(rows, single, notes, tier_rows, cmd, quick):
+    out = [f"## End-to-end step time on an emulated cluster (`{NAME}`)", "",
+           machine_line(), f"Command: `{cmd}`" + (" (quick mode: plumbing only)" if quick else ""),
+           "",
+           "Median step time over interleaved rounds (each step: the slowest rank); comm = step "
+           "minus the no-communication step of the same run; wire = bytes each rank's NIC sent "
+           "per step; speedup over DDP on gloo measured in the same launch; scaling efficiency = "
+           "throughput at n ranks / (n x throughput of one rank alone). One thread per rank.", ""]
+    if any(r["ranks"] > 2 for r in rows):
+        out += [f"**More than 2 ranks share this machine's cores** ({machine_info()['nproc']} "
+                "cores): those figures include CPU contention (efficiency at most about "
+                "cores/ranks).", ""]
+    if tier_rows:
+        out += ["### Tiers as measured (gloo allreduce, 2 ranks)", "",
+                markdown_table(["tier", "allreduce_ms", "busbw_gbps"], tier_rows,
+                               ["tier", "64 MB allreduce ms", "bus bandwidth Gbit/s"]), ""]
+    for model in dict.fromkeys(r["model"] for r in rows):
+        for n in sorted({r["ranks"] for r in rows if r["model"] == model}):
+            sub = [r for r in rows if r["model"] == model and r["ranks"] == n]
+            p = sub[0].get("params")
+            head = f"### {model}, {n} ranks"
+            if p:
+                head += (f" ({p / 1e6:.2f} M parameters = {p * 4 / 1e6:.1f} MB of FP32 gradients,"
+                         f" batch {sub[0].get('batch')}")
+                head += f"; one rank alone {single[model]:.0f} ms/step)" if model in single else ")"
+            out += [head, ""]
+            ratio = [r for r in sub if r["variant"] == "ddp" and r.get("group") == "peers"]
+            if ratio:
+                out += ["DDP communication-to-computation ratio (and the 16 MB allreduce bus "
+                        "bandwidth achieved in the same launch): " + ", ".join(
+                            f"{r['tier']} {fmt(r.get('comm_to_comp'))}x "
+                            f"({fmt(r.get('link_gbps'))} Gbit/s)" for r in ratio), ""]
+            out += [markdown_table(
+                ["tier", "label", "median_ms", "p95_ms", "comm_ms", "wire_MB_per_step",
+                 "speedup_vs_ddp", "scaling_eff", "skipped"], sub,
+                ["tier", "variant", "median ms", "p95 ms", "comm ms", "wire MB/step/rank",
+                 "speedup vs DDP", "scaling eff.", "note"]), ""]
+    if notes:
+        out += ["Notes:", ""] + [f"- {n}" for n in notes] + [""]
+    return "\n".join(out)
+
+
+def _plot(rows, out_dir):
+    paths = []
+    for model in dict.fromkeys(r["model"] for r in rows):
+        for n in sorted({r["ranks"] for r in rows if r["model"] == model}):
+            sub = [r for r in rows if r["model"] == model and r["ranks"] == n
+                   and r.get("rate_gbps") is not None and "median_ms" in r
+                   and r.get("group") == "peers" or (r["model"] == model and r["ranks"] == n
+                   and r.get("rate_gbps") is not None and "median_ms" in r
+                   and r["variant"].startswith("gf_"))]
+            series = {}
+            for r in sub:
+                xs, ys = series.setdefault(LABELS[r["variant"]], ([], []))
+                xs.append(r["rate_gbps"])
+                ys.append(r["median_ms"])
+            if series:
+                p = line_plot(Path(out_dir) / f"e2e_{model}_{n}ranks.png", series,
+                              "link rate (Gbit/s, tbf both directions)", "median step time (ms)",
+                              f"{model}, {n} ranks: step time vs bandwidth", logx=True)
+                if p:
+                    paths.append(p.name)
+    return paths
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="tiny model on loopback: seconds")
+    ap.add_argument("--out", default="benchmarks/results", help="directory for e2e.json/.md")
+    ap.add_argument("--models", default=None, help="comma list of alexnet,resnet50,tiny")
+    ap.add_argument("--ranks", default=None, help="comma list of rank counts (default 2; 2,4)")
+    ap.add_argument("--tiers", default=None,
+                    help="comma list of Gbit/s, 'none' = unshaped (default none,1,2.5,5,10)")
+    ap.add_argument("--steps", type=int, default=None, help="timed steps per variant")
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds over the variants")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--timeout", type=float, default=None, help="seconds per launch")
+    ap.add_argument("--loopback", action="store_true", help="no namespaces: unshaped loopback")
+    ap.add_argument("--no-tier-probe", action="store_true", help="skip measuring the tiers")
+    args = ap.parse_args(argv)
+    q = args.quick
+    models = (args.models or ("tiny" if q else "resnet50,alexnet")).split(",")
+    ranks = [int(x) for x in (args.ranks or "2").split(",")]
+    tiers_s = args.tiers or ("none" if q else "none,1,2.5,5,10")
+    tiers = [None if t.strip().lower() in ("none", "unshaped", "") else float(t)
+             for t in tiers_s.split(",")]
+    if q and args.tiers is None:
+        tiers = [None]
+    steps = args.steps or (3 if q else 15)
+    rounds = min(args.rounds, steps) if not q else 1
+    timeout = args.timeout or (90.0 if q else 600.0)
+    cmd = "python -m benchmarks.bench_e2e " + " ".join(argv if argv is not None else sys.argv[1:])
+    tier_rows = []
+    if not q and not args.loopback and not args.no_tier_probe and any(t is not None for t in tiers):
+        from benchmarks.netem import measure_tiers
+        tier_rows = measure_tiers(tiers=tiers, world_size=2)
+        for t in tier_rows:
+            print(f"[e2e] tier {t['tier']}: {fmt(t['busbw_gbps'])} Gbit/s", flush=True)
+    loopback = q or args.loopback
+    if loopback:
+        tiers = [None]
+    rows, single, notes = run(models, ranks, tiers, steps, rounds, args.warmup, timeout, loopback,
+                              log=lambda s: print(s, flush=True))
+    md = _markdown(rows, single, notes, tier_rows, cmd.strip(), q)
+    plots = [] if q else _plot(rows, args.out)
+    if plots:
+        md += "\n" + "\n".join(f"![{p}]({p})" for p in plots) + "\n"
+    write_result(args.out, NAME, {"command": cmd.strip(), "quick": q, "rows": rows,
+                                  "single_rank_ms": single, "tiers": tier_rows, "notes": notes,
+                                  "plots": plots}, md)
+    print(md)
+    return 0 if rows else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
