@@ -159,7 +159,11 @@ class Timeline:
         self._session: _Session | None = None
         self._finished_path: str | None = None
         self._thread_lanes: dict[int, str] = {}
+        self._fork_lock = None
         atexit.register(self._atexit)
+        if hasattr(os, "register_at_fork"):
+            os.register_at_fork(before=self._before_fork, after_in_parent=self._after_fork_parent,
+                                after_in_child=self._after_fork_child)
 
     # ---- lifecycle -------------------------------------------------------------------------
     def start(self, path: str, rank: int = 0, steps=None, *, capacity: int = _DEFAULT_CAPACITY,
@@ -225,6 +229,32 @@ class Timeline:
             self.stop()
         except Exception:  # pragma: no cover - nothing useful to do at exit
             pass
+
+    # A forked child (a DataLoader worker) must neither record into nor close the parent's file.
+    # Holding the writer's lock across fork() guarantees the file object's buffer is empty in the
+    # child (every drain flushes under that lock), so nothing the child does can write to it.
+    def _before_fork(self):
+        s = self._session
+        self._fork_lock = s._io_lock if s is not None else None
+        if self._fork_lock is not None:
+            self._fork_lock.acquire()
+
+    def _after_fork_parent(self):
+        if self._fork_lock is not None:
+            self._fork_lock.release()
+            self._fork_lock = None
+
+    def _after_fork_child(self):
+        if self._fork_lock is not None:
+            self._fork_lock.release()
+            self._fork_lock = None
+        self._lock = threading.RLock()   # another parent thread may have held it at fork time
+        self.enabled = False
+        self._started = False
+        if self._session is not None:
+            self._session.detached = True
+        self._session = None
+        self._finished_path = None
 
     # ---- steps and sampling ----------------------------------------------------------------
     def mark_step(self, step: int) -> None:
@@ -341,6 +371,7 @@ class _Session:
         self.wake = threading.Event()
         self._closing = False
         self._closed = False
+        self.detached = False   # set in a forked child: the file belongs to the parent
         self._io_lock = threading.Lock()
         self._thread_lanes = thread_lanes
         self._lanes: dict[Any, int] = {}      # lane key -> small integer tid in the file
@@ -444,7 +475,7 @@ class _Session:
 
     def close(self) -> None:
         """Drain, write the closing bracket, close the file (idempotent, from any thread)."""
-        if self._closed:
+        if self._closed or self.detached:
             return
         self._closing = True
         self.wake.set()

@@ -263,3 +263,31 @@ def test_bad_times_and_odd_args_never_break_the_json(tmp_path):
     assert "repr" in got['we"ird\nname']["args"]           # NaN arg: kept as its repr
     assert isinstance(got["fuse"]["args"]["dtype"], str)   # odd value: its str
     assert data["otherData"]["dropped_events"] == 2
+
+
+def test_a_forked_child_leaves_the_parents_file_alone(tmp_path):
+    out = tmp_path / "fork.json"
+    code = textwrap.dedent(f"""
+        import importlib.util, os, sys
+        spec = importlib.util.spec_from_file_location("tl", {T.__file__!r})
+        T = importlib.util.module_from_spec(spec); spec.loader.exec_module(T)
+        p = T.TIMELINE.start({str(out)!r}, rank=0, flush_interval_s=0.001)
+        for i in range(500):
+            T.TIMELINE.complete("parent", "engine", T.now_us(), 1.0, tid="bucket 0")
+        pid = os.fork()
+        if pid == 0:   # the child: records nothing, and its normal exit runs atexit and GC
+            for i in range(500):
+                T.TIMELINE.complete("child", "engine", T.now_us(), 1.0, tid="bucket 0")
+            T.TIMELINE.stop()
+            sys.exit(0)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        for i in range(500):
+            T.TIMELINE.complete("parent", "engine", T.now_us(), 1.0, tid="bucket 0")
+        T.TIMELINE.stop()
+        print(p)
+    """)
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    data = assert_chrome_trace(res.stdout.strip())
+    assert collections.Counter(e["name"] for e in phases(data)) == {"parent": 1000}
