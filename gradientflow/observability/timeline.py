@@ -377,9 +377,13 @@ class _Session:
         self._lanes: dict[Any, int] = {}      # lane key -> small integer tid in the file
         self._strings: dict[str, str] = {}    # name/category -> its JSON encoding
         self._wall_minus_mono_us = time.time_ns() / 1000.0 - now_us()
-        d = os.path.dirname(os.path.abspath(path))
-        os.makedirs(d, exist_ok=True)
-        self._fh = open(path, "w", encoding="utf-8")
+        try:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            self._fh = open(path, "w", encoding="utf-8")
+        except OSError as exc:
+            raise OSError(f"timeline.start on rank {rank}: cannot write the trace {path!r} "
+                          f"({exc.strerror or exc}); pass a writable file or directory "
+                          "(start_timeline(path) or GRADIENTFLOW_TIMELINE)") from exc
         self._fh.write('{"traceEvents":[\n')
         self._first = True
         self._write_raw({"ph": "M", "name": "process_name", "pid": rank, "tid": 0,

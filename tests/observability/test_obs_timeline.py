@@ -291,3 +291,12 @@ def test_a_forked_child_leaves_the_parents_file_alone(tmp_path):
     assert res.returncode == 0, res.stderr
     data = assert_chrome_trace(res.stdout.strip())
     assert collections.Counter(e["name"] for e in phases(data)) == {"parent": 1000}
+
+
+def test_an_unwritable_path_is_refused_with_a_sentence(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    tl = T.Timeline()
+    with pytest.raises(OSError, match="cannot write the trace"):
+        tl.start(str(blocker / "sub" / "t.json"))
+    assert not tl.recording and not tl.enabled
