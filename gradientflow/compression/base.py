@@ -41,6 +41,7 @@ class Compressor(abc.ABC):
         self.step = 0
         self._epoch_told = False
         self._warned_epoch = False
+        self._step_non_finite = False  # a bucket of this step reduced to inf/NaN: undo the step's commits
         # --- statistics ---
         self.stats = CompressionStats()
 
@@ -69,8 +70,15 @@ class Compressor(abc.ABC):
         self._epoch_told = True
 
     def end_step(self) -> None:
-        """Close a step (every bucket of one backward pass reduced): counts steps and statistics."""
-        self.stats.end_step()
+        """Close a step (every bucket of one backward pass reduced): counts steps and statistics.
+
+        If any bucket of the step reduced to a non-finite result (the same on every rank, since it
+        is decided from reduced tensors), every bucket's residual/momentum update of this step is
+        undone: GradScaler skips the whole step, so none of it may stay half-applied.
+        """
+        self.memory.end_step(revert=self._step_non_finite)
+        self.stats.end_step(skipped=self._step_non_finite)
+        self._step_non_finite = False
         self.step += 1
 
     def density_in_force(self) -> float:

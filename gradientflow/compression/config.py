@@ -118,6 +118,10 @@ class CompressionConfig:
         object.__setattr__(self, "wire_dtype", _dtype_name(self.wire_dtype, "wire_dtype"))
         if self.dense_wire_dtype is not None:
             object.__setattr__(self, "dense_wire_dtype", _dtype_name(self.dense_wire_dtype, "dense_wire_dtype"))
+        if self.method == "fp16" and self.wire_dtype == "fp32":
+            raise ValueError(
+                "CompressionConfig: method 'fp16' casts to a half-precision wire, but wire_dtype='fp32'; "
+                "use wire_dtype 'fp16' or 'bf16' (or method 'none' for the dense FP32 average)")
         stages = tuple(self.warmup_densities)
         for d in stages:
             if not isinstance(d, (int, float)) or not (0.0 < float(d) <= 1.0):

@@ -18,7 +18,8 @@ recomputed over their sparse elements only) so selection ranks only what is spar
 
 Non-finite input (an FP16 loss-scale overflow) is decided from REDUCED tensors, so every rank
 takes the same branch: if the reduced norms or the reduced payload hold inf/NaN, the residual and
-momentum are left as they were (the kernels leave them untouched until unpack), and the output is
+momentum are left as they were (new values go to spare buffers, committed by a swap; a step with
+any non-finite bucket undoes the other buckets' swaps at end_step), and the output is
 what every rank received (non-finite somewhere) with zeros elsewhere, so GradScaler sees inf/NaN and skips the step on every rank.
 """
 from __future__ import annotations
@@ -122,14 +123,18 @@ class CSCCompressor(Compressor):
         d = plan.dense_numel
 
         # --- v = grad + residual (+ momentum), norms; nothing persistent is modified yet ---------
-        slots = ("residual", "momentum", "_momentum_next") if cfg.momentum_correction else ("residual",)
-        mem = self.memory.get(layout, slots, flat, loss_scale)
-        residual = mem["residual"]
+        # Each state slot has a spare: the new values are written there and committed by a swap,
+        # so a step found non-finite later (even in another bucket) can be undone.
+        ef, mc = cfg.error_feedback, cfg.momentum_correction
+        slots = (("residual", "_residual_spare") if ef else ()) + (("momentum", "_momentum_spare") if mc else ())
+        mem = self.memory.get(layout, slots, flat, loss_scale) if slots else {}
+        residual = mem.get("residual")
+        new_residual = mem.get("_residual_spare")
         mom_kw = {}
-        if cfg.momentum_correction:
-            mom_kw = dict(momentum=mem["momentum"], momentum_out=mem["_momentum_next"],
+        if mc:
+            mom_kw = dict(momentum=mem["momentum"], momentum_out=mem["_momentum_spare"],
                           m=cfg.momentum, nesterov=cfg.nesterov)
-        norms = kernels.chunk_norms(flat, residual if cfg.error_feedback else None, c, cfg.norm, **mom_kw)
+        norms = kernels.chunk_norms(flat, residual, c, cfg.norm, **mom_kw)
         dense_v = None
         if d:
             dense_v = flat.index_select(0, plan.dense_idx)
@@ -160,7 +165,7 @@ class CSCCompressor(Compressor):
         if dense_in_2:
             kernels.cast_scaled(dense_v, 1.0 / n, wire_dtype, out=send[k * c:])
         # The local copy gives the exact rounding error (of the cast and of the 1/n pre-scale).
-        local = send.clone() if cfg.error_feedback or dense_in_2 else None
+        local = send.clone() if ef or dense_in_2 else None
         reduced2 = yield from self._stage(send)
         dense_reduced = None
         if dense_in_1:
@@ -176,31 +181,31 @@ class CSCCompressor(Compressor):
         if not bool(torch.isfinite(reduced2).all()) or (dense_reduced is not None and not bool(torch.isfinite(dense_reduced).all())):
             return self._non_finite(flat, plan, reduced_norms, idx, reduced2[: k * c], dense_reduced)
 
-        # --- commit: out (in place over v) and residual in one pass, then the dense part --------------
-        ef = cfg.error_feedback
-        local_chunks = local[: k * c] if (ef and local is not None) else None
-        kernels.unpack_update(flat, residual if ef else None, reduced2[: k * c], local_chunks, idx, c,
-                              1.0, float(n), out=flat)
+        # --- commit: out (in place over v) and the new residual in one pass, then the dense part ---
+        local_chunks = local[: k * c] if ef else None
+        kernels.unpack_update(flat, new_residual, reduced2[: k * c], local_chunks, idx, c, 1.0, float(n), out=flat)
         if d:
             out_dense = kernels.upcast_scaled(dense_reduced, 1.0, out=torch.empty_like(dense_v))
             flat.index_copy_(0, plan.dense_idx, out_dense)
             if ef:
                 err = dense_v - dense_local.to(torch.float32) * float(n)
-                residual.index_copy_(0, plan.dense_idx, err)
-        if cfg.momentum_correction:
-            u = mem["_momentum_next"]
+                new_residual.index_copy_(0, plan.dense_idx, err)
+        if mc:
+            u = mem["_momentum_spare"]
             # Factor masking (DGC): the velocity of what was sent starts again from zero; dense
             # parameters are sent every step, so they keep theirs (plain heavy-ball momentum).
             dense_u = u.index_select(0, plan.dense_idx) if d else None
             _fill_chunks(u, idx, u.new_zeros(idx.numel()), c)
             if d:
                 u.index_copy_(0, plan.dense_idx, dense_u)
-            self.memory.swap(layout, "momentum", "_momentum_next")
+        if slots:
+            self.memory.commit(layout, tuple(zip(slots[::2], slots[1::2])))
         return flat
 
     def _non_finite(self, flat, plan: _Plan, reduced_norms, idx, reduced_chunks, dense_reduced) -> torch.Tensor:
         """Output what every rank received (non-finite somewhere), zeros elsewhere; leave residual and momentum alone."""
         c = self.config.chunk_size
+        self._step_non_finite = True
         flat.zero_()
         bad = ~torch.isfinite(reduced_norms)
         if bool(bad.any()):

@@ -23,13 +23,6 @@ __all__ = ["HalfCompressor"]
 class HalfCompressor(Compressor):
     """Send the whole buffer in the half-precision wire dtype (config.wire_dtype: fp16 or bf16)."""
 
-    def __init__(self, config, world_size: int) -> None:
-        super().__init__(config, world_size)
-        if config.wire_dtype == "fp32":
-            raise ValueError(
-                "HalfCompressor: method 'fp16' casts to a half-precision wire dtype, but wire_dtype='fp32'; "
-                "use wire_dtype 'fp16' or 'bf16' (or method 'none' for the dense FP32 average)")
-
     def reduce(self, flat: torch.Tensor, layout: Layout, *, loss_scale: float = 1.0) -> StageGen:
         """Return a StageGen: v = grad + residual; send cast(v / n); residual <- rounding error."""
         layout.check(flat, "HalfCompressor.reduce")
@@ -37,7 +30,8 @@ class HalfCompressor(Compressor):
         self.stats.add_bucket(numel=flat.numel(), density=1.0)
         residual = None
         if cfg.error_feedback:
-            residual = self.memory.get(layout, ("residual",), flat, loss_scale)["residual"]
+            mem = self.memory.get(layout, ("residual", "_residual_spare"), flat, loss_scale)
+            residual = mem["residual"]
             flat.add_(residual)
         wire = kernels.cast_scaled(flat, 1.0 / n, cfg.torch_wire_dtype)
         if residual is not None:
@@ -45,6 +39,9 @@ class HalfCompressor(Compressor):
             # reduced result is finite (a step GradScaler skips must leave the residual alone).
             flat.add_(wire, alpha=-float(n))
         reduced = yield from self._stage(wire)
-        if residual is not None and bool(torch.isfinite(reduced).all()):
-            residual.copy_(flat)
+        if not bool(torch.isfinite(reduced).all()):
+            self._step_non_finite = True  # the same on every rank: decided from the reduced buffer
+        elif residual is not None:
+            mem["_residual_spare"].copy_(flat)
+            self.memory.commit(layout, (("residual", "_residual_spare"),))
         return kernels.upcast_scaled(reduced, 1.0, out=flat)

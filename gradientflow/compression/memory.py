@@ -40,6 +40,8 @@ class ResidualMemory:
         self._owner: dict[str, Layout] = {}
         # slot -> name -> unscaled tensor, loaded from a checkpoint and not yet claimed by a layout.
         self._pending: dict[str, dict[str, torch.Tensor]] = {}
+        # Swaps committed during the current step, undone if the step turns out non-finite.
+        self._journal: list[tuple[Layout, tuple[tuple[str, str], ...]]] = []
 
     # --- use -------------------------------------------------------------------------------------
     def get(self, layout: Layout, slots: tuple[str, ...], like: torch.Tensor, scale: float = 1.0) -> dict[str, torch.Tensor]:
@@ -57,10 +59,28 @@ class ResidualMemory:
             entry.scale = float(scale)
         return entry.slots
 
-    def swap(self, layout: Layout, a: str, b: str) -> None:
-        """Exchange two slots of a layout (a double buffer committed without a copy)."""
+    def commit(self, layout: Layout, pairs: tuple[tuple[str, str], ...]) -> None:
+        """Make each spare slot the live one, (live, spare) -> (spare, live): a double buffer, no copy.
+
+        The old values stay in the spare slot until the end of the step, so `end_step(revert=True)`
+        can restore them when a LATER bucket of the same step turns out non-finite (GradScaler then
+        skips the whole step, so no bucket of it may leave its residual changed).
+        """
         s = self._entries[layout].slots
-        s[a], s[b] = s[b], s[a]
+        for live, spare in pairs:
+            s[live], s[spare] = s[spare], s[live]
+        self._journal.append((layout, pairs))
+
+    def end_step(self, revert: bool) -> None:
+        """Close a step: keep its commits, or undo all of them (in reverse order) when `revert`."""
+        if revert:
+            for layout, pairs in reversed(self._journal):
+                entry = self._entries.get(layout)
+                if entry is None:
+                    continue
+                for live, spare in pairs:
+                    entry.slots[live], entry.slots[spare] = entry.slots[spare], entry.slots[live]
+        self._journal.clear()
 
     def _build(self, layout: Layout, slots: tuple[str, ...], like: torch.Tensor, scale: float) -> _Entry:
         bufs = {s: torch.zeros(layout.numel, dtype=torch.float32, device=like.device) for s in slots}
@@ -116,6 +136,7 @@ class ResidualMemory:
         """Replace all state by a checkpoint's; it is placed into layouts as they are first used."""
         self._entries.clear()
         self._owner.clear()
+        self._journal.clear()
         self._pending = {slot: {name: t.detach().clone().float() for name, t in per_name.items()}
                          for slot, per_name in state.items()}
 

@@ -36,6 +36,7 @@ class CompressionStats:
         self.last: StepRecord | None = None
         self.steps = 0
         self.steady_steps = 0
+        self.skipped_steps = 0
         self._total = StepRecord()
         self._steady = StepRecord()
 
@@ -54,9 +55,10 @@ class CompressionStats:
         c.density = float(density)
         c.warmup = c.warmup or bool(warmup)
 
-    def end_step(self) -> None:
+    def end_step(self, skipped: bool = False) -> None:
         """Close the current step (a hook calls this after a backward pass's last bucket)."""
         c = self.current
+        self.skipped_steps += int(skipped)
         if c.dense_fp32_bytes == 0 and c.wire_bytes == 0:
             return
         for acc in (self._total,) + (() if c.warmup else (self._steady,)):
@@ -87,22 +89,25 @@ class CompressionStats:
         return {
             "steps": self.steps,
             "steady_steps": self.steady_steps,
+            "skipped_steps": self.skipped_steps,
             "steady": per_step(self._steady, self.steady_steps),
             "average": per_step(self._total, self.steps),
-            "total_wire_bytes": self._total.wire_bytes,
-            "total_dense_fp32_bytes": self._total.dense_fp32_bytes,
+            # Run totals (steps summed), also under the short names the observability counters use.
+            "wire_bytes": self._total.wire_bytes,
+            "dense_bytes": self._total.dense_fp32_bytes,
             "density_in_force": last.density,
             "last_step": asdict(last),
         }
 
     def state_dict(self) -> dict:
         """Return the counters (so a resumed run's whole-run average continues)."""
-        return {"steps": self.steps, "steady_steps": self.steady_steps,
+        return {"steps": self.steps, "steady_steps": self.steady_steps, "skipped_steps": self.skipped_steps,
                 "total": asdict(self._total), "steady": asdict(self._steady)}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore counters saved by `state_dict`."""
         self.steps = int(state["steps"])
         self.steady_steps = int(state["steady_steps"])
+        self.skipped_steps = int(state.get("skipped_steps", 0))
         self._total = StepRecord(**state["total"])
         self._steady = StepRecord(**state["steady"])

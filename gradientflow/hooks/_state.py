@@ -50,6 +50,7 @@ class CompressionState:
         config: a CompressionConfig; or leave it None and pass its fields as keyword arguments.
         grad_scaler: a GradScaler whose current scale the gradients carry (optional; see
             `set_loss_scale` for the alternative). Residuals are rescaled when it changes.
+        world_size, rank: override the group's (to simulate ranks in one process; default: the group's).
         **kwargs: CompressionConfig fields (only without `config`).
 
     Example::
@@ -61,7 +62,8 @@ class CompressionState:
 
     _method: str | None = None  # a subclass fixes the method (CSCState: "csc")
 
-    def __init__(self, process_group=None, config: CompressionConfig | None = None, *, grad_scaler=None, **kwargs) -> None:
+    def __init__(self, process_group=None, config: CompressionConfig | None = None, *, grad_scaler=None,
+                 world_size: int | None = None, rank: int | None = None, **kwargs) -> None:
         if config is not None and kwargs:
             raise ValueError(f"{type(self).__name__}: pass either config or its fields {sorted(kwargs)}, not both")
         if config is None:
@@ -77,8 +79,9 @@ class CompressionState:
         self.config = config
         self.grad_scaler = grad_scaler
         # --- internal ---
-        self.world_size = dist.get_world_size(process_group) if dist.is_initialized() else 1
-        self.rank = dist.get_rank(process_group) if dist.is_initialized() else 0
+        initialized = dist.is_available() and dist.is_initialized()
+        self.world_size = world_size if world_size is not None else (dist.get_world_size(process_group) if initialized else 1)
+        self.rank = rank if rank is not None else (dist.get_rank(process_group) if initialized else 0)
         self.compressor: Compressor = make_compressor(config, self.world_size)
         self._uid = next(_uid)
         self._names: dict[int, str] = {}  # id(parameter) -> name
