@@ -97,7 +97,12 @@ class CompressionState:
         Without it, parameters are named "param<i>" by first appearance in the hook, which is the
         same across restarts only if the model and DDP's bucket size are the same.
         """
-        pairs = named.named_parameters() if isinstance(named, torch.nn.Module) else named
+        pairs = list(named.named_parameters() if isinstance(named, torch.nn.Module) else named)
+        for name, p in pairs:
+            if p.requires_grad and p.dtype != torch.float32:
+                raise ValueError(
+                    f"{type(self).__name__}: parameter {name!r} is {p.dtype}; gradient compression needs float32 "
+                    "gradients (keep FP32 master parameters under autocast, or leave this model uncompressed)")
         self._names = {id(p): name for name, p in pairs}
         self._layouts.clear()
 
@@ -146,6 +151,7 @@ class CompressionState:
             self._step_open = True
             self._step_scale = self._current_loss_scale()  # one read per step: get_scale() syncs on CUDA
         layout = self.layout_of(bucket)
+        layout.check(bucket.buffer(), f"{type(self).__name__} (bucket {bucket.index()})")  # refuse now, not on the engine thread
         gen = self.compressor.reduce(bucket.buffer(), layout, loss_scale=self._step_scale)
         return self._closing(gen) if bucket.is_last() else gen
 

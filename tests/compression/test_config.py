@@ -1,0 +1,82 @@
+"""CompressionConfig refuses bad values at construction, naming the valid range."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gradientflow.compression import CompressionConfig, available, compressor_class, make_compressor
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(density=0.0), r"density=0.0 must be in \(0, 1\]"),
+    (dict(density=1.5), r"\(0, 1\]"),
+    (dict(density=float("nan")), r"\(0, 1\]"),
+    (dict(chunk_size=0), r"chunk_size=0 must be an integer >= 1"),
+    (dict(chunk_size=2.5), r">= 1"),
+    (dict(norm="l3"), r"'l1' or 'l2'"),
+    (dict(wire_dtype="fp8"), r"one of \['bf16', 'fp16', 'fp32'\]"),
+    (dict(wire_dtype=torch.int8), r"not a wire dtype"),
+    (dict(method="topk"), r"one of \['none', 'fp16', 'csc'\]"),
+    (dict(method="fp16", wire_dtype="fp32"), r"half-precision"),
+    (dict(warmup_densities=(0.5, 0.0)), r"every stage must be in \(0, 1\]"),
+    (dict(warmup_unit="batch"), r"'epoch' or 'step'"),
+    (dict(warmup_period=0), r">= 1"),
+    (dict(momentum=1.0), r"\[0, 1\)"),
+    (dict(momentum_correction=True, error_feedback=False), r"needs error_feedback"),
+    (dict(min_numel=-1), r">= 0"),
+])
+def test_invalid_config_raises_value_error_naming_the_range(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        CompressionConfig(**kwargs)
+
+
+def test_defaults_and_dtype_names():
+    cfg = CompressionConfig(wire_dtype=torch.bfloat16)
+    assert cfg.wire_dtype == "bf16" and cfg.torch_wire_dtype is torch.bfloat16
+    d = CompressionConfig()
+    assert (d.method, d.density, d.chunk_size, d.norm, d.wire_dtype) == ("csc", 0.01, 1024, "l1", "fp16")
+    with pytest.raises(Exception):
+        d.density = 0.5  # frozen
+
+
+def test_warmup_schedule_ramps_to_the_target_never_below():
+    cfg = CompressionConfig(density=0.01)
+    assert [cfg.density_at(e, 0) for e in range(6)] == [0.25, 0.0625, 0.015625, 0.01, 0.01, 0.01]
+    assert cfg.in_warmup(2, 0) and not cfg.in_warmup(3, 0)
+    per_step = CompressionConfig(density=0.001, warmup_unit="step", warmup_period=10)
+    assert per_step.density_at(99, 9) == 0.25 and per_step.density_at(0, 10) == 0.0625
+    assert per_step.density_at(0, 35) == 0.004 and per_step.density_at(0, 40) == 0.001
+    assert CompressionConfig(warmup_densities=()).density_at(0, 0) == 0.01
+
+
+def test_dense_rule():
+    cfg = CompressionConfig()
+    assert cfg.is_dense_param((64,)) and cfg.is_dense_param(()) and cfg.is_dense_param((10, 10))
+    assert not cfg.is_dense_param((64, 64))
+    assert not CompressionConfig(dense_1d=False, min_numel=0).is_dense_param((64,))
+
+
+def test_registry_builds_by_name():
+    assert available() == ["csc", "fp16", "none"]
+    assert make_compressor(CompressionConfig(method="fp16"), 2).name == "fp16"
+    with pytest.raises(ValueError, match="not registered"):
+        compressor_class("powersgd")
+
+
+def test_epoch_warmup_without_set_epoch_warns_once():
+    from gradientflow.compression import Layout
+    from gradientflow.engine.stages import drive_lockstep
+    c = make_compressor(CompressionConfig(), 1)
+    lay = Layout.from_shapes([("w", (64, 64))])
+    with pytest.warns(RuntimeWarning, match="set_epoch"):
+        drive_lockstep([c.reduce(torch.randn(lay.numel), lay)])
+
+
+def test_non_float_gradient_is_refused():
+    from gradientflow.compression import Layout
+    c = make_compressor(CompressionConfig(method="none"), 1)
+    lay = Layout.from_shapes([("w", (4,))])
+    with pytest.raises(ValueError, match="float32"):
+        next(c.reduce(torch.zeros(4, dtype=torch.float64), lay))
+    with pytest.raises(ValueError, match="float32"):
+        next(c.reduce(torch.zeros(4, dtype=torch.int32), lay))
