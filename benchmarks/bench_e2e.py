@@ -26,6 +26,7 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -278,8 +279,10 @@ def run(models, ranks_list, tiers, steps, rounds, warmup, timeout_s, loopback, l
                             continue
                         got = _summarise(res, variants, n, model, label, cluster.shaped,
                                          cfg["batch"])
+                        load1 = os.getloadavg()[0]  # other work on this machine shares the cores
                         for r in got:
                             r["rate_gbps"] = rate
+                            r["load1"] = load1
                             r["group"] = "peers" if variants[2] == "fp16_hook" else "gradientflow"
                             if model in single and "median_ms" in r:
                                 r["scaling_eff"] = single[model] / r["median_ms"]
@@ -297,7 +300,9 @@ def _markdown(rows, single, notes, tier_rows, cmd, quick):
            "Median step time over interleaved rounds (each step: the slowest rank); comm = step "
            "minus the no-communication step of the same run; wire = bytes each rank's NIC sent "
            "per step; speedup over DDP on gloo measured in the same launch; scaling efficiency = "
-           "throughput at n ranks / (n x throughput of one rank alone). One thread per rank.", ""]
+           "throughput at n ranks / (n x throughput of one rank alone). One thread per rank. "
+           "Load avg = the machine's 1-minute load average after the launch: above the core "
+           "count, other work shared the cores and slowed every variant of that launch alike.", ""]
     if any(r["ranks"] > 2 for r in rows):
         out += [f"**More than 2 ranks share this machine's cores** ({machine_info()['nproc']} "
                 "cores): those figures include CPU contention (efficiency at most about "
@@ -324,9 +329,9 @@ def _markdown(rows, single, notes, tier_rows, cmd, quick):
                             f"({fmt(r.get('link_gbps'))} Gbit/s)" for r in ratio), ""]
             out += [markdown_table(
                 ["tier", "label", "median_ms", "p95_ms", "comm_ms", "wire_MB_per_step",
-                 "speedup_vs_ddp", "scaling_eff", "skipped"], sub,
+                 "speedup_vs_ddp", "scaling_eff", "load1", "skipped"], sub,
                 ["tier", "variant", "median ms", "p95 ms", "comm ms", "wire MB/step/rank",
-                 "speedup vs DDP", "scaling eff.", "note"]), ""]
+                 "speedup vs DDP", "scaling eff.", "load avg", "note"]), ""]
     if notes:
         out += ["Notes:", ""] + [f"- {n}" for n in notes] + [""]
     return "\n".join(out)

@@ -133,6 +133,16 @@ def launch(target: str, world_size: int, kwargs: dict | None = None, cluster=Non
     codes = [p.returncode for p in procs]
     ok = all(c == 0 for c in codes) and all(r is not None for r in results)
     error = ""
+    raised = {}
+    for rank, out in enumerate(outs):
+        err = Path(str(out) + ".err")
+        if err.exists():
+            try:
+                raised[rank] = json.loads(err.read_text())["time"]
+            except (ValueError, KeyError):
+                pass
+    if not ok and raised:
+        failed_rank = min(raised, key=raised.get)  # the first to raise, not the first seen
     if not ok:
         if failed_rank is None:
             failed_rank = next((r for r, res in enumerate(results) if res is None), 0)
@@ -176,19 +186,34 @@ def selftest_worker(rank: int, world_size: int, fail_rank: int = -1, hang_rank: 
 
 
 def _worker(target: str, kwargs: dict, out: str, timeout_s: float) -> int:
-    import torch
-    import torch.distributed as dist
+    err = Path(out + ".err")
 
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    mod_name, fn_name = target.split(":")
-    fn = getattr(importlib.import_module(mod_name), fn_name)
-    dist.init_process_group("gloo", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=max(timeout_s, 30)))
+    def record(exc: BaseException) -> None:
+        # When one rank raises, its peers fail soon after (connection closed): the time of each
+        # rank's first exception, taken before any clean-up, names the rank that failed first.
+        if not err.exists():
+            err.write_text(json.dumps({"time": time.time(), "error": repr(exc)}))
+
     try:
-        result = fn(rank, world, **kwargs)
-    finally:
-        dist.destroy_process_group()
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        mod_name, fn_name = target.split(":")
+        fn = getattr(importlib.import_module(mod_name), fn_name)
+        dist.init_process_group("gloo", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=max(timeout_s, 30)))
+        try:
+            result = fn(rank, world, **kwargs)
+        except BaseException as exc:
+            record(exc)
+            raise
+        finally:
+            dist.destroy_process_group()
+    except BaseException as exc:
+        record(exc)
+        raise
     Path(out).write_text(json.dumps(result))
     return 0
 
