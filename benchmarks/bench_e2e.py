@@ -230,13 +230,14 @@ def _summarise(res, variants, world_size, model, tier_label, shaped, batch):
     return rows
 
 
-def run(models, ranks_list, tiers, steps, rounds, warmup, timeout_s, loopback, log=print):
+def run(models, ranks_list, tiers, steps, rounds, warmup, timeout_s, loopback, log=print,
+        gradientflow=True):
     """Measure every (model, ranks, tier); return (rows, tier_rows, single_rank, notes)."""
     from benchmarks.launch import launch
     from benchmarks.netem import Cluster, ShapeConfig
 
     rows, notes, single = [], [], {}
-    gf_reason = _gf_available()
+    gf_reason = _gf_available() if gradientflow else "not requested (--no-gradientflow)"
     groups = [list(PEERS)]
     if gf_reason:
         notes.append(f"gradientflow variants skipped: {gf_reason}")
@@ -337,15 +338,18 @@ def _markdown(rows, single, notes, tier_rows, cmd, quick):
     return "\n".join(out)
 
 
+def _plotted(row) -> bool:
+    """Whether a row belongs on a plot: the gradientflow launch's own DDP/nocomm anchors
+    would duplicate the peers' lines, so only its gradientflow variants are drawn."""
+    return row.get("group") != "gradientflow" or row["variant"].startswith("gf_")
+
+
 def _plot(rows, out_dir):
     paths = []
     for model in dict.fromkeys(r["model"] for r in rows):
         for n in sorted({r["ranks"] for r in rows if r["model"] == model}):
             sub = [r for r in rows if r["model"] == model and r["ranks"] == n
-                   and r.get("rate_gbps") is not None and "median_ms" in r
-                   and r.get("group") == "peers" or (r["model"] == model and r["ranks"] == n
-                   and r.get("rate_gbps") is not None and "median_ms" in r
-                   and r["variant"].startswith("gf_"))]
+                   and r.get("rate_gbps") is not None and "median_ms" in r and _plotted(r)]
             series = {}
             for r in sub:
                 xs, ys = series.setdefault(LABELS[r["variant"]], ([], []))
@@ -373,6 +377,8 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--timeout", type=float, default=None, help="seconds per launch")
     ap.add_argument("--loopback", action="store_true", help="no namespaces: unshaped loopback")
+    ap.add_argument("--no-gradientflow", action="store_true",
+                    help="measure the peers only (gradientflow variants not even launched)")
     ap.add_argument("--no-tier-probe", action="store_true", help="skip measuring the tiers")
     args = ap.parse_args(argv)
     q = args.quick
@@ -397,7 +403,8 @@ def main(argv=None) -> int:
     if loopback:
         tiers = [None]
     rows, single, notes = run(models, ranks, tiers, steps, rounds, args.warmup, timeout, loopback,
-                              log=lambda s: print(s, flush=True))
+                              log=lambda s: print(s, flush=True),
+                              gradientflow=not args.no_gradientflow)
     md = _markdown(rows, single, notes, tier_rows, cmd.strip(), q)
     plots = [] if q else _plot(rows, args.out)
     if plots:

@@ -108,7 +108,9 @@ def _rows(data) -> list[dict]:
 
 def plot_step_time(records: dict, out: Path) -> list[str]:
     """Step time vs bandwidth, one panel per model at 2 ranks, from e2e's rows."""
-    rows = [r for r in _rows(records.get("e2e")) if r.get("rate_gbps") and r.get("median_ms")]
+    # The gradientflow launch's own DDP/nocomm anchors would duplicate the peers' lines.
+    rows = [r for r in _rows(records.get("e2e")) if r.get("rate_gbps") and r.get("median_ms")
+            and (r.get("group") != "gradientflow" or str(r.get("variant")).startswith("gf_"))]
     made = []
     for model in dict.fromkeys(r["model"] for r in rows):
         for n in sorted({r["ranks"] for r in rows if r["model"] == model}):
