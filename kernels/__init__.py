@@ -140,10 +140,8 @@ def _backend(op: str, impl: str, device: torch.device):
     if impl == "torch":
         return reference
     if device.type == "cpu":
-        try:
-            from . import cpu
-        except ImportError:  # TEMPORARY until kernels/cpu.py lands
-            return reference
+        from . import cpu
+
         return cpu
     if device.type == "cuda":
         mod = _cuda()

@@ -30,17 +30,6 @@ def nchunks_of(numel: int, chunk_size: int) -> int:
     return -(-numel // chunk_size)
 
 
-def _chunked(x: torch.Tensor, chunk_size: int) -> torch.Tensor:
-    """Return x as an (nchunks, C) matrix, zero-padding the last partial chunk (a copy only then)."""
-    n = x.numel()
-    nch = nchunks_of(n, chunk_size)
-    if n == nch * chunk_size:
-        return x.view(nch, chunk_size)
-    padded = x.new_zeros(nch * chunk_size)
-    padded[:n] = x
-    return padded.view(nch, chunk_size)
-
-
 def chunk_norms(
     grad: torch.Tensor,
     residual: torch.Tensor | None,
@@ -70,12 +59,19 @@ def chunk_norms(
         v = grad if residual is None else grad + residual
     if v is not grad:
         grad.copy_(v)
-    if grad.numel() == 0:
-        return grad.new_zeros(0)
-    mat = _chunked(grad, chunk_size)
-    if norm == "l1":
-        return mat.abs().sum(dim=1)
-    return (mat * mat).sum(dim=1)
+    n = grad.numel()
+    full = n // chunk_size
+    out = grad.new_empty(nchunks_of(n, chunk_size))
+    # Full chunks through a view and the partial tail on its own: no padded copy of the gradient.
+    parts = [(grad[: full * chunk_size].view(full, chunk_size), out[:full])]
+    if full * chunk_size < n:
+        parts.append((grad[full * chunk_size :].view(1, -1), out[full:]))
+    for mat, dst in parts:
+        if norm == "l1":
+            torch.sum(mat.abs(), dim=1, out=dst)
+        else:
+            torch.sum(mat * mat, dim=1, out=dst)
+    return out
 
 
 def select_chunks(
@@ -119,18 +115,7 @@ def pack_chunks(
         out = torch.empty(k * chunk_size, dtype=wire_dtype, device=v.device)
     if k == 0:
         return out
-    n = v.numel()
-    full = n // chunk_size
-    idx = indices.to(device=v.device, dtype=torch.int64)
-    rows = torch.empty(k, chunk_size, dtype=torch.float32, device=v.device)
-    is_full = idx < full
-    if full > 0:
-        body = v[: full * chunk_size].view(full, chunk_size)
-        rows.copy_(body.index_select(0, idx.clamp(max=full - 1)))
-    if full * chunk_size < n:
-        tail = v.new_zeros(chunk_size)
-        tail[: n - full * chunk_size] = v[full * chunk_size :]
-        rows[~is_full] = tail
+    rows = _gather_rows(v, indices.to(device=v.device, dtype=torch.int64), chunk_size)
     # Multiply in float32 first, then one rounding to the wire type (as the kernels do).
     rows.mul_(torch.tensor(scale, dtype=torch.float32))
     out.view(k, chunk_size).copy_(rows)
@@ -157,12 +142,13 @@ def unpack_update(
         residual.copy_(v)
         if k:
             if packed_local is None:
-                err = torch.zeros(k, chunk_size, dtype=torch.float32, device=v.device)
+                # FP32 wire without a local copy: what was sent is exact, nothing is left.
+                mat = torch.zeros(k, chunk_size, dtype=torch.float32, device=v.device)
             else:
                 loc = packed_local.view(k, chunk_size).to(torch.float32)
                 err = loc * torch.tensor(err_scale, dtype=torch.float32)
-            # residual = v - upcast(local) * err_scale, written chunk by chunk (partial last chunk).
-            mat = _chunked(v, chunk_size)[idx] - err
+                # residual = v - upcast(local) * err_scale: the wire rounding error.
+                mat = _gather_rows(v, idx, chunk_size) - err
             _scatter_rows(residual, idx, mat, chunk_size)
     # out may alias v: everything read from v above is already in `mat`/`residual`.
     out.zero_()
@@ -171,6 +157,23 @@ def unpack_update(
         red = red * torch.tensor(unscale, dtype=torch.float32)
         _scatter_rows(out, idx, red, chunk_size)
     return out
+
+
+def _gather_rows(x: torch.Tensor, idx: torch.Tensor, chunk_size: int) -> torch.Tensor:
+    """Return the chunks idx of x as a (k, C) float32 matrix, the partial last chunk zero-padded."""
+    n = x.numel()
+    full = n // chunk_size
+    rows = torch.empty(idx.numel(), chunk_size, dtype=torch.float32, device=x.device)
+    if idx.numel() == 0:
+        return rows
+    if full > 0:
+        body = x[: full * chunk_size].view(full, chunk_size)
+        torch.index_select(body, 0, idx.clamp(max=full - 1), out=rows)
+    if full * chunk_size < n:
+        tail = x.new_zeros(chunk_size)
+        tail[: n - full * chunk_size] = x[full * chunk_size :]
+        rows[idx >= full] = tail
+    return rows
 
 
 def _scatter_rows(dst: torch.Tensor, idx: torch.Tensor, rows: torch.Tensor, chunk_size: int) -> None:

@@ -1,0 +1,336 @@
+"""numba CPU kernels of CSC: each fuses what the torch reference does in several passes.
+
+- ``chunk_norms``: residual-add (and DGC momentum) written back into the gradient and each
+  chunk's norm, in one read of the gradient (the norm loop reruns over the chunk just written,
+  which is still in L1 cache).
+- ``pack_chunks``: gather + scale + round to the wire type, straight into the send buffer.
+- ``unpack_update``: scatter back + residual update + zeroing of the unsent chunks, one pass.
+
+All kernels are ``@njit(parallel=True, nogil=True, cache=True)`` over chunks (or blocks) and take
+torch CPU tensors zero-copy through ``Tensor.numpy()``; half and bfloat16 buffers are seen as
+uint16 (numba has no float16 on CPU, see ``half.py``). Every launch goes through
+``_threads.launch()`` (thread count, and a lock when the layer is workqueue). Arguments are
+validated by the dispatch module (``gradientflow.kernels``); this module trusts them, except for
+chunk indices, which are range-checked here because a bad one would write out of bounds.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from numba import njit, prange
+
+from . import _threads
+from .half import bf16_bits_to_f32, f16_bits_to_f32, f32_to_bf16_bits, f32_to_f16_bits
+from .reference import nchunks_of
+
+__all__ = [
+    "chunk_norms",
+    "pack_chunks",
+    "unpack_update",
+    "cast_scaled",
+    "upcast_scaled",
+    "warm_up",
+]
+
+_threads.configure()  # before the first parallel kernel starts numba's pool
+
+_PAR = dict(parallel=True, nogil=True, cache=True)
+
+# Wire codes: how a packed buffer's elements are read/written.
+_F32, _F16, _BF16 = 0, 1, 2
+_CODE = {torch.float32: _F32, torch.float16: _F16, torch.bfloat16: _BF16}
+_EMPTY = np.zeros(0, dtype=np.float32)
+
+
+# ---- kernels ---------------------------------------------------------------------------------
+
+
+@njit(inline="never", cache=True, nogil=True, fastmath={"reassoc"})
+def _chunk_sum(g, lo, hi, l2):
+    """Sum |g| or g*g over [lo, hi); reassociation lets LLVM vectorise the reduction."""
+    acc = np.float32(0.0)
+    if l2:
+        for i in range(lo, hi):
+            acc += g[i] * g[i]
+    else:
+        for i in range(lo, hi):
+            acc += abs(g[i])
+    return acc
+
+
+@njit(**_PAR)
+def _norms_kernel(g, r, has_r, mom, mom_out, mode, m, chunk, l2, norms):
+    """v = grad (+ momentum) + residual into g, u into mom_out, and each chunk's norm.
+
+    mode 0: no momentum; 1: u = m*mom + g, v = r + u; 2 (Nesterov): u = (mom + g)*m,
+    v = r + u + g. The additions are in the reference's order, so v is bit-identical.
+    """
+    n = g.size
+    mf = np.float32(m)
+    for c in prange(norms.size):
+        lo = c * chunk
+        hi = min(lo + chunk, n)
+        if mode == 0:
+            if has_r:
+                for i in range(lo, hi):
+                    g[i] = g[i] + r[i]
+        elif mode == 1:
+            if has_r:
+                for i in range(lo, hi):
+                    u = mf * mom[i] + g[i]
+                    mom_out[i] = u
+                    g[i] = r[i] + u
+            else:
+                for i in range(lo, hi):
+                    u = mf * mom[i] + g[i]
+                    mom_out[i] = u
+                    g[i] = u
+        else:
+            if has_r:
+                for i in range(lo, hi):
+                    x = g[i]
+                    u = (mom[i] + x) * mf
+                    mom_out[i] = u
+                    g[i] = (r[i] + u) + x
+            else:
+                for i in range(lo, hi):
+                    x = g[i]
+                    u = (mom[i] + x) * mf
+                    mom_out[i] = u
+                    g[i] = u + x
+        norms[c] = _chunk_sum(g, lo, hi, l2)
+
+
+@njit(**_PAR)
+def _pack_f32_kernel(v, idx, chunk, scale, out):
+    """out[j*C + t] = v[idx[j]*C + t] * scale (0 past the end of v)."""
+    n = v.size
+    s = np.float32(scale)
+    for j in prange(idx.size):
+        base = idx[j] * chunk
+        o = j * chunk
+        hi = min(chunk, n - base)
+        for t in range(hi):
+            out[o + t] = v[base + t] * s
+        for t in range(hi, chunk):
+            out[o + t] = np.float32(0.0)
+
+
+@njit(**_PAR)
+def _pack_u16_kernel(v, idx, chunk, scale, code, out):
+    """As _pack_f32_kernel, rounding to binary16 (code 1) or bfloat16 (code 2) bits."""
+    n = v.size
+    s = np.float32(scale)
+    for j in prange(idx.size):
+        base = idx[j] * chunk
+        o = j * chunk
+        hi = min(chunk, n - base)
+        if code == 1:
+            for t in range(hi):
+                out[o + t] = np.uint16(f32_to_f16_bits(v[base + t] * s))
+        else:
+            for t in range(hi):
+                out[o + t] = np.uint16(f32_to_bf16_bits(v[base + t] * s))
+        for t in range(hi, chunk):
+            out[o + t] = np.uint16(0)
+
+
+@njit(inline="always", cache=True, nogil=True)
+def _load(a, i, code):
+    """Read element i of a packed buffer as float32 (code: 0 float32, 1 binary16, 2 bfloat16)."""
+    if code == 0:
+        return np.float32(a[i])
+    if code == 1:
+        return f16_bits_to_f32(a[i])
+    return bf16_bits_to_f32(a[i])
+
+
+@njit(**_PAR)
+def _unpack_kernel(v, r, has_r, red, red_code, loc, loc_code, has_loc, cmap, chunk,
+                   unscale, err_scale, out):
+    """One pass over v: scatter the reduced chunks into out, the rest into the residual.
+
+    ``cmap[c]`` is the position j of chunk c in the packed buffers, or -1 if it was not sent.
+    Each element of v is read before out (which may be v) is written.
+    """
+    n = v.size
+    us = np.float32(unscale)
+    es = np.float32(err_scale)
+    for c in prange(cmap.size):
+        lo = c * chunk
+        hi = min(lo + chunk, n)
+        j = cmap[c]
+        if j < 0:
+            if has_r:
+                for i in range(lo, hi):
+                    r[i] = v[i]
+            for i in range(lo, hi):
+                out[i] = np.float32(0.0)
+        else:
+            o = j * chunk - lo
+            if has_r:
+                if has_loc:
+                    for i in range(lo, hi):
+                        x = v[i]
+                        y = _load(red, o + i, red_code) * us
+                        r[i] = x - _load(loc, o + i, loc_code) * es
+                        out[i] = y
+                else:
+                    for i in range(lo, hi):
+                        r[i] = np.float32(0.0)
+            if not (has_r and has_loc):
+                for i in range(lo, hi):
+                    out[i] = _load(red, o + i, red_code) * us
+
+
+@njit(**_PAR)
+def _cast_f32_kernel(x, scale, out):
+    """out = x * scale (float32)."""
+    s = np.float32(scale)
+    for i in prange(x.size):
+        out[i] = x[i] * s
+
+
+@njit(**_PAR)
+def _cast_u16_kernel(x, scale, code, out):
+    """out = bits of round(x * scale) in binary16 (code 1) or bfloat16 (code 2)."""
+    s = np.float32(scale)
+    if code == 1:
+        for i in prange(x.size):
+            out[i] = np.uint16(f32_to_f16_bits(x[i] * s))
+    else:
+        for i in prange(x.size):
+            out[i] = np.uint16(f32_to_bf16_bits(x[i] * s))
+
+
+@njit(**_PAR)
+def _upcast_kernel(x, code, scale, out):
+    """out = float32(x) * scale, x float32 or 16-bit wire bits."""
+    s = np.float32(scale)
+    for i in prange(x.size):
+        out[i] = _load(x, i, code) * s
+
+
+# ---- torch-facing wrappers -------------------------------------------------------------------
+
+
+def _f32(t: torch.Tensor) -> np.ndarray:
+    """Zero-copy numpy view of a float32 CPU tensor."""
+    return t.detach().numpy()
+
+
+def _wire(t: torch.Tensor) -> np.ndarray:
+    """Zero-copy numpy view of a wire buffer: float32 as is, 16-bit types as uint16 bits."""
+    if t.dtype == torch.float32:
+        return t.detach().numpy()
+    return t.detach().view(torch.int16).numpy().view(np.uint16)
+
+
+def _indices(op: str, indices: torch.Tensor, nch: int) -> np.ndarray:
+    """Return the chunk indices as int64 numpy, refusing any outside [0, nchunks)."""
+    idx = indices.detach().numpy()
+    if idx.size and (idx.min() < 0 or idx.max() >= nch):
+        raise ValueError(
+            f"{op}: chunk indices must lie in [0, {nch}), got min {idx.min()} max {idx.max()}; "
+            "pass the indices select_chunks returned for this buffer"
+        )
+    return idx
+
+
+def chunk_norms(grad, residual, chunk_size, norm="l1", *, momentum=None, momentum_out=None,
+                m=0.9, nesterov=False):
+    """numba version of ``reference.chunk_norms`` (see the dispatch module for the contract)."""
+    nch = nchunks_of(grad.numel(), chunk_size)
+    norms = torch.empty(nch, dtype=torch.float32)
+    if nch == 0:
+        return norms
+    mode = 0 if momentum is None else (2 if nesterov else 1)
+    with _threads.launch():
+        _norms_kernel(
+            _f32(grad),
+            _EMPTY if residual is None else _f32(residual),
+            residual is not None,
+            _EMPTY if momentum is None else _f32(momentum),
+            _EMPTY if momentum_out is None else _f32(momentum_out),
+            mode, m, chunk_size, norm == "l2", norms.numpy(),
+        )
+    return norms
+
+
+def pack_chunks(v, indices, chunk_size, scale, wire_dtype, *, out):
+    """numba version of ``reference.pack_chunks``."""
+    idx = _indices("pack_chunks", indices, nchunks_of(v.numel(), chunk_size))
+    if idx.size == 0:
+        return out
+    with _threads.launch():
+        if wire_dtype == torch.float32:
+            _pack_f32_kernel(_f32(v), idx, chunk_size, scale, _wire(out))
+        else:
+            _pack_u16_kernel(_f32(v), idx, chunk_size, scale, _CODE[wire_dtype], _wire(out))
+    return out
+
+
+def unpack_update(v, residual, packed_reduced, packed_local, indices, chunk_size, unscale,
+                  err_scale, *, out):
+    """numba version of ``reference.unpack_update``."""
+    nch = nchunks_of(v.numel(), chunk_size)
+    idx = _indices("unpack_update", indices, nch)
+    cmap = np.full(nch, -1, dtype=np.int64)
+    cmap[idx] = np.arange(idx.size, dtype=np.int64)
+    if nch == 0:
+        return out
+    red = _wire(packed_reduced)
+    loc = red if packed_local is None else _wire(packed_local)
+    loc_code = _CODE[packed_reduced.dtype if packed_local is None else packed_local.dtype]
+    with _threads.launch():
+        _unpack_kernel(
+            _f32(v),
+            _EMPTY if residual is None else _f32(residual),
+            residual is not None,
+            red, _CODE[packed_reduced.dtype],
+            loc, loc_code, packed_local is not None,
+            cmap, chunk_size, unscale, err_scale, _f32(out),
+        )
+    return out
+
+
+def cast_scaled(x, scale, wire_dtype, *, out):
+    """numba version of ``reference.cast_scaled``."""
+    if x.numel() == 0:
+        return out
+    with _threads.launch():
+        if wire_dtype == torch.float32:
+            _cast_f32_kernel(_f32(x), scale, _wire(out))
+        else:
+            _cast_u16_kernel(_f32(x), scale, _CODE[wire_dtype], _wire(out))
+    return out
+
+
+def upcast_scaled(x, scale, *, out):
+    """numba version of ``reference.upcast_scaled``."""
+    if x.numel() == 0:
+        return out
+    with _threads.launch():
+        _upcast_kernel(_wire(x), _CODE[x.dtype], scale, _f32(out))
+    return out
+
+
+def warm_up() -> None:
+    """Compile (or load from cache) every kernel signature the dispatch can use, on tiny inputs."""
+    g = torch.ones(5)
+    r = torch.ones(5)
+    mom = torch.ones(5)
+    for res in (None, r):
+        for mo in (None, mom):
+            for l2 in ("l1", "l2"):
+                chunk_norms(g, res, 2, l2, momentum=mo, momentum_out=mo, nesterov=mo is not None)
+    idx = torch.tensor([0, 2])
+    for wd in (torch.float32, torch.float16, torch.bfloat16):
+        p = torch.empty(4, dtype=wd)
+        pack_chunks(g, idx, 2, 1.0, wd, out=p)
+        unpack_update(g, r, p, p, idx, 2, 1.0, 1.0, out=torch.empty(5))
+        unpack_update(g, None, p, None, idx, 2, 1.0, 1.0, out=g)
+        c = torch.empty(5, dtype=wd)
+        cast_scaled(g, 1.0, wd, out=c)
+        upcast_scaled(c, 1.0, out=torch.empty(5))

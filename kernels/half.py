@@ -1,0 +1,171 @@
+"""IEEE half (binary16) and bfloat16 conversions on raw bits, for numba targets without float16.
+
+numba's CPU target has no float16 type, so the kernels write the 16 bits of each wire value into
+a uint16 array that torch then views as ``torch.float16`` / ``torch.bfloat16``. The functions in
+this module work on the bit patterns held in int64 (so numba never unifies signed and unsigned
+integers into float64) and are written once, in plain Python: ``cpu.py`` compiles them with
+``njit``, ``cuda.py`` with ``cuda.jit(device=True)``, and the tests run them as Python.
+
+Rounding is to nearest, ties to even, as torch's casts: overflow rounds to inf, values below
+half the smallest subnormal round to (signed) zero, NaN stays a quiet NaN with its sign.
+
+The bit casts between float32 and its 32 bits are per target: ``f32_to_bits`` / ``bits_to_f32``
+here are the numba CPU intrinsics (an LLVM bitcast, no memory round trip).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, types
+from numba.extending import intrinsic
+
+__all__ = [
+    "f32bits_to_f16bits",
+    "f32bits_to_bf16bits",
+    "f16bits_to_f32bits",
+    "bf16bits_to_f32bits",
+    "f32_to_bits",
+    "bits_to_f32",
+    "f32_to_f16_bits",
+    "f32_to_bf16_bits",
+    "f16_bits_to_f32",
+    "bf16_bits_to_f32",
+]
+
+
+# ---- pure integer functions (shared by every target) ----------------------------------------
+
+
+def f32bits_to_f16bits(x):
+    """Round the float32 with bits ``x`` (0 <= x < 2**32) to binary16 bits, ties to even."""
+    sign = (x >> 16) & 0x8000
+    f = x & 0x7FFFFFFF
+    if f >= 0x7F800000:
+        if f > 0x7F800000:
+            h = 0x7E00 | ((f >> 13) & 0x3FF)  # NaN: quiet, keep the top payload bits
+        else:
+            h = 0x7C00  # inf
+    elif f >= 0x477FF000:
+        # >= 65520 (max half 65504 plus half an ulp): rounds to inf. The exact tie 65520 goes
+        # to even, which is inf too.
+        h = 0x7C00
+    elif f >= 0x38800000:
+        # Normal half (>= 2**-14): rebias the exponent (127 -> 15) and round the 13 dropped
+        # mantissa bits to nearest even; a carry into the exponent is the right answer.
+        h = (f - 0x38000000 + 0xFFF + ((f >> 13) & 1)) >> 13
+    elif f >= 0x33000000:
+        # Subnormal half (2**-25 <= |x| < 2**-14): the value in units of 2**-24 is the 24-bit
+        # significand shifted right by 126 - exponent (14..24 bits), rounded to even.
+        e = f >> 23
+        mant = (f & 0x7FFFFF) | 0x800000
+        shift = 126 - e
+        h = mant >> shift
+        rem = mant & ((1 << shift) - 1)
+        halfway = 1 << (shift - 1)
+        if rem > halfway or (rem == halfway and (h & 1) == 1):
+            h += 1
+    else:
+        h = 0  # below 2**-25 (or exactly it: a tie that goes to the even zero)
+    return sign | h
+
+
+def f32bits_to_bf16bits(x):
+    """Round the float32 with bits ``x`` to bfloat16 bits, ties to even (NaN stays quiet NaN)."""
+    if (x & 0x7FFFFFFF) > 0x7F800000:
+        return ((x >> 16) | 0x40) & 0xFFFF
+    return ((x + 0x7FFF + ((x >> 16) & 1)) >> 16) & 0xFFFF
+
+
+def f16bits_to_f32bits(h):
+    """Return the float32 bits of the binary16 value with bits ``h`` (exact)."""
+    sign = (h & 0x8000) << 16
+    e = (h >> 10) & 0x1F
+    m = h & 0x3FF
+    if e == 0x1F:
+        return sign | 0x7F800000 | (m << 13)
+    if e == 0:
+        if m == 0:
+            return sign
+        # Subnormal half: normalise (it is a normal float32).
+        e = 113
+        while (m & 0x400) == 0:
+            m <<= 1
+            e -= 1
+        return sign | (e << 23) | ((m & 0x3FF) << 13)
+    return sign | ((e + 112) << 23) | (m << 13)
+
+
+def bf16bits_to_f32bits(h):
+    """Return the float32 bits of the bfloat16 value with bits ``h`` (exact)."""
+    return (h & 0xFFFF) << 16
+
+
+# ---- numba CPU: bit casts and compiled wrappers --------------------------------------------
+
+
+@intrinsic
+def f32_to_bits(typingctx, x):
+    """Return the 32 bits of a float32 as an int64 in [0, 2**32) (LLVM bitcast)."""
+    if not isinstance(x, types.Float):
+        return None
+    sig = types.int64(x)
+
+    def codegen(context, builder, signature, args):
+        val = args[0]
+        if isinstance(x, types.Float) and x.bitwidth == 64:
+            val = builder.fptrunc(val, ir.FloatType())
+        bits = builder.bitcast(val, ir.IntType(32))
+        return builder.zext(bits, ir.IntType(64))
+
+    return sig, codegen
+
+
+@intrinsic
+def bits_to_f32(typingctx, x):
+    """Return the float32 whose bits are the low 32 bits of integer ``x`` (LLVM bitcast)."""
+    if not isinstance(x, types.Integer):
+        return None
+    sig = types.float32(x)
+
+    def codegen(context, builder, signature, args):
+        val = args[0]
+        width = x.bitwidth
+        if width > 32:
+            val = builder.trunc(val, ir.IntType(32))
+        elif width < 32:
+            val = builder.zext(val, ir.IntType(32))
+        return builder.bitcast(val, ir.FloatType())
+
+    return sig, codegen
+
+
+_jit_int = njit(inline="always", cache=True, nogil=True)
+_f32bits_to_f16bits = _jit_int(f32bits_to_f16bits)
+_f32bits_to_bf16bits = _jit_int(f32bits_to_bf16bits)
+_f16bits_to_f32bits = _jit_int(f16bits_to_f32bits)
+_bf16bits_to_f32bits = _jit_int(bf16bits_to_f32bits)
+
+
+@njit(inline="always", cache=True, nogil=True)
+def f32_to_f16_bits(x):
+    """Round float32 ``x`` to binary16 and return its bits (int64)."""
+    return _f32bits_to_f16bits(f32_to_bits(np.float32(x)))
+
+
+@njit(inline="always", cache=True, nogil=True)
+def f32_to_bf16_bits(x):
+    """Round float32 ``x`` to bfloat16 and return its bits (int64)."""
+    return _f32bits_to_bf16bits(f32_to_bits(np.float32(x)))
+
+
+@njit(inline="always", cache=True, nogil=True)
+def f16_bits_to_f32(h):
+    """Return the float32 value of binary16 bits ``h``."""
+    return bits_to_f32(_f16bits_to_f32bits(np.int64(h)))
+
+
+@njit(inline="always", cache=True, nogil=True)
+def bf16_bits_to_f32(h):
+    """Return the float32 value of bfloat16 bits ``h``."""
+    return bits_to_f32(_bf16bits_to_f32bits(np.int64(h)))

@@ -1,0 +1,144 @@
+"""numba CPU kernels against the torch reference, over random sizes, chunks, norms and wire types."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from gradientflow import kernels as K
+from gradientflow.kernels import reference as R
+
+from .conftest import assert_same_bits
+
+WIRES = [torch.float32, torch.float16, torch.bfloat16]
+SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@st.composite
+def layouts(draw):
+    """(N, C): N from 0 to a few thousand, C from 1 to larger than N (N < C, partial chunks)."""
+    n = draw(st.integers(0, 3000))
+    c = draw(st.sampled_from([1, 2, 3, 7, 16, 64, 100, 256, 1024, 5000]))
+    return n, c
+
+
+def _vec(seed: int, n: int, scale: float = 1.0, specials: bool = False) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=g) * scale
+    if specials and n:
+        # wide magnitudes: values that overflow, underflow and land in half's subnormals
+        e = torch.randint(-30, 20, (n,), generator=g).float()
+        x = x * torch.pow(2.0, e)
+    return x
+
+
+@st.composite
+def chosen(draw, nch):
+    """k in {0, 1, random, nchunks} chunks, sorted indices."""
+    k = draw(st.sampled_from([0, 1, nch, max(0, nch // 3)]))
+    k = min(k, nch)
+    perm = torch.randperm(nch, generator=torch.Generator().manual_seed(draw(st.integers(0, 2**16))))
+    return torch.sort(perm[:k]).values
+
+
+@SETTINGS
+@given(lay=layouts(), norm=st.sampled_from(["l1", "l2"]), has_r=st.booleans(),
+       mom=st.sampled_from([None, "plain", "nesterov"]), alias=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_chunk_norms_matches_reference(lay, norm, has_r, mom, alias, seed):
+    n, c = lay
+    grad = _vec(seed, n)
+    res = _vec(seed + 1, n) if has_r else None
+    momentum = _vec(seed + 2, n) if mom else None
+    outs = {}
+    for impl in ("numba", "torch"):
+        g = grad.clone()
+        m_in = momentum.clone() if mom else None
+        m_out = (m_in if alias else torch.empty(n)) if mom else None
+        r = res.clone() if has_r else None
+        norms = K.chunk_norms(g, r, c, norm, momentum=m_in, momentum_out=m_out, m=0.9,
+                              nesterov=mom == "nesterov", impl=impl)
+        if has_r:
+            assert torch.equal(r, res), "chunk_norms must not modify the residual"
+        outs[impl] = (g, m_out, norms)
+    assert outs["numba"][2].shape == (math.ceil(n / c),)
+    assert_same_bits(outs["numba"][0], outs["torch"][0])
+    if mom:
+        assert_same_bits(outs["numba"][1], outs["torch"][1])
+    torch.testing.assert_close(outs["numba"][2], outs["torch"][2], rtol=2e-5, atol=1e-5)
+
+
+def test_chunk_norms_propagates_non_finite():
+    g = torch.ones(10)
+    g[3] = float("nan")
+    g[7] = float("inf")
+    n = K.chunk_norms(g, torch.zeros(10), 4, impl="numba")
+    assert math.isnan(n[0]) and math.isinf(n[1]) and n[2] == 2.0
+
+
+@SETTINGS
+@given(lay=layouts(), wire=st.sampled_from(WIRES), seed=st.integers(0, 2**16),
+       scale=st.sampled_from([1.0, 0.5, 1 / 3, 1 / 7, 1024.0]), data=st.data())
+def test_pack_matches_reference(lay, wire, seed, scale, data):
+    n, c = lay
+    v = _vec(seed, n, 100.0, specials=True)
+    idx = data.draw(chosen(R.nchunks_of(n, c)))
+    ours = K.pack_chunks(v, idx, c, scale, wire, impl="numba")
+    ref = K.pack_chunks(v, idx, c, scale, wire, impl="torch")
+    assert ours.dtype == wire and ours.numel() == idx.numel() * c
+    assert_same_bits(ours, ref)
+    # into a given out buffer, as the caller's reusable send buffer
+    out = torch.full((idx.numel() * c,), 7.0, dtype=wire)
+    assert K.pack_chunks(v, idx, c, scale, wire, out=out, impl="numba") is out
+    assert_same_bits(out, ref)
+
+
+@SETTINGS
+@given(lay=layouts(), wire=st.sampled_from(WIRES), seed=st.integers(0, 2**16),
+       has_r=st.booleans(), has_loc=st.booleans(), alias=st.booleans(), data=st.data())
+def test_unpack_update_matches_reference(lay, wire, seed, has_r, has_loc, alias, data):
+    n, c = lay
+    v = _vec(seed, n, 10.0)
+    idx = data.draw(chosen(R.nchunks_of(n, c)))
+    local = K.pack_chunks(v, idx, c, 0.5, wire, impl="torch")
+    reduced = (local.float() * 2).to(wire)  # as if two ranks had sent the same
+    results = {}
+    for impl in ("numba", "torch"):
+        vv = v.clone()
+        r = torch.full((n,), 9.0) if has_r else None
+        out = vv if alias else torch.full((n,), 9.0)
+        got = K.unpack_update(vv, r, reduced, local if has_loc else None, idx, c, 0.5, 2.0,
+                              out=out, impl=impl)
+        assert got is out
+        results[impl] = (out, r)
+    assert_same_bits(results["numba"][0], results["torch"][0])
+    if has_r:
+        assert_same_bits(results["numba"][1], results["torch"][1])
+
+
+@SETTINGS
+@given(n=st.integers(0, 5000), wire=st.sampled_from(WIRES), seed=st.integers(0, 2**16),
+       scale=st.sampled_from([1.0, 0.25, 1 / 3]))
+def test_dense_cast_and_upcast_match_reference(n, wire, seed, scale):
+    x = _vec(seed, n, 1000.0, specials=True)
+    ours = K.cast_scaled(x, scale, wire, impl="numba")
+    assert_same_bits(ours, K.cast_scaled(x, scale, wire, impl="torch"))
+    up = K.upcast_scaled(ours, 1 / scale, out=torch.empty(n), impl="numba")
+    assert_same_bits(up, K.upcast_scaled(ours, 1 / scale, out=torch.empty(n), impl="torch"))
+
+
+@pytest.mark.parametrize("wire", WIRES)
+def test_csc_round_trip_loses_nothing(wire):
+    """Error feedback invariant on one rank: applied + new residual == gradient + old residual."""
+    n, c = 10_007, 64
+    grad, res = _vec(1, n), _vec(2, n) * 0.1
+    expected = (grad.double() + res.double())
+    norms = K.chunk_norms(grad, res, c)
+    idx = K.select_chunks(norms, 20)
+    packed = K.pack_chunks(grad, idx, c, 1.0, wire)
+    local = packed.clone()
+    K.unpack_update(grad, res, packed, local, idx, c, 1.0, 1.0, out=grad)
+    torch.testing.assert_close(grad.double() + res.double(), expected, rtol=0, atol=1e-6)
+    assert int((grad != 0).sum()) <= 20 * c
