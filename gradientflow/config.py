@@ -82,9 +82,11 @@ class Config:
     # Persistent fusion buffers per queue (device, dtype, op): packing message i+1 overlaps
     # the transport of message i. Extra memory <= segments * threshold per active queue.
     fusion_segments: int = 2
-    # Horovod's cycle time: how long a partial fused message may wait for more tensors before
-    # an agreement round is started. 0: start a round as soon as no fused message is in flight.
-    cycle_time_ms: float = 0.0
+    # Horovod's cycle time: how long a partial batch may wait for more tensors, while the
+    # transport is idle, before its agreement round starts (a wait(), flush(), the threshold or
+    # another collective starts it at once). 0 sends whatever is queued as soon as the transport
+    # falls idle, which in practice sends most tensors alone. 1 ms is Horovod's default.
+    cycle_time_ms: float = 1.0
     # Cheap collective-mismatch fingerprints carried on agreement rounds.
     debug: bool = False
     # Seconds a collective may wait before a stall warning (0 disables) / an abort (0 disables).

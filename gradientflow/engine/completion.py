@@ -42,6 +42,21 @@ def _settle(fut: torch.futures.Future, value: Any, error: BaseException | None) 
         pass
 
 
+def _unwrap(f: torch.futures.Future) -> Any:
+    return f.value()
+
+
+def new_future() -> tuple[torch.futures.Future, torch.futures.Future]:
+    """(source, public): complete `source`; hand out `public`.
+
+    torch's Future.set_exception marks the error on the Python wrapper only: a future that
+    crosses C++ (Work.get_future(), DDP's reducer) would then hand the exception object out as
+    its value. Chaining through a callback that re-raises turns it into a real C++ error.
+    """
+    source = torch.futures.Future()
+    return source, source.then(_unwrap)
+
+
 def complete(fut: torch.futures.Future, value: Any = None,
              error: BaseException | None = None) -> None:
     """Set `fut`'s result (or exception) on a pool thread, never on the caller's."""

@@ -40,6 +40,16 @@ from gradientflow.engine.stages import StageGen
 from gradientflow.engine.work import FutureWork
 
 
+MAX_BATCH = 256  # most deferred ops one agreement round can close
+_NO_HASH = 2**62  # fills the fingerprint slots past a rank's candidates (never the MIN)
+_MASK = 2**61 - 1
+
+
+def _mix(h: int, x: int) -> int:
+    """Fold fingerprint x into running fingerprint h (deterministic across processes)."""
+    return ((h * 1_000_003) ^ x) & _MASK
+
+
 class EngineError(RuntimeError):
     """The engine can no longer make progress (a peer died, a round timed out, shutdown)."""
 
@@ -149,7 +159,7 @@ class Engine:
 
     def submit_allreduce(self, tensor: torch.Tensor, reduce_op: Any) -> FutureWork:
         """Queue an async allreduce for fusion; returns its Work at once."""
-        fut = torch.futures.Future()
+        fut, public = completion.new_future()
         with self._cv:
             self._check_usable("allreduce")
             seq = self._seq
@@ -164,7 +174,7 @@ class Engine:
             self._q.append(op)
             self.counters.deferred += 1
             self._cv.notify_all()
-        return self._work(fut, seq, "allreduce", nudge=True)
+        return self._work(public, seq, "allreduce", nudge=True)
 
     def submit_eager(self, name: str, launch: Callable[[], Any], outputs: Any,
                      post: Callable[[], None] | None = None) -> Any:
@@ -182,23 +192,23 @@ class Engine:
                 self.counters.fast_path += 1
                 self.counters.eager += 1
                 return launch()
-            fut = torch.futures.Future()
+            fut, public = completion.new_future()
             self._q.append(EagerOp(seq, name, launch, outputs, fut, post))
             self.counters.eager += 1
             self._cv.notify_all()
-        return self._work(fut, seq, name, nudge=False)
+        return self._work(public, seq, name, nudge=False)
 
     def submit_stages(self, name: str, gen: StageGen, device: torch.device,
                       key: Hashable = None) -> torch.futures.Future:
         """Run a multi-stage op (a compressed bucket) in sequence order on the engine thread."""
-        fut = torch.futures.Future()
+        fut, public = completion.new_future()
         with self._cv:
             self._check_usable(name)
             seq = self._seq
             self._seq += 1
             self._q.append(StagesOp(seq, name, gen, device, fut, key))
             self._cv.notify_all()
-        return fut
+        return public
 
     def want(self, seq: int) -> None:
         """Somebody waits on op `seq`: close its batch soon (a local hint; results never change)."""
@@ -232,6 +242,17 @@ class Engine:
         self._thread.join(timeout_s if timeout_s is not None else 5.0)
 
     # ------------------------------------------------------------------ engine thread
+    def _recount_run(self) -> None:
+        """Recompute the leading run of deferred ops after the head of the queue changed."""
+        self._run_len = 0
+        self._run_bytes = 0
+        for op in self._q:
+            if not isinstance(op, FusableOp):
+                break
+            self._run_len += 1
+            self._run_bytes += op.nbytes
+        self._run_since = time.monotonic()
+
     def _should_round(self, now: float) -> tuple[bool, float | None]:
         """Whether to start the agreement round for the leading batch now (local reasons)."""
         if self._run_len < len(self._q):  # another collective is queued behind the batch
@@ -260,18 +281,21 @@ class Engine:
                     head = self._q[0]
                     if not isinstance(head, FusableOp):
                         self._q.popleft()
+                        self._recount_run()
                         job = head
                         break
                     go, delay = self._should_round(time.monotonic())
                     if go:
                         job = "round"
-                        frontier = self._q[self._run_len - 1].seq + 1
+                        # Snapshot of the local batch candidates, capped so the round's
+                        # fingerprint vector stays small.
+                        candidates = [self._q[i] for i in range(min(self._run_len, MAX_BATCH))]
                         break
                     self._cv.wait(delay)
                 self._busy = True
             try:
                 if job == "round":
-                    self._run_batch(frontier)
+                    self._run_batch(candidates)
                 elif isinstance(job, StagesOp):
                     self._run_stages(job)
                 else:
@@ -291,10 +315,25 @@ class Engine:
             self._busy = False
             self._cv.notify_all()
 
-    def _round(self, frontier: int) -> int:
-        """One agreement round: the batch end every rank has reached (MIN of the frontiers)."""
+    def _round(self, candidates: list[FusableOp]) -> tuple[int, torch.Tensor]:
+        """One agreement round: the batch end every rank has reached, plus fingerprints.
+
+        One int64 MIN-allreduce carries [frontier, h_1..h_K, -h_1..-h_K], where h_i is the
+        fingerprint of this rank's first i candidates (dtype, size, op). MIN of the frontiers is
+        the batch end; MIN of h and of -h give the smallest and largest fingerprint of every
+        prefix, so a batch whose ops differ between ranks is detected before anything is sent.
+        """
         t0 = time.perf_counter()
-        vec = torch.tensor([frontier], dtype=torch.int64)
+        k = len(candidates)
+        vec = torch.full((1 + 2 * MAX_BATCH,), _NO_HASH, dtype=torch.int64)
+        vec[0] = candidates[-1].seq + 1
+        h = 0
+        hashes = []
+        for op in candidates:
+            h = _mix(h, op.fingerprint)
+            hashes.append(h)
+        vec[1:1 + k] = torch.tensor(hashes, dtype=torch.int64)
+        vec[1 + MAX_BATCH:1 + MAX_BATCH + k] = -vec[1:1 + k]
         opts = AllreduceOptions()
         opts.reduceOp = ReduceOp.MIN
         work = self._agree.allreduce([vec], opts)
@@ -303,35 +342,60 @@ class Engine:
         except Exception as exc:
             raise EngineError(
                 f"gradientflow: rank {self.rank}: agreement round for the fused allreduces from "
-                f"sequence number {self._q[0].seq if self._q else '?'} failed (a peer may have "
-                f"died or stopped issuing the same collectives): {exc}"
+                f"sequence number {candidates[0].seq} failed (a peer may have died or stopped "
+                f"issuing the same collectives): {exc}"
             ) from exc
         self.counters.rounds += 1
         self.counters.round_s += time.perf_counter() - t0
-        return int(vec[0])
+        return int(vec[0]), vec
 
-    def _run_batch(self, frontier: int) -> None:
-        agreed = self._round(frontier)
+    def _run_batch(self, candidates: list[FusableOp]) -> None:
+        agreed, vec = self._round(candidates)
+        n = agreed - candidates[0].seq
+        if not 1 <= n <= len(candidates):
+            raise self._mismatch(candidates, agreed, None)
+        lo, hi = int(vec[n]), -int(vec[MAX_BATCH + n])
+        if lo != hi:
+            raise self._mismatch(candidates[:n], agreed, (lo, hi))
         with self._cv:
-            batch = []
-            while self._q and isinstance(self._q[0], FusableOp) and self._q[0].seq < agreed:
-                batch.append(self._q.popleft())
-            self._run_len = 0
-            self._run_bytes = 0
-            for op in self._q:  # recompute the leading deferred run left behind
-                if not isinstance(op, FusableOp):
-                    break
-                self._run_len += 1
-                self._run_bytes += op.nbytes
-            self._run_since = time.monotonic()
-        if not batch or batch[-1].seq != agreed - 1:
-            raise EngineError(
-                f"gradientflow: rank {self.rank}: ranks disagree on the fused allreduce batch "
-                f"ending at sequence number {agreed}: this rank has no matching deferred "
-                "allreduces there (collectives issued in a different order on different ranks)"
-            )
+            batch = [self._q.popleft() for _ in range(n)]
+            self._recount_run()
         for msg in plan_messages(batch, self.config.fusion_threshold):
             self._launch_message(msg)
+
+    def _mismatch(self, ops: list[FusableOp], agreed: int, fps) -> EngineError:
+        """Name what differs: every rank's view of the batch, gathered on the side group."""
+        mine = [f"#{op.seq} all_reduce {op.tensor.dtype} {tuple(op.tensor.shape)} "
+                f"{op.reduce_op_name}" for op in ops]
+        views = None
+        try:
+            if fps is None:  # not every rank saw this: a gather could hang
+                raise LookupError
+            import pickle
+
+            data = torch.frombuffer(bytearray(pickle.dumps(mine)), dtype=torch.uint8)
+            size = torch.tensor([data.numel()], dtype=torch.int64)
+            sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
+            self._agree.allgather([sizes], [size]).wait()
+            cap = int(max(x.item() for x in sizes))
+            padded = torch.zeros(cap, dtype=torch.uint8)
+            padded[:data.numel()] = data
+            outs = [torch.zeros(cap, dtype=torch.uint8) for _ in range(self.world_size)]
+            self._agree.allgather([outs], [padded]).wait()
+            views = [pickle.loads(bytes(o[:int(sz.item())].tolist()))
+                     for o, sz in zip(outs, sizes)]
+        except Exception:  # noqa: BLE001 - the error below is still clear without the views
+            pass
+        detail = f"fingerprints differ ({fps[0]} vs {fps[1]})" if fps else (
+            f"the agreed batch end {agreed} does not fall inside this rank's queued allreduces")
+        text = (f"gradientflow: rank {self.rank}: collective mismatch in the async allreduces "
+                f"from sequence number {ops[0].seq if ops else '?'}: {detail}. Every rank must "
+                "issue the same collectives (op, dtype, shape, reduce op) in the same order; "
+                "async allreduces issued from callbacks or threads in timing-dependent order "
+                "break that (e.g. powerSGD_hook with several DDP buckets).")
+        if views is not None:
+            text += "".join(f"\n  rank {r}: {v}" for r, v in enumerate(views))
+        return EngineError(text)
 
     def _launch_message(self, msg: Message) -> None:
         device = msg.ops[0].tensor.device

@@ -6,6 +6,7 @@ rank cuts the same messages in the same order without talking.
 from __future__ import annotations
 
 import threading
+import zlib
 from dataclasses import dataclass, field
 from typing import Hashable, Sequence
 
@@ -26,6 +27,15 @@ class FusableOp:
     @property
     def nbytes(self) -> int:
         return self.tensor.numel() * self.tensor.element_size()
+
+    @property
+    def reduce_op_name(self) -> str:
+        return str(getattr(self.reduce_op, "op", self.reduce_op)).split(".")[-1]
+
+    @property
+    def fingerprint(self) -> int:
+        """A process-independent hash of what must match across ranks: dtype, size, op."""
+        return zlib.crc32(f"{self.tensor.dtype}|{self.tensor.numel()}|{self.key[2]}".encode())
 
 
 @dataclass

@@ -1,0 +1,48 @@
+"""Engine entry points for the layers above (hooks, optimizer): multi-stage ops and flush."""
+from __future__ import annotations
+
+from typing import Hashable
+
+import torch
+
+from gradientflow.engine.stages import StageGen, drive
+
+
+def _engine_of(group):
+    from gradientflow.backend.backend import backend_of
+
+    backend = backend_of(group)
+    return None if backend is None else backend.engine
+
+
+def submit_stages(group, key: Hashable, gen: StageGen, device: torch.device | None = None,
+                  name: str = "stages") -> torch.futures.Future:
+    """Run a multi-stage op (e.g. a compressed bucket) over `group`; returns a Future of its result.
+
+    On a gradientflow group, every stage runs back to back on the engine thread in issue
+    order, so two collectives of one bucket never interleave with another bucket's differently
+    on different ranks. On any other backend (or without torch.distributed initialised, where
+    each stage is the identity of a one-rank group) the stages run here, synchronously.
+    """
+    engine = _engine_of(group)
+    if engine is not None:
+        return engine.submit_stages(name, gen, device or torch.device("cpu"), key)
+    import torch.distributed as dist
+
+    fut = torch.futures.Future()
+    try:
+        if dist.is_available() and dist.is_initialized():
+            result = drive(gen, lambda t: dist.all_reduce(t, group=group))
+        else:
+            result = drive(gen, lambda t: None)
+        fut.set_result(result)
+    except Exception as exc:  # noqa: BLE001 - delivered through the future
+        fut.set_exception(exc)
+    return fut
+
+
+def flush(group=None) -> None:
+    """Ask the engine to agree on every queued allreduce now (a local hint; results never change)."""
+    engine = _engine_of(group)
+    if engine is not None:
+        engine.flush()

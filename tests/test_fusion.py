@@ -1,0 +1,231 @@
+"""Lazy allreduce: random programs with ranks waiting at different points, memory, DDP hooks."""
+from __future__ import annotations
+
+import pytest
+
+from harness import RankFailure
+
+
+def random_programs(rank, world, n_examples):
+    """Rank body: Hypothesis programs of async allreduces mixed with other collectives.
+
+    Every rank issues the same program but waits at its own points (drawn from the seed and
+    the rank), the situation where a "flush when waited on" rule cuts different messages.
+    """
+    import random
+
+    import torch
+    import torch.distributed as dist
+    from hypothesis import HealthCheck, Phase, given, settings
+    from hypothesis import strategies as st
+
+    import gradientflow
+
+    op_step = st.tuples(
+        st.sampled_from(["ar", "ar", "ar", "ar", "sync_ar", "bcast", "flush", "ar_big"]),
+        st.sampled_from(["float32", "float64", "float16", "int32"]),
+        st.integers(1, 300),
+        st.sampled_from(["SUM", "MAX", "MIN"]),
+    )
+
+    @settings(max_examples=n_examples, derandomize=True, database=None, deadline=None,
+              phases=[Phase.generate], suppress_health_check=list(HealthCheck))
+    @given(seed=st.integers(0, 2**30), program=st.lists(op_step, min_size=1, max_size=40))
+    def prop(seed, program):
+        rng = random.Random(seed * 7919 + rank)  # each rank its own wait points
+        pending = []  # (work, tensor, expected)
+        for i, (kind, dtype, n, op) in enumerate(program):
+            dt = getattr(torch, dtype)
+            if kind == "ar_big":
+                n *= 40
+            xs = [(torch.arange(n) % 7 + r + i).to(dt) for r in range(world)]
+            if op == "SUM":
+                want = sum(x.double() for x in xs).to(dt)
+            elif op == "MAX":
+                want = torch.stack(xs).max(0).values
+            else:
+                want = torch.stack(xs).min(0).values
+            t = xs[rank].clone()
+            rop = getattr(dist.ReduceOp, op)
+            if kind in ("ar", "ar_big"):
+                pending.append((dist.all_reduce(t, op=rop, async_op=True), t, want, i))
+            elif kind == "sync_ar":
+                dist.all_reduce(t, op=rop)
+                assert torch.equal(t, want), (i, kind)
+            elif kind == "bcast":
+                dist.broadcast(t, src=i % world)
+                assert torch.equal(t, xs[i % world]), (i, kind)
+            elif kind == "flush":
+                gradientflow.flush()
+            # Wait on a random earlier op, at a point that differs between ranks.
+            if pending and rng.random() < 0.3:
+                j = rng.randrange(len(pending))
+                w, tt, want_j, idx = pending.pop(j)
+                w.wait()
+                assert torch.equal(tt, want_j), (idx, "early wait")
+        rng.shuffle(pending)
+        for w, tt, want_j, idx in pending:
+            if rng.random() < 0.5:
+                w.wait()
+            else:
+                w.get_future().wait()
+            assert torch.equal(tt, want_j), (idx, "final wait")
+
+    prop()
+    from gradientflow.backend.backend import backend_of
+
+    c = backend_of().engine.counters
+    return {"rounds": c.rounds, "messages": c.messages, "fused": c.fused_tensors,
+            "deferred": c.deferred}
+
+
+# A long cycle time makes rounds start only from waits, flushes, the threshold and other
+# collectives, so messages really fuse; the default cycle exercises timer-started rounds.
+@pytest.mark.parametrize("world,threshold,cycle_ms", [(2, "2KB", "1000"), (3, "64KB", "1000"),
+                                                      (4, "1500B", "1")])
+def test_random_programs_with_different_wait_points(pools, world, threshold, cycle_ms):
+    res = pools(world).run(random_programs, {2: 60, 3: 30, 4: 25}[world],
+                           env={"GRADIENTFLOW_FUSION_THRESHOLD": threshold,
+                                "GRADIENTFLOW_CYCLE_TIME_MS": cycle_ms}, timeout=400)
+    r0 = res[0]
+    assert r0["deferred"] > 0, r0
+    assert all(r["rounds"] == r0["rounds"] for r in res), res  # rounds pair one-to-one
+
+
+def fuse_many(rank, world, n):
+    import torch
+    import torch.distributed as dist
+
+    from gradientflow.backend.backend import backend_of
+
+    ts = [torch.full((10,), float(rank + i)) for i in range(n)]
+    works = [dist.all_reduce(t, async_op=True) for t in ts]
+    works[-1].wait()
+    for w in works:
+        w.wait()
+    assert all(t[0].item() == sum(r + i for r in range(world)) for i, t in enumerate(ts))
+    c = backend_of().engine.counters
+    return c.rounds, c.messages
+
+
+def test_many_small_allreduces_go_in_one_message(pools):
+    res = pools(2).run(fuse_many, 50, env={"GRADIENTFLOW_CYCLE_TIME_MS": "1000"})
+    assert res == [(1, 1), (1, 1)], res
+
+
+def fused_loop_memory(rank, world, steps):
+    """Rank body: RSS after `steps` fused steps must not grow past warm-up."""
+    import resource  # noqa: F401
+    import torch
+    import torch.distributed as dist
+
+    def rss_mb():
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * 4096 / 2**20
+
+    grads = [torch.randn(n) for n in (1000, 20, 5000, 300, 64, 7000) * 5]
+
+    def step():
+        works = [dist.all_reduce(g, async_op=True) for g in grads]
+        for w in works:
+            w.wait()
+
+    for _ in range(50):
+        step()
+    before = rss_mb()
+    for _ in range(steps):
+        step()
+    return rss_mb() - before
+
+
+def test_thousand_fused_steps_do_not_grow_memory(pools):
+    growth = pools(2).run(fused_loop_memory, 1000, timeout=400)
+    assert max(growth) < 20.0, growth
+
+
+def mismatched_order(rank, world):
+    import torch
+    import torch.distributed as dist
+
+    a, b = torch.ones(3), torch.ones(5)
+    order = [a, b] if rank == 0 else [b, a]
+    works = [dist.all_reduce(t, async_op=True) for t in order]
+    for w in works:
+        w.wait()
+
+
+def test_mismatched_async_order_is_reported_on_every_rank(pools):
+    with pytest.raises(RankFailure) as info:
+        pools(2).run(mismatched_order, timeout=120)
+    text = str(info.value)
+    assert "ranks [0, 1]" in text and text.count("collective mismatch") >= 2, text
+    assert "(3,)" in text and "(5,)" in text, text
+
+
+def wait_on_engine_thread(rank, world):
+    import torch
+    import torch.distributed as dist
+
+    from gradientflow.backend.backend import backend_of
+
+    engine = backend_of().engine
+
+    def stage():
+        t = torch.ones(2)
+        yield t
+        dist.all_reduce(torch.ones(1), async_op=True).wait()  # on the engine thread: refused
+        return t
+
+    fut = engine.submit_stages("bad", stage(), torch.device("cpu"))
+    try:
+        fut.wait()
+    except Exception as exc:  # noqa: BLE001
+        return str(exc)
+    return "no error"
+
+
+def test_wait_on_engine_thread_is_a_clear_error(pools):
+    msgs = pools(2).run(wait_on_engine_thread, timeout=120)
+    assert all("engine thread" in m for m in msgs), msgs
+
+
+def powersgd_training(rank, world, bucket_cap_mb, iters):
+    """Rank body: DDP + PyTorch's powerSGD_hook on gradientflow, past start_powerSGD_iter."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as P
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64),
+                                torch.nn.ReLU(), torch.nn.Linear(64, 8))
+    ddp = DDP(model, bucket_cap_mb=bucket_cap_mb)
+    state = P.PowerSGDState(process_group=None, matrix_approximation_rank=2,
+                            start_powerSGD_iter=2, min_compression_rate=0.5)
+    ddp.register_comm_hook(state, P.powerSGD_hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(iters):
+        opt.zero_grad()
+        ddp(torch.randn(16, 32, generator=g)).pow(2).mean().backward()
+        opt.step()
+    # Every rank ends with the same weights: the hook's results agreed.
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    ref = flat.clone()
+    dist.broadcast(ref, 0)
+    return float((flat - ref).abs().max())
+
+
+def test_powersgd_one_bucket_trains(pools):
+    diffs = pools(2).run(powersgd_training, 100, 6, timeout=300)
+    assert max(diffs) < 1e-5, diffs
+
+
+def test_powersgd_many_buckets_trains_or_reports_mismatch(pools):
+    try:
+        diffs = pools(2).run(powersgd_training, 0.001, 6, timeout=300)
+    except RankFailure as exc:
+        assert "collective mismatch" in str(exc), str(exc)[:3000]
+        assert "did not answer" not in str(exc)
+    else:
+        assert max(diffs) < 1e-5, diffs
