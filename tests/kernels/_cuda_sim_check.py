@@ -43,11 +43,12 @@ def same_bits(a, b):
 
 
 def main():
+    np.seterr(all="ignore")  # inf - inf in the residual of overflowed values is intended
     rng = np.random.default_rng(0)
     special = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 65504.0, 65520.0, 1e-8, 6e-8, 3e5],
                        dtype=np.float32)
     cases = 0
-    for n, c in [(1, 4), (7, 3), (33, 8), (40, 40), (50, 64), (64, 16)]:
+    for n, c in [(1, 4), (13, 3), (40, 16), (50, 64)]:
         nch = R.nchunks_of(n, c)
         for mode in (0, 1, 2):
             for has_r in (False, True):
@@ -85,7 +86,7 @@ def main():
                 red = ref_p.clone()
                 for has_r in (False, True):
                     for has_loc in (False, True):
-                        for alias in (False, True):
+                        for alias in ((False, True) if has_r and has_loc else (False,)):
                             tv = torch.from_numpy(v.copy())
                             tr = torch.zeros(n) if has_r else None
                             tout = tv if alias else torch.empty(n)

@@ -1,0 +1,124 @@
+"""Dispatch, argument checks, and the threading layer (fork-safe and thread-safe)."""
+
+import subprocess
+import sys
+import textwrap
+import threading
+
+import pytest
+import torch
+
+from gradientflow import kernels as K
+
+
+def test_impl_torch_and_numba_agree_and_bad_impl_is_refused():
+    g = torch.randn(100)
+    a = K.chunk_norms(g.clone(), None, 10, impl="torch")
+    b = K.chunk_norms(g.clone(), None, 10, impl="numba")
+    torch.testing.assert_close(a, b)
+    with pytest.raises(ValueError, match="impl must be one of"):
+        K.chunk_norms(g, None, 10, impl="cuda")
+
+
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda: K.chunk_norms(torch.ones(4, dtype=torch.float64), None, 2), "grad must be torch.float32"),
+        (lambda: K.chunk_norms(torch.ones(4, 2)[:, 0], None, 2), "1-D contiguous"),
+        (lambda: K.chunk_norms(torch.ones(4), None, 0), "chunk_size must be"),
+        (lambda: K.chunk_norms(torch.ones(4), torch.ones(3), 2), "residual must have 4"),
+        (lambda: K.chunk_norms(torch.ones(4), None, 2, "l3"), "norm must be one of"),
+        (lambda: K.chunk_norms(torch.ones(4), None, 2, momentum=torch.ones(4)), "both momentum"),
+        (lambda: K.pack_chunks(torch.ones(4), torch.tensor([0]), 2, 1.0, torch.int8), "wire_dtype"),
+        (lambda: K.pack_chunks(torch.ones(4), torch.tensor([5]), 2, 1.0, torch.float16), r"\[0, 2\)"),
+        (lambda: K.pack_chunks(torch.ones(4), torch.tensor([0.0]), 2, 1.0, torch.float16), "int64"),
+        (lambda: K.unpack_update(torch.ones(4), None, torch.ones(3), None, torch.tensor([0]), 2,
+                                 1.0, 1.0, out=torch.ones(4)), "packed_reduced must have 2"),
+        (lambda: K.set_num_threads(0), "set_num_threads"),
+    ],
+)
+def test_bad_arguments_are_refused_with_a_sentence(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+def test_meta_tensors_fall_back_to_torch_and_numba_is_refused():
+    g = torch.empty(8, device="meta")
+    assert K.chunk_norms(g, None, 4).device.type == "meta"
+    with pytest.raises(ValueError, match="supports CPU and CUDA"):
+        K.chunk_norms(g, None, 4, impl="numba")
+
+
+def test_threads_per_rank_shares_the_cores():
+    assert K.threads_per_rank(2, cores=2) == 1
+    assert K.threads_per_rank(1, cores=2) == 2
+    assert K.threads_per_rank(4, cores=2) == 1
+    with pytest.raises(ValueError):
+        K.threads_per_rank(0)
+
+
+def test_set_num_threads_applies_in_the_launching_thread():
+    K.chunk_norms(torch.ones(10), None, 2)
+    before = K.get_num_threads()
+    try:
+        K.set_num_threads(1)
+        seen = []
+
+        def work():
+            import numba
+
+            K.chunk_norms(torch.ones(10), None, 2)
+            seen.append(numba.get_num_threads())
+
+        t = threading.Thread(target=work)
+        t.start()
+        t.join(timeout=60)
+        assert seen == [1]
+    finally:
+        K.set_num_threads(before)
+
+
+def test_concurrent_launches_from_many_threads_are_safe():
+    """workqueue would abort here; TBB (or the lock on workqueue) must not."""
+    x = torch.randn(200_000)
+    expect = K.chunk_norms(x.clone(), None, 1000, impl="torch")
+    errors = []
+
+    def work():
+        try:
+            for _ in range(30):
+                got = K.chunk_norms(x.clone(), None, 1000)
+                torch.testing.assert_close(got, expect)
+        except Exception as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors and not any(t.is_alive() for t in threads)
+    assert K.threading_layer() in ("tbb", "workqueue", "omp")
+
+
+def test_forked_child_can_run_kernels_and_torch():
+    """After a parallel kernel, a forked child must still run kernels (GNU OpenMP would kill it)."""
+    script = textwrap.dedent(
+        """
+        import os, torch
+        from gradientflow import kernels as K
+        K.chunk_norms(torch.randn(100000), None, 100)
+        torch.randn(1000).sum()
+        pid = os.fork()
+        if pid == 0:
+            n = K.chunk_norms(torch.ones(100000), None, 100)
+            ok = bool((n == 100).all()) and torch.ones(1000).sum().item() == 1000
+            os._exit(0 if ok else 3)
+        _, status = os.waitpid(pid, 0)
+        print("layer", K.threading_layer(), "child", status)
+        raise SystemExit(0 if status == 0 else 1)
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
