@@ -83,9 +83,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--chunk-size", default=None, type=int, help="CSC: elements per chunk (default: the library's)")
     p.add_argument("--wire-dtype", default=None, choices=["fp32", "fp16", "bf16"],
                    help="dtype of the values on the wire (default: fp16 for fp16, the library's for csc)")
-    p.add_argument("--warmup", default="0", help="CSC dense warm-up: N epochs of DGC's decaying density "
-                   "(0.25, 0.0625, ...) or a comma list of densities per epoch, e.g. 0.25,0.0625")
-    p.add_argument("--momentum-correction", action="store_true", help="CSC: DGC momentum correction of the residual")
+    p.add_argument("--warmup", default="4", help="CSC dense warm-up: N stages of DGC's decaying density "
+                   "(0.25, 0.0625, 0.0156, 0.0039; never below --density), a comma list of densities, or none")
+    p.add_argument("--warmup-unit", default="epoch", choices=["epoch", "step"], help="what one warm-up stage counts")
+    p.add_argument("--warmup-period", default=1, type=int, help="epochs (or steps) per warm-up stage")
+    p.add_argument("--momentum-correction", action="store_true",
+                   help="CSC: DGC momentum correction (the compressor keeps the momentum; SGD then runs without)")
     p.add_argument("--fusion-threshold", default=None, help="lazy-allreduce fusion threshold, e.g. 64MB "
                    "(exported as GRADIENTFLOW_FUSION_THRESHOLD before init)")
     p.add_argument("--bucket-cap-mb", default=25.0, type=float, help="DDP bucket size in MB (a compressed unit)")
@@ -135,6 +138,7 @@ class Config:
     lr_schedule: str
     lr_steps: tuple
     momentum: float
+    sgd_momentum: float       # 0 when the compressor applies the momentum (--momentum-correction)
     weight_decay: float
     lars: bool
     lars_eta: float
@@ -165,8 +169,10 @@ _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMG]i?B|B)?\s*$", re.IGNORECASE)
 def dgc_warmup(spec: str, target: float) -> tuple:
     """Parse --warmup into per-epoch densities: "N" -> DGC's 0.25 * 4**-k for k < N (never below target)."""
     spec = spec.strip()
+    if spec in ("none", ""):
+        return ()
     if re.fullmatch(r"\d+", spec):
-        return tuple(max(0.25 * 4.0 ** -k, target) for k in range(int(spec)))
+        return tuple(0.25 * 4.0 ** -k for k in range(int(spec)))  # the library keeps them >= target
     try:
         values = tuple(float(v) for v in spec.split(",") if v.strip())
     except ValueError:
@@ -179,39 +185,22 @@ def dgc_warmup(spec: str, target: float) -> tuple:
 def build_compression_config(args, warmup: tuple):
     """Turn our flags into gradientflow.compression.CompressionConfig (which validates them)."""
     try:
-        import gradientflow.hooks  # noqa: F401
         from gradientflow.compression import CompressionConfig
-        register = getattr(gradientflow.hooks, "register")
-    except (ImportError, AttributeError) as exc:
+        from gradientflow.hooks import register  # noqa: F401  (checked here, used after init)
+    except ImportError as exc:
         raise ConfigError(f"--compression {args.compression} is waiting on gradientflow.hooks.register and "
                           f"gradientflow.compression.CompressionConfig ({exc}); use --compression none for now")
-    del register
-    fields = {f.name for f in dataclasses.fields(CompressionConfig)}
-    kwargs = {"method": args.compression}
-    wire = args.wire_dtype or ("fp16" if args.compression == "fp16" else None)
-    if wire is not None:
-        kwargs["wire_dtype"] = wire
+    kwargs = dict(method=args.compression, wire_dtype=args.wire_dtype or "fp16")
     if args.compression == "csc":
-        kwargs["density"] = args.density
+        kwargs.update(density=args.density, warmup_densities=warmup, warmup_unit=args.warmup_unit,
+                      warmup_period=args.warmup_period, momentum_correction=args.momentum_correction,
+                      momentum=args.momentum)
         if args.chunk_size is not None:
             kwargs["chunk_size"] = args.chunk_size
-        if warmup:
-            kwargs[_first(fields, "warmup", "warmup_densities", "warmup_schedule")] = warmup
-        if args.momentum_correction:
-            kwargs["momentum_correction"] = True
-            if "momentum" in fields:
-                kwargs["momentum"] = args.momentum
     try:
         return CompressionConfig(**kwargs)
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"compression settings rejected: {exc}")
-
-
-def _first(fields, *names):
-    for n in names:
-        if n in fields:
-            return n
-    return names[0]
 
 
 def resolve(args: argparse.Namespace, env=os.environ) -> Config:
@@ -255,6 +244,7 @@ def resolve(args: argparse.Namespace, env=os.environ) -> Config:
         batch_size=args.batch_size, per_rank_batch=args.batch_size // world_size,
         peak_lr=args.lr * args.batch_size / args.lr_base_batch, lr_warmup_epochs=args.lr_warmup_epochs,
         lr_schedule=args.lr_schedule, lr_steps=lr_steps, momentum=args.momentum,
+        sgd_momentum=0.0 if (args.momentum_correction and args.compression == "csc") else args.momentum,
         weight_decay=args.weight_decay, lars=args.lars, lars_eta=args.lars_eta,
         label_smoothing=args.label_smoothing, amp=args.amp, seed=args.seed,
         world_size=world_size, rank=int(env.get("RANK", "0")), local_rank=int(env.get("LOCAL_RANK", "0")),
@@ -357,11 +347,11 @@ class LARS(torch.optim.SGD):
 
 def build_optimizer(model: nn.Module, cfg: Config) -> torch.optim.Optimizer:
     if not cfg.lars:
-        return torch.optim.SGD(model.parameters(), lr=cfg.peak_lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+        return torch.optim.SGD(model.parameters(), lr=cfg.peak_lr, momentum=cfg.sgd_momentum, weight_decay=cfg.weight_decay)
     matrices = [p for p in model.parameters() if p.ndim > 1]
     vectors = [p for p in model.parameters() if p.ndim <= 1]
     return LARS([{"params": matrices, "lars": True}, {"params": vectors, "lars": False, "weight_decay": 0.0}],
-                lr=cfg.peak_lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay, eta=cfg.lars_eta)
+                lr=cfg.peak_lr, momentum=cfg.sgd_momentum, weight_decay=cfg.weight_decay, eta=cfg.lars_eta)
 
 
 def learning_rate(cfg: Config, epoch: float) -> float:
@@ -377,33 +367,48 @@ def learning_rate(cfg: Config, epoch: float) -> float:
 # --------------------------------------------------------------------------------------------
 # Gradient communication: gradientflow's hook, or a plain timed allreduce for --compression none.
 # --------------------------------------------------------------------------------------------
-class DenseAllreduce:
-    """The --compression none path: DDP's allreduce-mean, timed and counted like gradientflow's hooks."""
+class TimedDDP(nn.parallel.DistributedDataParallel):
+    """DDP that times whatever comm hook is registered: comm_s sums each bucket's hook-to-result time.
 
-    def __init__(self, ddp_model):
-        self.world_size = dist.get_world_size()
-        self.wire_bytes = 0
-        self.comm_s = 0.0
+    With overlap the buckets' times can exceed the wall time they cover; without it (a hook that
+    completes synchronously) the sum is the time backward spent communicating and compressing.
+    """
+
+    comm_s = 0.0
+
+    def register_comm_hook(self, state, hook):
+        def timed_hook(state, bucket):  # DDP checks for a parameter named `bucket`
+            start = time.perf_counter()
+
+            def done(fut):
+                self.comm_s += time.perf_counter() - start
+                return fut.value()
+
+            return hook(state, bucket).then(done)
+
+        super().register_comm_hook(state, timed_hook)
+
+
+class DenseAllreduce:
+    """The --compression none path: DDP's allreduce-mean, with its bytes counted like gradientflow's."""
+
+    def __init__(self, ddp_model: TimedDDP):
+        self.ddp, self.world_size, self.wire_bytes = ddp_model, dist.get_world_size(), 0
         ddp_model.register_comm_hook(self, DenseAllreduce.hook)
 
     @staticmethod
     def hook(state: "DenseAllreduce", bucket):
-        start = time.perf_counter()
         buf = bucket.buffer()
         state.wire_bytes += buf.numel() * buf.element_size()
         fut = dist.all_reduce(buf.div_(state.world_size), async_op=True).get_future()
-
-        def done(f):
-            state.comm_s += time.perf_counter() - start
-            return f.value()[0]
-
-        return fut.then(done)
+        return fut.then(lambda f: f.value()[0])
 
     def set_epoch(self, epoch: int) -> None:
         pass
 
     def stats(self) -> dict:
-        return {"wire_bytes": self.wire_bytes, "dense_bytes": self.wire_bytes, "comm_s": self.comm_s, "density": 1.0}
+        return {"wire_bytes": self.wire_bytes, "dense_bytes": self.wire_bytes, "comm_s": self.ddp.comm_s,
+                "density": 1.0}
 
     def state_dict(self) -> dict:
         return {}
@@ -413,40 +418,30 @@ class DenseAllreduce:
 
 
 class GradientFlowHook:
-    """Adapter over gradientflow.hooks.register's state: epoch for the warm-up, counters, residuals."""
+    """gradientflow.hooks.register's state, seen through the same four calls as DenseAllreduce."""
 
-    def __init__(self, ddp_model, config):
+    def __init__(self, ddp_model: TimedDDP, config, grad_scaler):
         import gradientflow.hooks
 
-        self.state = gradientflow.hooks.register(ddp_model, config)
+        self.ddp = ddp_model
+        self.state = gradientflow.hooks.register(
+            ddp_model, config, grad_scaler=grad_scaler if grad_scaler.is_enabled() else None)
 
     def set_epoch(self, epoch: int) -> None:
-        setter = getattr(self.state, "set_epoch", None)
-        if setter is not None:
-            setter(epoch)
-        else:
-            self.state.epoch = epoch
+        self.state.set_epoch(epoch)  # drives the dense warm-up
 
     def stats(self) -> dict:
         s = self.state.stats()
-        s = dataclasses.asdict(s) if dataclasses.is_dataclass(s) else dict(s)
-        return {"wire_bytes": _pick(s, "wire_bytes", "bytes_sent", default=0),
-                "dense_bytes": _pick(s, "dense_bytes", "dense_equivalent_bytes", default=0),
-                "comm_s": _pick(s, "comm_s", "comm_time_s", "time_s", default=0.0),
-                "density": _pick(s, "density", "density_in_force", default=None)}
+        # Run totals; the older names are kept for gradientflow versions that used them.
+        return {"wire_bytes": s.get("wire_bytes", s.get("total_wire_bytes")),
+                "dense_bytes": s.get("dense_bytes", s.get("total_dense_fp32_bytes")),
+                "comm_s": self.ddp.comm_s, "density": s["density_in_force"]}
 
     def state_dict(self) -> dict:
         return self.state.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
         self.state.load_state_dict(state)
-
-
-def _pick(d: dict, *names, default):
-    for n in names:
-        if n in d and d[n] is not None:
-            return d[n]
-    return default
 
 
 # --------------------------------------------------------------------------------------------
@@ -600,12 +595,16 @@ def main(argv=None) -> int:
             torch.backends.cudnn.deterministic = True
         train_set, val_set = build_datasets(cfg)
         model = tv_models.get_model(cfg.arch, weights=None, num_classes=cfg.num_classes).to(device)
-        ddp = nn.parallel.DistributedDataParallel(
-            model, device_ids=[device.index] if device.type == "cuda" else None, bucket_cap_mb=cfg.bucket_cap_mb)
-        comm = DenseAllreduce(ddp) if cfg.compression == "none" else GradientFlowHook(ddp, cfg.compression_config)
+        # DDP re-buckets parameters by gradient order after its first step; a resumed run would
+        # do that one step late and cut other CSC chunks for that step. find_unused_parameters
+        # switches the re-bucketing off, so every step of every run uses the same buckets.
+        ddp = TimedDDP(model, device_ids=[device.index] if device.type == "cuda" else None,
+                       bucket_cap_mb=cfg.bucket_cap_mb, find_unused_parameters=cfg.compression == "csc")
         criterion = nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing).to(device)
         optimizer = build_optimizer(model, cfg)
         scaler = torch.amp.GradScaler(device.type, enabled=cfg.amp and device.type == "cuda")
+        comm = (DenseAllreduce(ddp) if cfg.compression == "none"
+                else GradientFlowHook(ddp, cfg.compression_config, scaler))
         start_epoch, best_acc1 = cfg.start_epoch, 0.0
         if cfg.resume:
             start_epoch, best_acc1 = load_checkpoint(cfg, ddp, optimizer, scaler, comm, device)
