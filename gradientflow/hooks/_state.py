@@ -2,7 +2,8 @@
 
 Private: the public state classes (CSCState, FP16State) live beside their hooks.
 """
-from __future__ import annotations
+# No `from __future__ import annotations`: DDP compares the hook's return annotation to the real
+# torch.futures.Future[torch.Tensor] object, and a string would not match.
 
 import dataclasses
 import itertools
@@ -20,7 +21,7 @@ __all__ = ["CompressionState", "compression_hook", "submit"]
 _uid = itertools.count()
 
 
-def submit(process_group, key, gen: StageGen) -> torch.futures.Future:
+def submit(process_group, key, gen: StageGen, device: torch.device | None = None) -> torch.futures.Future:
     """Run a StageGen on the group: through the engine when it exists, else synchronously here.
 
     The engine (gradientflow.engine.submit_stages) runs every stage of one bucket back to back on
@@ -33,10 +34,13 @@ def submit(process_group, key, gen: StageGen) -> torch.futures.Future:
     except ImportError:
         submit_stages = None
     if submit_stages is not None:
-        return submit_stages(process_group, key, gen)
+        return submit_stages(process_group, key, gen, device=device)
     fut: torch.futures.Future = torch.futures.Future()
     try:
-        fut.set_result(drive(gen, lambda t: dist.all_reduce(t, group=process_group)))
+        if dist.is_available() and dist.is_initialized():
+            fut.set_result(drive(gen, lambda t: dist.all_reduce(t, group=process_group)))
+        else:  # one rank, no group: every sum is the identity
+            fut.set_result(drive(gen, lambda t: None))
     except BaseException as exc:  # noqa: BLE001 - the future carries it to DDP
         fut.set_exception(exc)
     return fut
@@ -197,11 +201,12 @@ class CompressionState:
         self._layouts = {}
 
 
-def compression_hook(state: CompressionState, bucket) -> torch.futures.Future:
+def compression_hook(state: CompressionState, bucket) -> torch.futures.Future[torch.Tensor]:
     """Average one DDP bucket with the state's compressor; return a Future of the averaged buffer.
 
     Example::
 
         >>> ddp.register_comm_hook(CompressionState(None, CompressionConfig(method="fp16")), compression_hook)
     """
-    return submit(state.process_group, ("ddp", state._uid, bucket.index()), state._stages(bucket))
+    return submit(state.process_group, ("ddp", state._uid, bucket.index()), state._stages(bucket),
+                  device=bucket.buffer().device)

@@ -3,7 +3,8 @@
 Two collectives per bucket (the chunk norms, then the packed chunks), run back to back by the
 engine so that buckets never interleave differently on different ranks.
 """
-from __future__ import annotations
+# No `from __future__ import annotations`: DDP compares the hook's return annotation to the real
+# torch.futures.Future[torch.Tensor] object, and a string would not match.
 
 import torch
 
@@ -37,7 +38,7 @@ class CSCState(CompressionState):
     _method = "csc"
 
 
-def csc_hook(state: CSCState, bucket) -> torch.futures.Future:
+def csc_hook(state: CSCState, bucket) -> torch.futures.Future[torch.Tensor]:
     """Average one bucket by CSC; return a Future of the averaged (sparse) buffer.
 
     Example::

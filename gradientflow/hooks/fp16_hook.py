@@ -1,5 +1,6 @@
 """DDP communication hook for an FP16/BF16 wire, pre-scaled by 1/world_size, with its state."""
-from __future__ import annotations
+# No `from __future__ import annotations`: DDP compares the hook's return annotation to the real
+# torch.futures.Future[torch.Tensor] object, and a string would not match.
 
 import torch
 
@@ -30,7 +31,7 @@ class FP16State(CompressionState):
     _method = "fp16"
 
 
-def fp16_hook(state: FP16State, bucket) -> torch.futures.Future:
+def fp16_hook(state: FP16State, bucket) -> torch.futures.Future[torch.Tensor]:
     """Average one bucket over a half-precision wire; return a Future of the FP32 average.
 
     Example::
