@@ -97,6 +97,21 @@ def run_one(name: str, path: Path, out: Path, quick: bool, timeout_s: float,
             "markdown": md, "log": str(log.relative_to(out)), "log_tail": tail}
 
 
+def gather_one(name: str, out: Path) -> dict:
+    """The status record of a benchmark already run into `out` (for --gather-only)."""
+    jpath, mpath = out / f"{name}.json", out / f"{name}.md"
+    data, status = None, "not run (no JSON in the results directory)"
+    if jpath.exists():
+        try:
+            data, status = json.loads(jpath.read_text()), "ok (gathered)"
+        except json.JSONDecodeError as exc:
+            status = f"unreadable JSON ({exc})"
+    log = out / "logs" / f"{name}.log"
+    return {"name": name, "status": status, "seconds": None, "data": data,
+            "markdown": mpath.read_text() if mpath.exists() and data else "",
+            "log": str(log.relative_to(out)) if log.exists() else "-", "log_tail": ""}
+
+
 def _rows(data) -> list[dict]:
     if not isinstance(data, dict):
         return []
@@ -161,7 +176,7 @@ def write_summary(results: list[dict], out: Path, quick: bool, cmd: str) -> Path
              markdown_table(["name", "status", "seconds", "log"], results,
                             ["benchmark", "status", "seconds", "log"]), ""]
     for r in results:
-        if r["status"] != "ok":
+        if not r["status"].startswith("ok") and r["log_tail"]:
             lines += [f"### {r['name']}: {r['status']}", "", "```", r["log_tail"], "```", ""]
     for r in results:
         if r["markdown"]:
@@ -186,6 +201,8 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout", type=float, default=None,
                     help=f"seconds per benchmark (default {QUICK_TIMEOUT_S:.0f} quick, "
                          f"{FULL_TIMEOUT_S:.0f} full)")
+    ap.add_argument("--gather-only", action="store_true",
+                    help="run nothing: summarise the JSON already in the results directory")
     ap.add_argument("--bench-dir", default=str(HERE), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     out = Path(args.out or (HERE / "results" / ("quick" if args.quick else "")))
@@ -195,13 +212,16 @@ def main(argv=None) -> int:
     cmd = "python -m benchmarks.run " + " ".join(argv if argv is not None else sys.argv[1:])
     results = []
     for name, path in benches:
+        if args.gather_only:
+            results.append(gather_one(name, out))
+            continue
         print(f"[run] {name} ...", flush=True)
         r = run_one(name, path, out, args.quick, timeout)
         print(f"[run] {name}: {r['status']} in {r['seconds']} s", flush=True)
         results.append(r)
     summary = write_summary(results, out, args.quick, cmd.strip())
     print(f"[run] summary: {summary}")
-    return 0 if all(r["status"] == "ok" for r in results) else 1
+    return 0 if all(r["status"].startswith("ok") for r in results) else 1
 
 
 if __name__ == "__main__":
