@@ -148,3 +148,16 @@ def _tensors(obj):
     elif isinstance(obj, (list, tuple)):
         for v in obj:
             yield from _tensors(v)
+
+
+def test_compression_without_gradientflow_hooks_says_it_is_waiting(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "gradientflow.hooks", None)  # import now raises ImportError
+    assert train.main(["--dummy", "--compression", "csc"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "waiting on gradientflow.hooks" in err[0], err
+
+
+def test_dataloader_workers_never_fork():
+    cfg = train.resolve(train.parse_args(["--dummy", "-j", "2", "-b", "4"]), env={})
+    loader = train.make_loader(list(range(8)), cfg, None, torch.device("cpu"))
+    assert loader.multiprocessing_context.get_start_method() in ("forkserver", "spawn")
