@@ -1,0 +1,151 @@
+"""Lazy allreduce on real models' gradient lists: per-tensor gloo vs fused vs DDP-style buckets.
+
+Each rank allreduces a model's gradient list asynchronously, one call per tensor in backward
+order, then waits for all of them:
+  - gloo per-tensor: the same calls on a plain gloo group (what fusion saves);
+  - gloo 25 MB buckets: DDP's bucketing by hand, each bucket flattened and launched as soon as
+    it is full, so the copy of bucket i+1 overlaps the transport of bucket i;
+  - gradientflow fused: the same per-tensor calls on gradientflow groups, at each fusion
+    threshold of the sweep.
+All variants are timed alternately, rep by rep, in one run.
+
+    python benchmarks/bench_fusion.py [--quick] [--out DIR]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.common import fmt, machine_line, markdown_table, median, write_result  # noqa: E402
+from benchmarks.launch import launch  # noqa: E402
+
+MB = 10**6
+
+
+def gradient_shapes(model: str) -> list[tuple[int, ...]]:
+    """The parameter shapes of a model, in registration order."""
+    if model == "bert-base":
+        h, ff, layers, vocab = 768, 3072, 12, 30522
+        shapes = [(vocab, h), (512, h), (2, h), (h,), (h,)]
+        for _ in range(layers):
+            shapes += [(h, h), (h,)] * 4 + [(h,), (h,), (ff, h), (ff,), (h, ff), (h,), (h,), (h,)]
+        return shapes + [(h, h), (h,)]
+    if model == "tiny":
+        return [(64, 64), (64,), (128, 64), (128,), (10, 128), (10,)] * 4
+    import torchvision
+
+    net = getattr(torchvision.models, model)()
+    return [tuple(p.shape) for p in net.parameters()]
+
+
+def worker(rank: int, world_size: int, models: list[str], thresholds: list[int],
+           reps: int) -> dict:
+    """Time every variant on every model, alternating variants rep by rep."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    import gradientflow  # noqa: F401
+
+    torch.set_num_threads(1)
+    gloo = dist.group.WORLD
+    gf = {t: dist.new_group(backend="gradientflow", pg_options={"fusion_threshold": t})
+          for t in thresholds}
+    out: dict = {}
+    for model in models:
+        grads = [torch.randn(s) for s in gradient_shapes(model)][::-1]  # backward order
+        numel = sum(g.numel() for g in grads)
+
+        def per_tensor(group):
+            works = [dist.all_reduce(g, group=group, async_op=True) for g in grads]
+            for w in works:
+                w.wait()
+
+        buckets, cur, size = [], [], 0
+        for g in grads:
+            cur.append(g)
+            size += g.numel() * 4
+            if size >= 25 * MB:
+                buckets.append(cur)
+                cur, size = [], 0
+        if cur:
+            buckets.append(cur)
+        flats = [torch.empty(sum(g.numel() for g in b)) for b in buckets]
+
+        def ddp_buckets():
+            works = []
+            for b, flat in zip(buckets, flats):
+                torch.cat([g.reshape(-1) for g in b], out=flat)
+                works.append(dist.all_reduce(flat, group=gloo, async_op=True))
+            for b, flat, w in zip(buckets, flats, works):
+                w.wait()
+                off = 0
+                for g in b:
+                    g.copy_(flat[off:off + g.numel()].view_as(g))
+                    off += g.numel()
+
+        variants = {"gloo per-tensor": lambda: per_tensor(gloo), "gloo 25MB buckets": ddp_buckets}
+        for t, g in gf.items():
+            variants[f"gf fused {t // MB}MB"] = lambda g=g: per_tensor(g)
+        times = {k: [] for k in variants}
+        for i in range(reps + 1):
+            for name, fn in variants.items():
+                dist.barrier(group=gloo)
+                t0 = time.perf_counter()
+                fn()
+                if i:
+                    times[name].append(time.perf_counter() - t0)
+        out[model] = {"tensors": len(grads), "numel": numel,
+                      "ms": {k: median(v) * 1e3 for k, v in times.items()}}
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--worlds", default=None)
+    args = ap.parse_args(argv)
+    if args.quick:
+        models, thresholds, worlds, reps = ["tiny"], [1 * MB, 16 * MB], [2], 3
+    else:
+        models = ["resnet50", "alexnet", "bert-base"]
+        thresholds = [1 * MB, 4 * MB, 16 * MB, 64 * MB, 128 * MB]
+        worlds, reps = [2, 4], 7
+    if args.worlds:
+        worlds = [int(w) for w in args.worlds.split(",")]
+    rows, raw = [], {}
+    for n in worlds:
+        res = launch("benchmarks.bench_fusion:worker", world_size=n,
+                     kwargs={"models": models, "thresholds": thresholds, "reps": reps},
+                     timeout_s=3000)
+        if not res.ok:
+            print(res.error)
+            return 1
+        raw[n] = res.results[0]
+        for model, r in res.results[0].items():
+            ms = r["ms"]
+            fused = {k: v for k, v in ms.items() if k.startswith("gf fused")}
+            best = min(fused, key=fused.get)
+            rows.append({"ranks": n, "model": model, "tensors": r["tensors"],
+                         "MB": r["numel"] * 4 / MB, "gloo per-tensor ms": ms["gloo per-tensor"],
+                         "gloo 25MB buckets ms": ms["gloo 25MB buckets"],
+                         "best fused": best.replace("gf fused ", ""), "fused ms": fused[best],
+                         "per-tensor / fused": ms["gloo per-tensor"] / fused[best],
+                         "buckets / fused": ms["gloo 25MB buckets"] / fused[best],
+                         **{k.replace("gf fused ", "gf "): v for k, v in fused.items()}})
+    cols = list(rows[0].keys()) if rows else []
+    md = (f"## Lazy allreduce: fused vs per-tensor vs 25 MB buckets (median ms for the whole "
+          f"gradient list)\n\n{machine_line()}\n\nRatios > 1 mean gradientflow is faster.\n\n"
+          + markdown_table(cols, rows))
+    print(md)
+    write_result(args.out, "fusion", {"rows": rows, "raw": raw}, md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
