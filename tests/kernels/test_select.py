@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from gradientflow import kernels as K
 
-norm_values = st.sampled_from([0.0, 1.0, 2.0, 2.0, 3.5, float("inf"), float("nan")]) | st.floats(0, 10)
+norm_values = st.sampled_from([0.0, 1.0, 2.0, 2.0, 3.5, float("inf"), float("nan")]) | st.floats(0, 10, width=32)
 
 
 @settings(max_examples=200, deadline=None)
