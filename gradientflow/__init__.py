@@ -6,8 +6,22 @@ in scripts that never import us): `torch.distributed.init_process_group(backend=
 from gradientflow._registrar import BACKEND_NAME, register as _register
 from gradientflow.config import Config, configure
 from gradientflow.engine.api import flush
+from gradientflow.observability.stats import reset_stats, stats
+from gradientflow.observability.timeline import TIMELINE as _TIMELINE
+from gradientflow.observability.timeline import start_timeline, stop_timeline
 
 _register()
 
 __version__ = "0.1.0"
-__all__ = ["BACKEND_NAME", "Config", "__version__", "configure", "flush"]
+
+
+def mark_step(step: int) -> None:
+    """Mark the start of training step `step` (timeline markers and sampling; step counter)."""
+    from gradientflow.observability.stats import STATS
+
+    STATS.record_step()
+    _TIMELINE.mark_step(step)
+
+
+__all__ = ["BACKEND_NAME", "Config", "__version__", "configure", "flush", "mark_step",
+           "reset_stats", "start_timeline", "stats", "stop_timeline"]

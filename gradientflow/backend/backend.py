@@ -362,6 +362,14 @@ def create_backend(dist_backend_opts, pg_options) -> GradientFlowBackend:
     )
     with _BACKENDS_LOCK:
         _BACKENDS[backend.group_name] = backend
+    if config.timeline:
+        from gradientflow.observability.timeline import TIMELINE
+
+        if not TIMELINE.recording:
+            import torch.distributed as dist
+
+            rank = dist.get_rank() if dist.is_initialized() else dist_backend_opts.group_rank
+            TIMELINE.start(config.timeline, rank=rank)
     return backend
 
 

@@ -16,7 +16,7 @@ def _engine_of(group):
 
 
 def submit_stages(group, key: Hashable, gen: StageGen, device: torch.device | None = None,
-                  name: str = "stages") -> torch.futures.Future:
+                  name: str = "stages", dense_bytes: int = 0) -> torch.futures.Future:
     """Run a multi-stage op (e.g. a compressed bucket) over `group`; returns a Future of its result.
 
     On a gradientflow group, every stage runs back to back on the engine thread in issue
@@ -26,7 +26,7 @@ def submit_stages(group, key: Hashable, gen: StageGen, device: torch.device | No
     """
     engine = _engine_of(group)
     if engine is not None:
-        return engine.submit_stages(name, gen, device or torch.device("cpu"), key)
+        return engine.submit_stages(name, gen, device or torch.device("cpu"), key, dense_bytes)
     import torch.distributed as dist
 
     fut = torch.futures.Future()

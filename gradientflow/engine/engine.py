@@ -38,6 +38,9 @@ from gradientflow.engine import completion
 from gradientflow.engine.fusion import FusableOp, Message, SegmentPool, plan_messages
 from gradientflow.engine.stages import StageGen
 from gradientflow.engine.work import FutureWork
+from gradientflow.observability import timeline as tl
+from gradientflow.observability.stats import STATS
+from gradientflow.observability.timeline import TIMELINE, now_us
 
 
 MAX_BATCH = 256  # most deferred ops one agreement round can close
@@ -76,6 +79,7 @@ class StagesOp:
     device: torch.device
     fut: torch.futures.Future
     key: Hashable = None
+    dense_bytes: int = 0  # the dense FP32 size of what the stages carry (for statistics)
 
 
 @dataclass
@@ -174,6 +178,9 @@ class Engine:
             self._q.append(op)
             self.counters.deferred += 1
             self._cv.notify_all()
+        STATS.record_operation()
+        if TIMELINE.enabled:
+            op.queued_us = now_us()
         return self._work(public, seq, "allreduce", nudge=True)
 
     def submit_eager(self, name: str, launch: Callable[[], Any], outputs: Any,
@@ -191,23 +198,26 @@ class Engine:
             if not self._q and not self._busy and post is None:
                 self.counters.fast_path += 1
                 self.counters.eager += 1
+                STATS.record_operation()
                 return launch()
             fut, public = completion.new_future()
             self._q.append(EagerOp(seq, name, launch, outputs, fut, post))
             self.counters.eager += 1
             self._cv.notify_all()
+        STATS.record_operation()
         return self._work(public, seq, name, nudge=False)
 
     def submit_stages(self, name: str, gen: StageGen, device: torch.device,
-                      key: Hashable = None) -> torch.futures.Future:
+                      key: Hashable = None, dense_bytes: int = 0) -> torch.futures.Future:
         """Run a multi-stage op (a compressed bucket) in sequence order on the engine thread."""
         fut, public = completion.new_future()
         with self._cv:
             self._check_usable(name)
             seq = self._seq
             self._seq += 1
-            self._q.append(StagesOp(seq, name, gen, device, fut, key))
+            self._q.append(StagesOp(seq, name, gen, device, fut, key, dense_bytes))
             self._cv.notify_all()
+        STATS.record_operation()
         return public
 
     def want(self, seq: int) -> None:
@@ -345,8 +355,13 @@ class Engine:
                 f"sequence number {candidates[0].seq} failed (a peer may have died or stopped "
                 f"issuing the same collectives): {exc}"
             ) from exc
+        dt = time.perf_counter() - t0
         self.counters.rounds += 1
-        self.counters.round_s += time.perf_counter() - t0
+        self.counters.round_s += dt
+        STATS.record_agreement(dt)
+        if TIMELINE.enabled:
+            TIMELINE.complete(tl.AGREE, tl.CAT_AGREE, now_us() - dt * 1e6, dt * 1e6, tid="engine",
+                              args={"candidates": k})
         return int(vec[0]), vec
 
     def _run_batch(self, candidates: list[FusableOp]) -> None:
@@ -410,17 +425,37 @@ class Engine:
                 pool = self._pools[msg.key] = SegmentPool(
                     msg.ops[0].tensor.dtype, device, self.config.fusion_segments)
             seg, buf = pool.acquire(msg.numel, self.timeout_s)
+            t_pack = now_us()
             torch.cat([op.tensor.reshape(-1) for op in msg.ops], out=buf)
+            if TIMELINE.enabled:
+                TIMELINE.complete(tl.FUSE, tl.CAT_ENGINE, t_pack, now_us() - t_pack, tid="engine",
+                                  args={"tensors": len(msg.ops), "bytes": msg.nbytes})
         with self._cv:
             self._inflight += 1
         self.counters.messages += 1
         self.counters.fused_tensors += len(msg.ops)
+        if TIMELINE.enabled:
+            t = now_us()
+            for op in msg.ops:
+                q0 = getattr(op, "queued_us", None)
+                if q0 is not None:
+                    TIMELINE.complete(tl.QUEUE, tl.CAT_ENGINE, q0, t - q0, tid="queue",
+                                      args={"seq": op.seq})
+        msg.sent_s = time.perf_counter()
         work = transport.allreduce([buf], opts)
         work.get_future().then(lambda f: self._message_done(f, msg, buf, pool, seg, work))
 
     def _message_done(self, fut, msg: Message, buf: torch.Tensor, pool: SegmentPool | None,
                       seg: int | None, work: Any) -> None:
         error = None
+        t_done = time.perf_counter()
+        comm_s = t_done - msg.sent_s
+        STATS.record_message(len(msg.ops), msg.nbytes, msg.numel * 4, comm_s)
+        if TIMELINE.enabled:
+            TIMELINE.complete(tl.ALLREDUCE, tl.CAT_COMM, now_us() - comm_s * 1e6, comm_s * 1e6,
+                              tid=f"transport {seg if seg is not None else 'solo'}",
+                              args={"tensors": len(msg.ops), "bytes": msg.nbytes,
+                                    "first_seq": msg.ops[0].seq})
         try:
             fut.value()
             if pool is not None:
@@ -429,6 +464,10 @@ class Engine:
                     n = op.tensor.numel()
                     op.tensor.copy_(buf[off:off + n].view(op.tensor.shape))
                     off += n
+                if TIMELINE.enabled:
+                    u = (time.perf_counter() - t_done) * 1e6
+                    TIMELINE.complete(tl.UNPACK, tl.CAT_ENGINE, now_us() - u, u,
+                                      tid=f"transport {seg}")
         except BaseException as exc:  # noqa: BLE001
             error = EngineError(
                 f"gradientflow: rank {self.rank}: fused allreduce of {len(msg.ops)} tensor(s) "
@@ -464,16 +503,37 @@ class Engine:
         transport = self._transport_for(op.device)
         opts = AllreduceOptions()
         opts.reduceOp = ReduceOp.SUM
+        lane = f"bucket {op.key}" if op.key is not None else "stages"
+        t0 = time.perf_counter()
+        codec_name = tl.COMPRESS
         try:
             tensor = next(op.gen)
             while True:
+                t1 = time.perf_counter()
+                self._stage_event(codec_name, tl.CAT_CODEC, t0, t1, lane)
+                STATS.record_codec_time(t1 - t0)
                 transport.allreduce([tensor], opts).wait()
+                t0 = time.perf_counter()
+                STATS.record_message(1, tensor.numel() * tensor.element_size(), 0, t0 - t1)
+                self._stage_event(tl.ALLREDUCE, tl.CAT_COMM, t1, t0, lane)
+                codec_name = tl.DECOMPRESS
                 tensor = op.gen.send(tensor)
         except StopIteration as stop:
+            t1 = time.perf_counter()
+            STATS.record_codec_time(t1 - t0)
+            STATS.record_bytes(0, op.dense_bytes)
+            self._stage_event(codec_name, tl.CAT_CODEC, t0, t1, lane)
             completion.complete(op.fut, stop.value)
         except BaseException as exc:
             completion.complete(op.fut, error=exc)
             raise
+
+    @staticmethod
+    def _stage_event(name: str, cat: str, t0: float, t1: float, lane: str) -> None:
+        if TIMELINE.enabled:
+            dur = (t1 - t0) * 1e6
+            TIMELINE.complete(name, cat, now_us() - (time.perf_counter() - t0) * 1e6, dur,
+                              tid=lane)
 
     # ------------------------------------------------------------------ introspection
     def fusion_memory_bytes(self) -> int:

@@ -23,6 +23,7 @@ class FusableOp:
     reduce_op: object
     fut: torch.futures.Future
     name: str = "allreduce"
+    queued_us: float | None = None  # timeline: when it was queued (only while recording)
 
     @property
     def nbytes(self) -> int:
@@ -45,6 +46,7 @@ class Message:
     key: Hashable
     ops: list[FusableOp] = field(default_factory=list)
     nbytes: int = 0
+    sent_s: float = 0.0  # perf_counter when handed to the transport
 
     @property
     def solo(self) -> bool:

@@ -3,10 +3,13 @@ from __future__ import annotations
 
 import datetime
 import threading
+import time
 from typing import Callable
 
 import torch
 from torch._C._distributed_c10d import Work
+
+from gradientflow.observability.stats import STATS
 
 
 class FutureWork(Work):
@@ -37,7 +40,10 @@ class FutureWork(Work):
         limit = self._timeout_s
         if isinstance(timeout, datetime.timedelta) and timeout.total_seconds() > 0:
             limit = timeout.total_seconds()
-        if not self._done.wait(limit):
+        t0 = time.perf_counter()
+        finished = self._done.wait(limit)
+        STATS.record_wait(time.perf_counter() - t0)
+        if not finished:
             raise RuntimeError(
                 f"gradientflow: {self._describe()} did not complete within {limit:.1f} s. "
                 "Another rank may not have issued the same collective, may have died, or "
