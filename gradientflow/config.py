@@ -87,7 +87,12 @@ class Config:
     # another collective starts it at once). 0 sends whatever is queued as soon as the transport
     # falls idle, which in practice sends most tensors alone. 1 ms is Horovod's default.
     cycle_time_ms: float = 1.0
-    # Cheap collective-mismatch fingerprints carried on agreement rounds.
+    # Priority scheduling (DistributedOptimizer): bytes launched per agreement round before
+    # re-deciding (ByteScheduler's credit), and how often a rank with no new ready partition
+    # still joins the others' rounds.
+    schedule_credit: int = 4 * 10**6
+    schedule_poll_ms: float = 2.0
+    # Full collective checks (every collective fingerprinted, not only fused batches).
     debug: bool = False
     # Seconds a collective may wait before a stall warning (0 disables) / an abort (0 disables).
     stall_warning_s: float = 60.0
@@ -102,6 +107,8 @@ class Config:
             "fusion_threshold": lambda v, n: parse_size(v, n),
             "fusion_segments": lambda v, n: _parse_int(v, n, 1, 8),
             "cycle_time_ms": lambda v, n: _parse_float(v, n, 0.0, 1000.0),
+            "schedule_credit": lambda v, n: parse_size(v, n),
+            "schedule_poll_ms": lambda v, n: _parse_float(v, n, 0.05, 1000.0),
             "debug": _parse_bool,
             "stall_warning_s": lambda v, n: _parse_float(v, n, 0.0, 86400.0),
             "stall_abort_s": lambda v, n: _parse_float(v, n, 0.0, 86400.0),

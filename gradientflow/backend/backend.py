@@ -49,8 +49,10 @@ class Transports:
     # Factories are class attributes so tests can substitute fakes for the CUDA path.
     factories: dict[str, Callable[..., Any]] = {"cpu": _make_gloo, "cuda": _make_nccl}
 
-    def __init__(self, store, rank: int, size: int, timeout: datetime.timedelta) -> None:
+    def __init__(self, store, rank: int, size: int, timeout: datetime.timedelta,
+                 prefix: str = "gradientflow/") -> None:
         self._args = (store, rank, size, timeout)
+        self._prefix = prefix
         self._by_type: dict[str, Any] = {}
         self._lock = threading.Lock()
         self.get(torch.device("cpu"))  # gloo eagerly: connecting it is part of init
@@ -65,7 +67,7 @@ class Transports:
                     factory = self.factories.get(device.type)
                     if factory is None:
                         raise RuntimeError(f"gradientflow has no transport for {device.type}")
-                    pg = factory(*self._args, f"gradientflow/{device.type}/")
+                    pg = factory(*self._args, f"{self._prefix}{device.type}/")
                     self._by_type[device.type] = pg
         return pg
 
@@ -98,6 +100,11 @@ class GradientFlowBackend(_CBackend):
         self._agree = agree
         self.engine = Engine(rank, size, config, timeout.total_seconds(),
                              self.transports.get, agree, name=group_name or "gradientflow")
+        # The keyed scheduler is a second ordered stream (see engine/scheduler.py): its own
+        # agreement group and its own transports, created on first use by every rank.
+        self._store = store
+        self._scheduler = None
+        self._scheduler_lock = threading.Lock()
 
     # ------------------------------------------------------------------ plumbing
     def _get_backend_name(self) -> str:
@@ -115,8 +122,28 @@ class GradientFlowBackend(_CBackend):
     def _set_sequence_number_for_group(self, *args) -> None:
         self._seq_for_group = 0
 
+    def scheduler(self):
+        """The keyed priority scheduler of this group (created on first call, on every rank)."""
+        with self._scheduler_lock:
+            if self._scheduler is None:
+                from gradientflow.engine.scheduler import KeyedScheduler
+
+                store, rank, size, timeout = (self._store, self._rank, self._size, self._timeout)
+                self._sched_agree = _make_gloo(store, rank, size, timeout,
+                                               "gradientflow/sched-agree/")
+                self._sched_transports = Transports(store, rank, size, timeout,
+                                                    prefix="gradientflow/sched-")
+                self._scheduler = KeyedScheduler(
+                    rank, size, self._sched_agree, self._sched_transports.get,
+                    self.config.schedule_credit, self.config.schedule_poll_ms,
+                    timeout.total_seconds(), name=self.group_name or "gradientflow")
+            return self._scheduler
+
     def shutdown(self) -> None:
         """Close the engine (failing queued operations clearly) and the transports."""
+        if self._scheduler is not None:
+            self._scheduler.close()
+            self._sched_transports.shutdown()
         self.engine.close()
         self.transports.shutdown()
         try:

@@ -1,5 +1,5 @@
 """The ordered engine: sequencing, agreement, fusion and transport of one process group."""
-from gradientflow.engine.api import flush, submit_stages
+from gradientflow.engine.api import flush, scheduler_of, submit_stages
 from gradientflow.engine.stages import StageGen, drive, drive_lockstep
 
-__all__ = ["StageGen", "drive", "drive_lockstep", "flush", "submit_stages"]
+__all__ = ["StageGen", "drive", "drive_lockstep", "flush", "scheduler_of", "submit_stages"]

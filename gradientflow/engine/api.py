@@ -46,3 +46,14 @@ def flush(group=None) -> None:
     engine = _engine_of(group)
     if engine is not None:
         engine.flush()
+
+
+def scheduler_of(group=None):
+    """The keyed priority scheduler of a gradientflow `group`, or None on other backends.
+
+    Every rank must call this at the same point the first time (it connects a new group).
+    """
+    from gradientflow.backend.backend import backend_of
+
+    backend = backend_of(group)
+    return None if backend is None else backend.scheduler()
