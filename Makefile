@@ -22,7 +22,7 @@ test: install
 	$(PY) -m pytest -q tests
 
 demo: install
-	$(PY) experiments/imagenet/demo.py
+	$(PY) experiments/imagenet/run_experiment.py --demo
 
 bench: install
 	$(PY) benchmarks/run.py
