@@ -35,13 +35,15 @@ class HalfCompressor(Compressor):
             flat.add_(residual)
         wire = kernels.cast_scaled(flat, 1.0 / n, cfg.torch_wire_dtype)
         if residual is not None:
-            # flat becomes the candidate residual v - upcast(wire) * n, committed only if the
-            # reduced result is finite (a step GradScaler skips must leave the residual alone).
-            flat.add_(wire, alpha=-float(n))
+            # The candidate residual v - upcast(wire) * n goes to the spare buffer; it is committed
+            # (by a swap) only if the reduced result is finite: a step GradScaler skips must leave
+            # the residual alone.
+            torch.sub(flat, wire, alpha=float(n), out=mem["_residual_spare"])
         reduced = yield from self._stage(wire)
-        if not bool(torch.isfinite(reduced).all()):
-            self._step_non_finite = True  # the same on every rank: decided from the reduced buffer
+        out = kernels.upcast_scaled(reduced, 1.0, out=flat)
+        # Checked on the FP32 result (the same on every rank): isfinite on FP16 is ~20x slower on CPU.
+        if not bool(torch.isfinite(out).all()):
+            self._step_non_finite = True
         elif residual is not None:
-            mem["_residual_spare"].copy_(flat)
             self.memory.commit(layout, (("residual", "_residual_spare"),))
-        return kernels.upcast_scaled(reduced, 1.0, out=flat)
+        return out
