@@ -31,6 +31,9 @@ import sys
 import time
 from pathlib import Path
 
+if __package__ in (None, ""):  # run by path (`python benchmarks/run.py`): make benchmarks.* importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 from benchmarks.common import (fmt, line_plot, machine_info, machine_line, markdown_table,
                                median, p95, write_result)
 

@@ -28,6 +28,9 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 
+if __package__ in (None, ""):  # run by path (`python benchmarks/run.py`): make benchmarks.* importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 from benchmarks.common import sigterm_raises
 
 # Private /24 used only inside the namespaces this module creates (never routed outside).
