@@ -1,0 +1,122 @@
+"""The StageGens of one partition: dense average, compressed average, sparse allgather.
+
+Each is a generator in the engine's multi-stage contract (gradientflow.engine.stages): it yields
+tensors to be SUM-allreduced in place and returns the result, so it runs unchanged on the keyed
+scheduler's thread, synchronously on a plain gloo group, or N-ranks-in-one-process under
+`drive_lockstep` in the tests. None of them touches a parameter: the optimizer reads gradients
+before and writes results after, so what crosses threads is only these tensors.
+
+A used-flag per segment travels with the gradients (one extra element per segment at the end of
+the dense buffer, one small stage for compressed partitions): a parameter that got no gradient on
+any rank keeps `grad = None`, as DDP's find_unused_parameters leaves it, instead of receiving a
+zero that momentum or weight decay would act on.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from gradientflow.engine.stages import StageGen
+
+__all__ = ["dense_average", "compressed_average", "sparse_allgather"]
+
+
+def _fill(inputs: Sequence[torch.Tensor | None], numels: Sequence[int], dtype: torch.dtype,
+          device: torch.device, extra: int) -> torch.Tensor:
+    flat = torch.empty(sum(numels) + extra, dtype=dtype, device=device)
+    off = 0
+    for g, n in zip(inputs, numels):
+        if g is None:
+            flat[off:off + n].zero_()
+        else:
+            flat[off:off + n].copy_(g.reshape(-1))
+        off += n
+    return flat
+
+
+def dense_average(inputs: Sequence[torch.Tensor | None], numels: Sequence[int],
+                  dtype: torch.dtype, device: torch.device, prescale: float,
+                  postscale: float) -> StageGen:
+    """Sum `inputs` (None: no gradient here) over ranks in one stage; return (flat, used flags).
+
+    The flat result holds every segment back to back, scaled by prescale * postscale; used[i] says
+    whether any rank had a gradient for segment i.
+    """
+    n = sum(numels)
+    flat = _fill(inputs, numels, dtype, device, len(numels))
+    flat[n:] = torch.tensor([0.0 if g is None else 1.0 for g in inputs], dtype=dtype)
+    if prescale != 1.0:
+        flat[:n].mul_(prescale)
+    flat = yield flat
+    if postscale != 1.0:
+        flat[:n].mul_(postscale)
+    return flat[:n], (flat[n:] > 0).tolist()
+
+
+def compressed_average(compressor, layout, inputs: Sequence[torch.Tensor | None],
+                       prescale: float, postscale: float) -> StageGen:
+    """Average `inputs` with a gradientflow compressor (its own stages), then agree on used flags.
+
+    The compressor returns the average over ranks; postscale turns it into what the op asks for
+    (world_size * predivide for Sum, predivide for Average).
+    """
+    numels = layout.numels
+    flat = _fill(inputs, numels, torch.float32, _device_of(inputs), 0)
+    if prescale != 1.0:
+        flat.mul_(prescale)
+    out = yield from compressor.reduce(flat, layout)
+    flags = torch.tensor([0.0 if g is None else 1.0 for g in inputs], dtype=torch.float32)
+    flags = yield flags
+    if postscale != 1.0:
+        out.mul_(postscale)
+    return out, (flags > 0).tolist()
+
+
+def _device_of(inputs) -> torch.device:
+    for g in inputs:
+        if g is not None:
+            return g.device
+    return torch.device("cpu")
+
+
+def sparse_allgather(grad: torch.Tensor | None, shape: Sequence[int], dtype: torch.dtype,
+                     rank: int, world_size: int, prescale: float, postscale: float) -> StageGen:
+    """Allgather a sparse COO gradient through SUM allreduces; return the coalesced sum (or None).
+
+    Every rank writes its rows into its own slot of a zeroed buffer, so the sum is the
+    concatenation (adding zeros is exact): counts, then indices, then values, three stages whose
+    sizes every rank knows after the first. None (no gradient on this rank) contributes no rows;
+    the result is None when no rank had any.
+    """
+    if grad is not None:
+        grad = grad.coalesce()
+        idx, val = grad.indices(), grad.values()
+        device = val.device
+    else:
+        idx = torch.zeros((1, 0), dtype=torch.int64)
+        val = torch.zeros((0,) + tuple(shape[1:]), dtype=dtype)
+        device = torch.device("cpu")
+    if idx.shape[0] != 1:
+        raise ValueError(f"sparse_allgather: a sparse gradient of shape {tuple(shape)} with "
+                         f"{idx.shape[0]} sparse dimensions; only row-sparse gradients "
+                         "(nn.Embedding(sparse=True)) are supported: pass sparse_as_dense=True")
+    nnz = idx.shape[1]
+    counts = torch.zeros(world_size + 1, dtype=torch.int64, device=device)
+    counts[rank] = nnz
+    counts[world_size] = 0 if grad is None else 1  # how many ranks had a gradient at all
+    counts = yield counts
+    total = int(counts[:world_size].sum())
+    off = int(counts[:rank].sum())
+    had = int(counts[world_size])
+    rows = torch.zeros(total, dtype=torch.int64, device=device)
+    rows[off:off + nnz] = idx[0]
+    rows = yield rows
+    vals = torch.zeros((total,) + tuple(shape[1:]), dtype=dtype, device=device)
+    vals[off:off + nnz] = val * prescale if prescale != 1.0 else val
+    vals = yield vals
+    if had == 0:
+        return None
+    if postscale != 1.0:
+        vals.mul_(postscale)
+    return torch.sparse_coo_tensor(rows.unsqueeze(0), vals, tuple(shape)).coalesce()
