@@ -14,6 +14,7 @@ from . import none as _none, half as _half, csc as _csc  # noqa: F401  (they reg
 from .none import NoCompression
 from .half import HalfCompressor
 from .csc import CSCCompressor
+from .checkpoint import RESIZE_POLICIES, gather_shards, shard_for_rank
 
 if set(available()) != set(METHODS):  # the config validates against METHODS without importing us
     raise ImportError(f"gradientflow.compression: registry {available()} and config METHODS {METHODS} disagree")
@@ -22,4 +23,5 @@ __all__ = [
     "CompressionConfig", "DGC_WARMUP", "METHODS", "WIRE_DTYPES", "Layout", "ResidualMemory",
     "CompressionStats", "Compressor", "NoCompression", "HalfCompressor", "CSCCompressor",
     "available", "compressor_class", "make_compressor", "register_compressor",
+    "RESIZE_POLICIES", "gather_shards", "shard_for_rank",
 ]

@@ -4,7 +4,12 @@ from __future__ import annotations
 import math
 
 import torch
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, settings, strategies as st
+
+# Applied per test, not as a global profile, so other test directories keep their own settings.
+# No deadline: the first example of a run pays for numba's kernel loading.
+SETTINGS = settings(deadline=None, max_examples=40,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 from gradientflow.compression import CompressionConfig, Layout, make_compressor
 from gradientflow.engine.stages import drive_lockstep

@@ -4,10 +4,11 @@ from __future__ import annotations
 import torch
 from hypothesis import given, strategies as st
 
-from compression_helpers import flat_slot, grads_for, layouts, lost_tolerance, make_ranks, step
+from compression_helpers import SETTINGS, flat_slot, grads_for, layouts, lost_tolerance, make_ranks, step
 from gradientflow.compression import CompressionConfig
 
 
+@SETTINGS
 @given(
     layout=layouts(),
     world=st.integers(1, 4),
@@ -46,6 +47,7 @@ def test_nothing_lost_without_momentum(layout, world, density, chunk, steps, met
     assert err <= lost_tolerance(cfg, world, steps, vmax), err
 
 
+@SETTINGS
 @given(
     layout=layouts(),
     world=st.integers(1, 3),
@@ -95,6 +97,7 @@ def test_momentum_correction_identity(layout, world, density, chunk, steps, nest
     assert err <= 1e-4 * steps * steps * world * 10, err
 
 
+@SETTINGS
 @given(layout=layouts(), world=st.integers(1, 4), chunk=st.sampled_from([1, 8, 64]), seed=st.integers(0, 2**16))
 def test_density_one_fp32_is_the_plain_average(layout, world, chunk, seed):
     """Density 1 on an FP32 wire gives what plain DDP gives (sum / world), step after step."""

@@ -4,12 +4,13 @@ from __future__ import annotations
 import torch
 from hypothesis import given, strategies as st
 
-from compression_helpers import flat_slot, grads_for, layouts, make_ranks, step
+from compression_helpers import SETTINGS, flat_slot, grads_for, layouts, make_ranks, step
 from gradientflow.compression import CompressionConfig, Layout
 from gradientflow.engine.stages import drive_lockstep
 from gradientflow.hooks import CSCState, FP16State
 
 
+@SETTINGS
 @given(layout=layouts(), world=st.integers(1, 3), method=st.sampled_from(["csc", "fp16"]),
        scales=st.lists(st.sampled_from([2.0 ** e for e in range(0, 12)]), min_size=2, max_size=6),
        seed=st.integers(0, 2**16))

@@ -6,7 +6,7 @@ import copy
 import torch
 from hypothesis import given, strategies as st
 
-from compression_helpers import grads_for, layouts, make_ranks, step
+from compression_helpers import SETTINGS, grads_for, layouts, make_ranks, step
 from gradientflow.compression import CompressionConfig
 
 
@@ -22,6 +22,7 @@ def _same(a, b):
             assert torch.equal(a[slot][name], b[slot][name]), (slot, name)
 
 
+@SETTINGS
 @given(
     layout=layouts(), world=st.integers(1, 3), bad_rank=st.integers(0, 2),
     bad=st.sampled_from([float("inf"), float("-inf"), float("nan")]), where=st.floats(0, 1),
@@ -57,6 +58,7 @@ def test_non_finite_step_restores_state_on_every_rank(layout, world, bad_rank, b
         _same(a, b)
 
 
+@SETTINGS
 @given(world=st.integers(1, 3), method=st.sampled_from(["csc", "csc-momentum", "fp16"]), seed=st.integers(0, 2**16))
 def test_a_later_bucket_overflowing_undoes_the_earlier_buckets_of_the_step(world, method, seed):
     """GradScaler skips the whole step, so a finite bucket reduced before an overflowing one is undone too."""

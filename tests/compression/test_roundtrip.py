@@ -6,7 +6,7 @@ import math
 import torch
 from hypothesis import given, strategies as st
 
-from compression_helpers import grads_for, layouts, make_ranks, recording
+from compression_helpers import SETTINGS, grads_for, layouts, make_ranks, recording
 from gradientflow.compression import CompressionConfig
 from gradientflow.engine.stages import drive_lockstep
 
@@ -18,6 +18,7 @@ def _dense_mask(cfg, layout):
     return mask
 
 
+@SETTINGS
 @given(layout=layouts(), world=st.integers(1, 4), density=st.sampled_from([0.05, 0.25, 0.6]),
        chunk=st.sampled_from([4, 16, 64]), wire=st.sampled_from(["fp16", "bf16", "fp32"]),
        seed=st.integers(0, 2**16))
@@ -49,6 +50,7 @@ def test_csc_sends_only_norms_chunks_and_dense_part(layout, world, density, chun
         assert sent[1].numel() + (d if wire == "fp32" else 0) < n, "sent as many values as the dense buffer"
 
 
+@SETTINGS
 @given(layout=layouts(), world=st.integers(1, 3), chunk=st.sampled_from([4, 32]), seed=st.integers(0, 2**16))
 def test_csc_output_is_exactly_the_reduced_payload(layout, world, chunk, seed):
     """Unpacking the recorded payload by hand reproduces the output, and the residual is v where nothing was sent."""
@@ -76,6 +78,7 @@ def test_csc_output_is_exactly_the_reduced_payload(layout, world, chunk, seed):
     assert torch.equal(flat_r[unsent], grads[0][unsent])
 
 
+@SETTINGS
 @given(world=st.integers(2, 6), seed=st.integers(0, 2**16))
 def test_fp16_prescale_never_overflows_where_a_post_scaled_sum_would(world, seed):
     """Values that fit FP16 on every rank average without overflow, although their plain FP16 sum is inf."""

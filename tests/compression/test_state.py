@@ -9,7 +9,7 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
-from compression_helpers import flat_slot, grads_for, make_ranks
+from compression_helpers import SETTINGS, make_ranks
 from gradientflow.compression import CompressionConfig, Layout, make_compressor
 from gradientflow.compression.checkpoint import gather_shards, shard_for_rank
 from gradientflow.engine.stages import drive_lockstep
@@ -55,6 +55,7 @@ def _held(comps):
 CFG = dict(method="csc", density=0.25, chunk_size=8, wire_dtype="fp16", warmup_densities=(), min_numel=0)
 
 
+@SETTINGS
 @given(world=st.integers(1, 3), order=st.permutations(range(len(PARAMS))),
        cuts=st.lists(st.integers(1, len(PARAMS) - 1), max_size=3), momentum=st.booleans(),
        seed=st.integers(0, 2**16))
@@ -91,6 +92,7 @@ def test_relayout_keeps_every_parameters_state_and_loses_nothing(world, order, c
             assert err < 0.05, (n, err)
 
 
+@SETTINGS
 @given(world=st.integers(1, 3), order=st.permutations(range(len(PARAMS))), seed=st.integers(0, 2**16),
        momentum=st.booleans())
 def test_state_dict_round_trip_resumes_exactly(world, order, seed, momentum):
