@@ -122,3 +122,43 @@ def test_forked_child_can_run_kernels_and_torch():
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_workqueue_layer_is_serialised_by_the_lock():
+    """Without TBB, numba's workqueue layer aborts on concurrent launches: the lock prevents it."""
+    script = textwrap.dedent(
+        """
+        import threading, torch
+        from gradientflow import kernels as K
+        x = torch.randn(300_000)
+        expect = K.chunk_norms(x.clone(), None, 1000, impl="torch")
+        assert K.threading_layer() == "workqueue", K.threading_layer()
+        errors = []
+        def work():
+            try:
+                for _ in range(20):
+                    torch.testing.assert_close(K.chunk_norms(x.clone(), None, 1000), expect)
+            except Exception as exc:
+                errors.append(exc)
+        ts = [threading.Thread(target=work) for _ in range(4)]
+        [t.start() for t in ts]
+        [t.join() for t in ts]
+        raise SystemExit(1 if errors else 0)
+        """
+    )
+    env = dict(__import__("os").environ, NUMBA_THREADING_LAYER="workqueue")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_cuda_module_imports_without_a_gpu_and_dispatch_reports_why():
+    """On a machine without CUDA the lazily imported module loads and says why it cannot run."""
+    proc = subprocess.run(
+        [sys.executable, "-c",
+         "from gradientflow.kernels import cuda\n"
+         "try:\n    cuda.check_available()\nexcept RuntimeError as e:\n    print('unavailable', e)\n"
+         "else:\n    print('available')\n"],
+        capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith(("unavailable", "available"))
