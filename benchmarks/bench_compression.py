@@ -98,7 +98,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     kernels.set_num_threads(args.threads)
-    reps = args.reps or (2 if args.quick else 5)
+    reps = args.reps or (1 if args.quick else 5)
     world = 2
     warnings.simplefilter("ignore", RuntimeWarning)
 
@@ -170,6 +170,8 @@ def main(argv=None) -> int:
         f"csc {args.density:g}": CompressionConfig(method="csc", density=args.density, **common),
         "csc 0.1%": CompressionConfig(method="csc", density=0.001, **common),
     }
+    if args.quick:  # the runner's quick mode has a 3-minute budget on 2 shared cores
+        timed = {k: v for k, v in timed.items() if k in ("none", "fp16", f"csc {args.density:g}")}
     gen = torch.Generator().manual_seed(0)
     grads = [torch.randn(n, generator=gen) for _ in range(world)]
     ranks = {label: [make_compressor(cfg, world) for _ in range(world)] for label, cfg in timed.items()}

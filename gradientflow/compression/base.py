@@ -69,6 +69,10 @@ class Compressor(abc.ABC):
         self.epoch = int(epoch)
         self._epoch_told = True
 
+    def set_step(self, step: int) -> None:
+        """Set the step counter (for a step-based warm-up resumed without this state's checkpoint)."""
+        self.step = int(step)
+
     def end_step(self) -> None:
         """Close a step (every bucket of one backward pass reduced): counts steps and statistics.
 

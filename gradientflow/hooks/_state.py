@@ -136,6 +136,10 @@ class CompressionState:
         """Tell the warm-up schedule the epoch (call at the start of every epoch)."""
         self.compressor.set_epoch(epoch)
 
+    def set_step(self, step: int) -> None:
+        """Set the step counter of a step-based warm-up (it otherwise counts completed backward passes)."""
+        self.compressor.set_step(step)
+
     def set_loss_scale(self, scale: float) -> None:
         """Tell the state the loss scale of the gradients to come (instead of giving a grad_scaler)."""
         if not (scale > 0 and torch.isfinite(torch.tensor(float(scale)))):
