@@ -336,8 +336,17 @@ class _DistributedOptimizer:
         return 1.0 / f, f / n
 
     def _stages(self, part: Partition):
-        """The StageGen of one partition: reduce, then write the results (scheduler thread)."""
+        """The StageGen of one partition: reduce, then write the results (scheduler thread).
+
+        The gradients are picked here, on the submitting thread, not inside the generator:
+        it starts later, on the scheduler's thread, after the user may have zeroed p.grad
+        (next-forward overlap lets zero_grad() run while partitions are still in flight).
+        """
         dense, sparse = self._grad_inputs(part)
+        sparse_grads = {seg.index: self._params[seg.index].grad for seg in sparse}
+        return self._run_stages(part, dense, sparse, sparse_grads)
+
+    def _run_stages(self, part: Partition, dense, sparse, sparse_grads):
         pre, post = self._scales()
         flat = None
         if self._compressor is not None and dense:
@@ -363,7 +372,7 @@ class _DistributedOptimizer:
             if seg.row0 != 0 and not seg.whole:
                 continue  # a row-split sparse parameter travels whole with its first block
             p = self._params[seg.index]
-            out = yield from sparse_allgather(p.grad, tuple(p.shape), p.dtype, self._rank,
+            out = yield from sparse_allgather(sparse_grads[seg.index], tuple(p.shape), p.dtype, self._rank,
                                               self._world, pre, post)
             if self._opts.overlap_next_forward:
                 self._reduced[seg.index] = out
@@ -559,6 +568,11 @@ class _DistributedOptimizer:
                 "optimizer.step() or optimizer.synchronize(). This is prohibited: the gradients "
                 "are being averaged in the background and would be lost. Call zero_grad() "
                 "before the forward pass, or after step()")
+        if not set_to_none and self._pending_futs:
+            # Zeroing in place would reach gradients a partition still in flight reads from
+            # (next-forward overlap): let those finish first. set_to_none=True needs no wait.
+            for fut in self._pending_futs.values():
+                fut.wait()
         super().zero_grad(set_to_none=set_to_none)
 
     def state_dict(self):
