@@ -26,9 +26,20 @@ as zero-padded. A CSC step is::
     ... allreduce(packed) ...
     unpack_update(grad, residual, packed, local, idx, C, 1.0, world, out=grad)
 
-Threads (CPU kernels): see ``set_num_threads`` and ``threading_layer``. numba reads its own
-environment variables at import (``NUMBA_THREADING_LAYER``, ``NUMBA_NUM_THREADS``,
-``NUMBA_CACHE_DIR``, ``NUMBA_ENABLE_CUDASIM``); this package reads no environment itself.
+Threads (CPU kernels): the numba threading layer is TBB when ``libtbb.so.12`` can be loaded
+(the ``tbb`` wheel from PyPI): fork-safe and safe with concurrent launches. Otherwise it is
+``workqueue`` and every launch is serialised by a process-wide lock (workqueue aborts on
+concurrent launches); numba's ``omp`` layer is never chosen by us, because a second OpenMP
+runtime beside torch's kills forked children. See ``kernels/_threads.py``. The thread count is
+process-wide (``set_num_threads``; ``threads_per_rank`` shares the cores between the ranks of
+a host: 1 thread each for 2 ranks on 2 cores) and defaults to numba's (all cores).
+
+numba reads its own environment variables at import: ``NUMBA_THREADING_LAYER`` (respected if
+set), ``NUMBA_NUM_THREADS`` (the upper bound of ``set_num_threads``), ``NUMBA_CACHE_DIR`` (where
+compiled kernels are cached when the package folder is read-only, e.g. a system install;
+otherwise ``kernels/__pycache__``), ``NUMBA_ENABLE_CUDASIM`` (tests). This package reads no
+environment itself. ``gradientflow.kernels.cpu.warm_up()`` compiles (or loads from the cache)
+every CPU kernel up front: about 30 s the first time on this machine, 1-2 s after.
 """
 
 from __future__ import annotations

