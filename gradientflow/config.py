@@ -97,6 +97,10 @@ class Config:
     # Seconds a collective may wait before a stall warning (0 disables) / an abort (0 disables).
     stall_warning_s: float = 60.0
     stall_abort_s: float = 0.0
+    # How often each rank checks in to the store (its recent collectives) and, while one of its
+    # collectives is pending, reads the others' check-ins for a mismatch or a stall (0 disables;
+    # then only fused batches are checked). Off the hot path: a background thread per group.
+    inspect_interval_s: float = 1.0
     # Chrome-trace timeline path ("" disables); {rank} is substituted.
     timeline: str = ""
 
@@ -112,6 +116,7 @@ class Config:
             "debug": _parse_bool,
             "stall_warning_s": lambda v, n: _parse_float(v, n, 0.0, 86400.0),
             "stall_abort_s": lambda v, n: _parse_float(v, n, 0.0, 86400.0),
+            "inspect_interval_s": lambda v, n: _parse_float(v, n, 0.0, 3600.0),
             "timeline": lambda v, n: str(v),
         }
 

@@ -23,6 +23,8 @@ from torch._C._distributed_c10d import (
 from gradientflow.backend import validate as V
 from gradientflow.config import Config, current_overrides
 from gradientflow.engine.engine import Engine
+from gradientflow.engine.stall import Inspector
+from gradientflow.engine.work import FutureWork
 
 # Strong references: torch's TORCH_DISTRIBUTED_DEBUG=DETAIL wrapper needs the backend kept
 # alive by its creator, and `pg._get_backend()` returns the wrapper then, so this registry is
@@ -105,6 +107,12 @@ class GradientFlowBackend(_CBackend):
         self._store = store
         self._scheduler = None
         self._scheduler_lock = threading.Lock()
+        # Check-ins, mismatch detection, the stall inspector (engine/stall.py).
+        self.inspector = Inspector(
+            rank, size, store, timeout.total_seconds(), config, group_name or "gradientflow",
+            on_fault=self._abort,
+            make_group=lambda prefix: _make_gloo(store, rank, size, timeout, prefix))
+        self._debug_lock = threading.Lock()
 
     # ------------------------------------------------------------------ plumbing
     def _get_backend_name(self) -> str:
@@ -141,6 +149,7 @@ class GradientFlowBackend(_CBackend):
 
     def shutdown(self) -> None:
         """Close the engine (failing queued operations clearly) and the transports."""
+        self.inspector.close()
         if self._scheduler is not None:
             self._scheduler.close()
             self._sched_transports.shutdown()
@@ -161,10 +170,47 @@ class GradientFlowBackend(_CBackend):
     def _tp(self, device: torch.device):
         return self.transports.get(device)
 
+    def _abort(self, err: BaseException) -> None:
+        """The inspector found a fault: fail what is queued and refuse new work with `err`."""
+        self.engine._fail(err)  # noqa: SLF001 - see the report: an Engine.abort(err) would do
+
+    def _issue(self, name: str, submit: Callable[[], Any], sig: Any, opts: Any,
+               device: torch.device) -> Any:
+        """Submit in sequence order, recording the call for the inspector (and checking it
+        first under GRADIENTFLOW_DEBUG); a synchronous CPU call is waited on here, in slices."""
+        insp = self.inspector
+        if not insp.enabled:
+            return submit()
+        # Which fields an options type has, cached: a getattr that misses costs microseconds.
+        fields = _OPT_FIELDS.get(type(opts))
+        if fields is None:
+            fields = _OPT_FIELDS[type(opts)] = tuple(
+                hasattr(opts, f) for f in ("rootRank", "reduceOp", "asyncOp"))
+        root = opts.rootRank if fields[0] else None
+        rop = opts.reduceOp if fields[1] else None
+        engine = self.engine
+        if insp._debug_group is not None:
+            with self._debug_lock:  # the debug check and the submission in one order
+                insp.debug_check(engine._seq, name, sig, root, rop)
+                with engine._cv:
+                    seq = engine._seq
+                    work = submit()
+        else:
+            with engine._cv:  # reentrant: the sequence number read is the one submit() takes
+                seq = engine._seq
+                work = submit()
+        insp.record(seq, name, sig, root, rop, work)
+        if isinstance(work, FutureWork):
+            insp.attach(work)
+        elif insp.sliced and fields[2] and not opts.asyncOp and device.type == "cpu":
+            insp.wait_sync(work, seq, name)
+        return work
+
     def _eager(self, name: str, device: torch.device, call: Callable[[Any], Any],
-               outputs: Any) -> Any:
+               outputs: Any, opts: Any = None, sig: torch.Tensor | None = None) -> Any:
         self._seq_for_group += 1
-        return self.engine.submit_eager(name, lambda: call(self._tp(device)), outputs)
+        return self._issue(name, lambda: self.engine.submit_eager(
+            name, lambda: call(self._tp(device)), outputs), sig, opts, device)
 
     # ------------------------------------------------------------------ reductions
     def allreduce(self, tensors, opts=None):
@@ -173,21 +219,25 @@ class GradientFlowBackend(_CBackend):
         V.check_reduce(self._rank, "all_reduce", t, opts.reduceOp)
         if getattr(opts, "asyncOp", True) and self.engine.fusable(t):
             self._seq_for_group += 1
-            return self.engine.submit_allreduce(t, opts.reduceOp)
-        return self._eager("all_reduce", t.device, lambda tp: tp.allreduce(tensors, opts), tensors)
+            return self._issue("all_reduce", lambda: self.engine.submit_allreduce(t, opts.reduceOp),
+                               t, opts, t.device)
+        return self._eager("all_reduce", t.device, lambda tp: tp.allreduce(tensors, opts), tensors,
+                           opts, t)
 
     def allreduce_coalesced(self, tensors, opts=None):
         dev = V.check_tensors(self._rank, "all_reduce_coalesced", tensors)
         for t in tensors:
             V.check_reduce(self._rank, "all_reduce_coalesced", t, opts.reduceOp)
         return self._eager("all_reduce_coalesced", dev,
-                           lambda tp: tp.allreduce_coalesced(tensors, opts), tensors)
+                           lambda tp: tp.allreduce_coalesced(tensors, opts), tensors,
+                           opts, tensors[0] if tensors else None)
 
     def reduce(self, tensors, opts):
         t = V.check_single(self._rank, "reduce", tensors)
         V.check_root(self._rank, "reduce", opts.rootRank, self._size)
         V.check_reduce(self._rank, "reduce", t, opts.reduceOp)
-        return self._eager("reduce", t.device, lambda tp: tp.reduce(tensors, opts), tensors)
+        return self._eager("reduce", t.device, lambda tp: tp.reduce(tensors, opts), tensors,
+                           opts, t)
 
     def reduce_scatter(self, output_tensors, input_tensors, opts):
         out = V.check_single(self._rank, "reduce_scatter", output_tensors)
@@ -200,7 +250,7 @@ class GradientFlowBackend(_CBackend):
         V.check_reduce(self._rank, "reduce_scatter", out, opts.reduceOp)
         return self._eager("reduce_scatter", out.device,
                            lambda tp: tp.reduce_scatter(output_tensors, input_tensors, opts),
-                           output_tensors)
+                           output_tensors, opts, out)
 
     def _reduce_scatter_base(self, output, input, opts):
         name = "reduce_scatter_tensor"
@@ -213,7 +263,8 @@ class GradientFlowBackend(_CBackend):
                          "of the output's dtype")
         V.check_reduce(self._rank, name, output, opts.reduceOp)
         return self._eager(name, output.device,
-                           lambda tp: tp._reduce_scatter_base(output, input, opts), [output])
+                           lambda tp: tp._reduce_scatter_base(output, input, opts), [output],
+                           opts, output)
 
     reduce_scatter_single = _reduce_scatter_base
 
@@ -221,7 +272,8 @@ class GradientFlowBackend(_CBackend):
     def broadcast(self, tensors, opts):
         t = V.check_single(self._rank, "broadcast", tensors)
         V.check_root(self._rank, "broadcast", opts.rootRank, self._size)
-        return self._eager("broadcast", t.device, lambda tp: tp.broadcast(tensors, opts), tensors)
+        return self._eager("broadcast", t.device, lambda tp: tp.broadcast(tensors, opts), tensors,
+                           opts, t)
 
     def allgather(self, output_tensors, input_tensors, opts=None):
         t = V.check_single(self._rank, "all_gather", input_tensors)
@@ -233,7 +285,7 @@ class GradientFlowBackend(_CBackend):
         V.check_same_shape(self._rank, "all_gather", output_tensors[0], t, "tensor_list")
         return self._eager("all_gather", t.device,
                            lambda tp: tp.allgather(output_tensors, input_tensors, opts),
-                           output_tensors)
+                           output_tensors, opts, t)
 
     def _allgather_base(self, output, input, opts=None):
         name = "all_gather_into_tensor"
@@ -245,7 +297,8 @@ class GradientFlowBackend(_CBackend):
                          f"output must hold world_size ({self._size}) x input.numel() elements "
                          "of the input's dtype")
         return self._eager(name, input.device,
-                           lambda tp: tp._allgather_base(output, input, opts), [output])
+                           lambda tp: tp._allgather_base(output, input, opts), [output],
+                           opts, input)
 
     all_gather_single = _allgather_base
 
@@ -253,13 +306,13 @@ class GradientFlowBackend(_CBackend):
         dev = V.check_tensors(self._rank, "all_gather_coalesced", input_list)
         return self._eager("all_gather_coalesced", dev,
                            lambda tp: tp.allgather_coalesced(output_lists, input_list, opts),
-                           output_lists)
+                           output_lists, opts, input_list[0] if input_list else None)
 
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
         dev = V.check_tensors(self._rank, "all_gather_into_tensor_coalesced", inputs)
         return self._eager("all_gather_into_tensor_coalesced", dev,
                            lambda tp: tp.allgather_into_tensor_coalesced(outputs, inputs, opts),
-                           outputs)
+                           outputs, opts, inputs[0] if inputs else None)
 
     all_gather_single_coalesced = allgather_into_tensor_coalesced
 
@@ -267,7 +320,7 @@ class GradientFlowBackend(_CBackend):
         dev = V.check_tensors(self._rank, "reduce_scatter_tensor_coalesced", inputs)
         return self._eager("reduce_scatter_tensor_coalesced", dev,
                            lambda tp: tp.reduce_scatter_tensor_coalesced(outputs, inputs, opts),
-                           outputs)
+                           outputs, opts, inputs[0] if inputs else None)
 
     reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
 
@@ -277,7 +330,7 @@ class GradientFlowBackend(_CBackend):
         dev = V.check_tensors(self._rank, "all_to_all", list(input_tensors) + list(output_tensors))
         return self._eager("all_to_all", dev,
                            lambda tp: tp.alltoall(output_tensors, input_tensors, opts),
-                           output_tensors)
+                           output_tensors, opts)
 
     def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
         name = "all_to_all_single"
@@ -297,7 +350,7 @@ class GradientFlowBackend(_CBackend):
                              f"pass {label} for uneven splits")
         return self._eager(name, input.device,
                            lambda tp: tp.alltoall_base(output, input, output_split_sizes,
-                                                       input_split_sizes, opts), [output])
+                                                       input_split_sizes, opts), [output], opts)
 
     all_to_all_single = alltoall_base
 
@@ -313,7 +366,7 @@ class GradientFlowBackend(_CBackend):
             V.check_same_shape(self._rank, "gather", output_tensors[0], t, "gather_list")
         return self._eager("gather", t.device,
                            lambda tp: tp.gather(output_tensors, input_tensors, opts),
-                           output_tensors)
+                           output_tensors, opts, t)
 
     def scatter(self, output_tensors, input_tensors, opts):
         t = V.check_single(self._rank, "scatter", output_tensors)
@@ -327,13 +380,13 @@ class GradientFlowBackend(_CBackend):
             V.check_same_shape(self._rank, "scatter", input_tensors[0], t, "scatter_list")
         return self._eager("scatter", t.device,
                            lambda tp: tp.scatter(output_tensors, input_tensors, opts),
-                           output_tensors)
+                           output_tensors, opts, t)
 
     def barrier(self, opts=None):
         # A barrier is a collective like any other: it goes through the sequence, after
         # everything issued before it (and the deferred allreduces are agreed first).
         return self._eager("barrier", torch.device("cpu"),
-                           lambda tp: tp.barrier(opts), [])
+                           lambda tp: tp.barrier(opts), [], opts)
 
     # ------------------------------------------------------------------ point to point
     # Point-to-point operations involve two ranks only, so they take no sequence number
@@ -359,6 +412,9 @@ class GradientFlowBackend(_CBackend):
 
     def monitored_barrier(self, opts=None, wait_all_ranks=False):
         return self.barrier()
+
+
+_OPT_FIELDS: dict[type, tuple[bool, bool, bool]] = {}
 
 
 def _allreduce_opts(op) -> AllreduceOptions:

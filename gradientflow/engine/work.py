@@ -30,6 +30,10 @@ class FutureWork(Work):
         self._check_thread = check_thread
         self._done = threading.Event()
         fut.add_done_callback(lambda _f: self._done.set())
+        # Set by the group's inspector (stall.py): a fault it finds (collective mismatch,
+        # stall abort) ends a wait early with that fault, checked every `slice_s` seconds.
+        self.probe: Callable[[], BaseException | None] | None = None
+        self.slice_s = 1.0
 
     def wait(self, timeout: datetime.timedelta | None = None) -> bool:  # noqa: D401
         """Block until the operation finished; raise its error, or a timeout naming the op."""
@@ -41,7 +45,7 @@ class FutureWork(Work):
         if isinstance(timeout, datetime.timedelta) and timeout.total_seconds() > 0:
             limit = timeout.total_seconds()
         t0 = time.perf_counter()
-        finished = self._done.wait(limit)
+        finished = self._wait(limit)
         STATS.record_wait(time.perf_counter() - t0)
         if not finished:
             raise RuntimeError(
@@ -52,6 +56,19 @@ class FutureWork(Work):
                 "init_process_group(timeout=...)."
             )
         self._fut.wait()  # re-raises the operation's error, if any
+        return True
+
+    def _wait(self, limit: float) -> bool:
+        probe = self.probe
+        if probe is None:
+            return self._done.wait(limit)
+        deadline = time.monotonic() + limit
+        while not self._done.wait(min(self.slice_s, max(0.0, deadline - time.monotonic()))):
+            fault = probe()
+            if fault is not None:
+                raise fault
+            if time.monotonic() >= deadline:
+                return False
         return True
 
     def get_future(self) -> torch.futures.Future:

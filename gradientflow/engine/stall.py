@@ -1,0 +1,371 @@
+"""Collective check-ins: mismatch detection, the stall inspector and clear peer-failure errors.
+
+A rank blocked inside a transport call cannot see which rank is missing or what the others
+issued instead. So every rank keeps, in memory, a short history of the collectives it issued
+(sequence number and a descriptor: op, dtype, shape, root, reduce op; about a microsecond per
+call, no communication), and a background thread per process group publishes it to the
+group's store as a *check-in* at a low rate (when it changed, at most once per
+`inspect_interval_s`; a heartbeat otherwise). Only when this rank's newest collective has been
+pending longer than one interval does the thread read the other ranks' check-ins, and then:
+
+- a sequence number whose descriptors differ between two ranks is a *collective mismatch*:
+  the group is failed with an error naming both ranks, the sequence number and both
+  fingerprints (each rank finds it from the same check-ins, so every rank raises);
+- past `stall_warning_s` it logs the ranks that have not issued the pending collective yet
+  (Horovod's stall inspector), and past `stall_abort_s` (if set) it fails the group.
+
+A transport error (a peer died, a connection reset) is explained the same way, at the moment
+it happens: the failing rank reads the check-ins and names a dead peer or a mismatch.
+
+With `debug` (GRADIENTFLOW_DEBUG=1) every collective is also checked *before* it reaches the
+transport: a small allgather of (sequence number, fingerprint) on a side group, so a mismatched
+call is refused on every rank with the group still usable.
+"""
+from __future__ import annotations
+
+import collections
+import datetime
+import json
+import logging
+import os
+import socket
+import threading
+import time
+import weakref
+import zlib
+from typing import Any, Callable
+
+import torch
+
+from gradientflow.engine.engine import EngineError
+
+LOG = logging.getLogger("gradientflow")
+
+HISTORY = 64  # collectives remembered per rank (a stall is always within a few ops of the peers)
+_KEY = "gradientflow/checkin/"
+
+
+class CollectiveMismatchError(EngineError):
+    """Ranks issued different collectives (op, dtype, shape, root, reduce op) or in another order."""
+
+
+class StallError(EngineError):
+    """A collective waited longer than stall_abort_s for ranks that never joined it."""
+
+
+class PeerFailureError(EngineError):
+    """A collective failed because a peer died or closed its connections."""
+
+
+def _redop_name(op: Any) -> str:
+    if op is None:
+        return ""
+    op = getattr(op, "op", op)
+    return str(op).rsplit(".", 1)[-1]
+
+
+def describe(name: str, tensor: Any, root: Any, reduce_op: Any) -> str:
+    """The descriptor of one collective: what every rank must issue identically."""
+    parts = [name]
+    if isinstance(tensor, tuple):  # (dtype, shape) recorded on the hot path
+        parts.append(f"{str(tensor[0]).replace('torch.', '')} {tuple(tensor[1])}")
+    if root is not None and root >= 0:
+        parts.append(f"root {root}")
+    if reduce_op is not None:
+        parts.append(_redop_name(reduce_op))
+    return " ".join(parts)
+
+
+def fingerprint(desc: str) -> str:
+    """A short, process-independent fingerprint of a descriptor (CRC-32, hex)."""
+    return f"{zlib.crc32(desc.encode()):08x}"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class Inspector:
+    """Check-ins, mismatch detection and stall inspection for one gradientflow process group."""
+
+    def __init__(self, rank: int, world_size: int, store: Any, timeout_s: float, config: Any,
+                 name: str, on_fault: Callable[[BaseException], None],
+                 make_group: Callable[[str], Any] | None = None) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.name = name
+        self.timeout_s = timeout_s
+        self.interval = float(config.inspect_interval_s)
+        self.stall_warning_s = float(config.stall_warning_s)
+        self.stall_abort_s = float(config.stall_abort_s)
+        self.slice = datetime.timedelta(seconds=max(self.interval, 0.05))
+        # Off (inspect_interval_s=0 and no debug): the backend skips the inspector entirely.
+        self.enabled = self.interval > 0 or bool(config.debug)
+        # Synchronous CPU calls are waited on here in slices (see wait_sync).
+        self.sliced = True
+        self._store = store
+        self._on_fault = on_fault
+        self._hist: collections.deque = collections.deque(maxlen=HISTORY)
+        # (seq, name, work, t_issued) of the newest collective: the one a stall shows on.
+        self.last: tuple | None = None
+        self.fault: BaseException | None = None
+        self.warnings: list[str] = []  # stall warnings logged (also for tests and the soak)
+        self._warned_seq = -1
+        self._published = (None, None)
+        self._published_at = 0.0
+        self._host = socket.gethostname()
+        self._stop = threading.Event()
+        self._debug_group = make_group("gradientflow/debug/") if config.debug and make_group else None
+        self._thread = None
+        if self.interval > 0 and world_size > 1:
+            self._thread = threading.Thread(target=_run, args=(weakref.ref(self), self._stop,
+                                                               self.interval),
+                                            name=f"{name}-inspector", daemon=True)
+            self._thread.start()
+
+    # ------------------------------------------------------------------ hot path
+    def record(self, seq: int, name: str, tensor: torch.Tensor | None, root: Any,
+               reduce_op: Any, work: Any) -> None:
+        """Remember an issued collective (no communication; about a microsecond)."""
+        sig = (tensor.dtype, tensor.shape) if tensor is not None else None
+        self._hist.append((seq, name, sig, root, reduce_op))
+        self.last = (seq, name, work, time.monotonic())
+
+    def wait_sync(self, work: Any, seq: int, name: str) -> None:
+        """Wait on a transport Work of a synchronous call in slices, so a fault found meanwhile
+        (mismatch, stall abort) ends the wait with its own error instead of the transport's."""
+        while True:
+            try:
+                work.wait(self.slice)
+                return
+            except RuntimeError as exc:
+                if not work.is_completed():  # one slice elapsed; the operation goes on
+                    if self.fault is not None:
+                        raise self.fault from None
+                    continue
+                raise self.explain(exc, seq, name) from exc
+
+    def attach(self, work: Any) -> Any:
+        """Let a FutureWork's wait() end early with this group's fault."""
+        work.probe = self.probe
+        work.slice_s = self.slice.total_seconds()
+        return work
+
+    def probe(self) -> BaseException | None:
+        return self.fault
+
+    # ------------------------------------------------------------------ debug: full check
+    def debug_check(self, seq: int, name: str, tensor: torch.Tensor | None, root: Any,
+                    reduce_op: Any) -> None:
+        """GRADIENTFLOW_DEBUG: agree on (sequence number, fingerprint) before the transport."""
+        if self._debug_group is None:
+            return
+        desc = describe(name, (tensor.dtype, tensor.shape) if tensor is not None else None,
+                        root, reduce_op)
+        fp = int(fingerprint(desc), 16)
+        mine = torch.tensor([seq, fp], dtype=torch.int64)
+        outs = [torch.zeros(2, dtype=torch.int64) for _ in range(self.world_size)]
+        try:
+            self._debug_group.allgather([outs], [mine]).wait()
+        except Exception as exc:  # noqa: BLE001
+            raise self.explain(exc, seq, name) from exc
+        if all(torch.equal(o, mine) for o in outs):
+            return
+        # Every rank sees the same gathered values, so every rank raises here, and nothing
+        # reached the transport: the group stays usable.
+        key = f"gradientflow/debug/{seq}/"
+        self._store.set(f"{key}{self.rank}", f"#{seq} {desc}")
+        views = {}
+        for r in range(self.world_size):
+            try:
+                views[r] = self._store.get(f"{key}{r}").decode()
+            except Exception:  # noqa: BLE001
+                views[r] = f"#{int(outs[r][0])} (fingerprint {int(outs[r][1]):08x})"
+        diff = [r for r in range(self.world_size) if not torch.equal(outs[r], mine)]
+        other = diff[0]
+        raise CollectiveMismatchError(
+            f"gradientflow: rank {self.rank}: collective mismatch at sequence number {seq} on "
+            f"process group {self.name} (GRADIENTFLOW_DEBUG check): rank {self.rank} issued "
+            f"{views[self.rank]} [fingerprint {fp:08x}], rank {other} issued {views[other]} "
+            f"[fingerprint {int(outs[other][1]):08x}]. Every rank must issue the same "
+            "collectives (op, dtype, shape, root, reduce op) in the same order; the call was "
+            "refused before reaching the transport on every rank."
+            + "".join(f"\n  rank {r}: {v}" for r, v in sorted(views.items())))
+
+    # ------------------------------------------------------------------ check-ins
+    def _history(self) -> list:
+        return [[seq, describe(n, sig, root, op)] for seq, n, sig, root, op in list(self._hist)]
+
+    def publish(self, pending: bool, age: float) -> None:
+        """Write this rank's check-in to the group's store."""
+        last = self.last
+        value = {"seq": last[0] if last else -1, "op": last[1] if last else None,
+                 "pending": pending, "age": round(age, 3), "t": time.time(),
+                 "pid": os.getpid(), "host": self._host, "hist": self._history()}
+        self._store.set(f"{_KEY}{self.rank}", json.dumps(value))
+        self._published = (value["seq"], pending)
+        self._published_at = time.monotonic()
+
+    def read_peers(self) -> dict[int, dict | None]:
+        """The other ranks' latest check-ins (None where a rank never checked in)."""
+        out: dict[int, dict | None] = {}
+        for r in range(self.world_size):
+            if r == self.rank:
+                continue
+            key = f"{_KEY}{r}"
+            try:
+                out[r] = json.loads(self._store.get(key)) if self._store.check([key]) else None
+            except Exception:  # noqa: BLE001 - a dead store host: treat as unknown
+                out[r] = None
+        return out
+
+    def find_mismatch(self, peers: dict[int, dict | None]) -> CollectiveMismatchError | None:
+        """The first sequence number at which another rank issued a different collective."""
+        mine = {seq: desc for seq, desc in self._history()}
+        first = None
+        for r, c in peers.items():
+            if not c:
+                continue
+            for seq, desc in c["hist"]:
+                if seq in mine and mine[seq] != desc and (first is None or seq < first[0]):
+                    first = (seq, r, desc)
+        if first is None:
+            return None
+        seq, r, desc = first
+        return CollectiveMismatchError(
+            f"gradientflow: rank {self.rank}: collective mismatch at sequence number {seq} on "
+            f"process group {self.name}: rank {self.rank} issued {mine[seq]} [fingerprint "
+            f"{fingerprint(mine[seq])}], rank {r} issued {desc} [fingerprint {fingerprint(desc)}]. "
+            "Every rank must issue the same collectives (op, dtype, shape, root, reduce op) in "
+            "the same order; collectives issued from several threads, or only on some ranks, "
+            "break that. Set GRADIENTFLOW_DEBUG=1 to check every call before it is sent.")
+
+    def _missing(self, seq: int, peers: dict[int, dict | None]) -> tuple[list[int], list[str]]:
+        """Ranks that have not issued collective `seq` yet, with what is known of each."""
+        ranks, notes = [], []
+        now = time.time()
+        for r, c in sorted(peers.items()):
+            if c is None:
+                ranks.append(r)
+                notes.append(f"rank {r} has not checked in")
+            elif c["seq"] < seq:
+                ranks.append(r)
+                state = "dead" if self._dead(c) else f"last seen {now - c['t']:.1f} s ago"
+                notes.append(f"rank {r} is at sequence number {c['seq']} ({c['op']}; {state})")
+        return ranks, notes
+
+    def _dead(self, c: dict) -> bool:
+        return c.get("host") == self._host and not _pid_alive(int(c["pid"]))
+
+    def tick(self) -> None:
+        """One pass of the background thread."""
+        if self.fault is not None:
+            return
+        last = self.last
+        now = time.monotonic()
+        pending = last is not None and not _completed(last[2])
+        age = now - last[3] if pending else 0.0
+        if ((last[0] if last else -1, pending) != self._published
+                or now - self._published_at > 10 * self.interval):
+            self.publish(pending, age)
+        if not pending or age < self.interval:
+            return
+        peers = self.read_peers()
+        err = self.find_mismatch(peers)
+        if err is not None:
+            self.set_fault(err)
+            return
+        seq, name = last[0], last[1]
+        if self.stall_warning_s > 0 and age >= self.stall_warning_s and self._warned_seq != seq:
+            ranks, notes = self._missing(seq, peers)
+            msg = (f"gradientflow: rank {self.rank}: {name} (sequence number {seq}) on process "
+                   f"group {self.name} has waited {age:.1f} s; ranks {ranks} have not joined it"
+                   + (f" ({'; '.join(notes)})" if notes else "") + ".")
+            self.warnings.append(msg)
+            LOG.warning(msg)
+            self._warned_seq = seq
+        if self.stall_abort_s > 0 and age >= self.stall_abort_s:
+            ranks, notes = self._missing(seq, peers)
+            self.set_fault(StallError(
+                f"gradientflow: rank {self.rank}: {name} (sequence number {seq}) on process group "
+                f"{self.name} stalled for {age:.1f} s (stall_abort_s={self.stall_abort_s:g}); "
+                f"ranks {ranks} have not joined it" + (f" ({'; '.join(notes)})" if notes else "")
+                + ". The group is aborted: restart from a checkpoint."))
+
+    def set_fault(self, err: BaseException) -> None:
+        """Fail the group with `err` (first fault wins)."""
+        if self.fault is not None:
+            return
+        self.fault = err
+        LOG.error("%s", err)
+        try:
+            self._on_fault(err)
+        except Exception:  # noqa: BLE001 - the fault itself is already recorded
+            pass
+
+    def explain(self, exc: BaseException, seq: int, name: str) -> BaseException:
+        """Turn a transport error into a sentence: a mismatch, a dead peer, or the raw error."""
+        if self.fault is not None:
+            return self.fault
+        try:
+            self.publish(True, 0.0)
+            deadline = time.monotonic() + min(3 * max(self.interval, 0.1), 5.0)
+            while True:
+                peers = self.read_peers()
+                mm = self.find_mismatch(peers)
+                if mm is not None:
+                    return mm
+                covered = all(c is not None and (c["seq"] >= seq or self._dead(c))
+                              for c in peers.values())
+                if covered or time.monotonic() > deadline:
+                    break
+                self._stop.wait(0.05)  # peers publish within one interval; bounded above
+        except Exception:  # noqa: BLE001 - the store may be gone with a dead rank 0
+            peers = {}
+        dead = [r for r, c in sorted(peers.items()) if c is not None and self._dead(c)]
+        text = (f"gradientflow: rank {self.rank}: {name} (sequence number {seq}) on process group "
+                f"{self.name} failed: {exc}")
+        if dead:
+            return PeerFailureError(
+                text + f". Rank(s) {dead} died (their processes are gone): restart the job from "
+                "a checkpoint (torchrun --max-restarts).")
+        ranks, notes = self._missing(seq, peers)
+        if ranks:
+            text += f". Ranks {ranks} had not joined it ({'; '.join(notes)})"
+        return EngineError(text + ".")
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=2.0)
+        if self._debug_group is not None:
+            try:
+                self._debug_group.shutdown()
+            except Exception:  # noqa: BLE001
+                pass
+
+
+def _completed(work: Any) -> bool:
+    try:
+        return bool(work.is_completed())
+    except Exception:  # noqa: BLE001
+        return True
+
+
+def _run(ref: "weakref.ref[Inspector]", stop: threading.Event, interval: float) -> None:
+    # A weak reference: a group nobody destroyed must not be kept alive by its inspector.
+    while not stop.wait(interval):
+        insp = ref()
+        if insp is None:
+            return
+        try:
+            insp.tick()
+        except Exception as exc:  # noqa: BLE001 - e.g. the store is gone at teardown
+            LOG.debug("gradientflow inspector: %s", exc)
+        del insp
