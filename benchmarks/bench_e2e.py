@@ -313,6 +313,16 @@ def _markdown(rows, single, notes, tier_rows, cmd, quick, machine=None):
            "throughput at n ranks / (n x throughput of one rank alone). One thread per rank. "
            "Load avg = the machine's 1-minute load average after the launch: above the core "
            "count, other work shared the cores and slowed every variant of that launch alike.", ""]
+    nproc = (machine or machine_info())["nproc"] or 1
+    loads = [r["load1"] for r in rows if r.get("load1") is not None]
+    if loads and max(loads) > nproc:
+        out += [f"**Loaded machine: the 1-minute load average was {min(loads):.1f} to "
+                f"{max(loads):.1f} on {nproc} cores during these launches.** Other processes "
+                "took most of each rank's core, so computation (and gloo's own CPU work, and "
+                "any compression arithmetic) ran several times slower than on an idle machine "
+                "and the network mattered correspondingly less. Ratios within one launch are "
+                "still side by side, but do not read these as the speedups users would see: "
+                "re-run `make bench` on an idle machine.", ""]
     if any(r["ranks"] > 2 for r in rows):
         out += [f"**More than 2 ranks share this machine's cores** ({machine_info()['nproc']} "
                 "cores): those figures include CPU contention (efficiency at most about "
