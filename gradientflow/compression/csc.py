@@ -118,9 +118,10 @@ class CSCCompressor(Compressor):
             return flat
         plan = self._plan(layout, flat.device)
         density = self.density_in_force()
-        k = min(nch, max(1, math.ceil(density * nch)))
-        wire_dtype, dense_dtype = cfg.torch_wire_dtype, cfg.torch_dense_wire_dtype
         d = plan.dense_numel
+        # A bucket of dense parameters only (e.g. all BN) has no chunk worth sending.
+        k = 0 if d == numel else min(nch, max(1, math.ceil(density * nch)))
+        wire_dtype, dense_dtype = cfg.torch_wire_dtype, cfg.torch_dense_wire_dtype
 
         # --- v = grad + residual (+ momentum), norms; nothing persistent is modified yet ---------
         # Each state slot has a spare: the new values are written there and committed by a swap,
@@ -143,8 +144,8 @@ class CSCCompressor(Compressor):
             norms[plan.mixed_chunks] = torch.where(plan.mixed_keep, vals, vals.new_zeros(())).sum(dim=1)
 
         # --- stage 1: norms (+ the dense part when it travels in fp32, like the norms) ------------
-        dense_in_1 = d and dense_dtype == torch.float32
-        dense_in_2 = d and dense_dtype == wire_dtype and not dense_in_1
+        dense_in_1 = d > 0 and dense_dtype == torch.float32
+        dense_in_2 = d > 0 and dense_dtype == wire_dtype and not dense_in_1
         stage1 = norms
         if dense_in_1:
             stage1 = torch.cat([norms, dense_v * (1.0 / n)])
@@ -173,7 +174,7 @@ class CSCCompressor(Compressor):
         elif dense_in_2:
             dense_reduced = reduced2[k * c:]
             dense_local = local[k * c:]
-        if not dense_in_1 and not dense_in_2 and d:
+        if d > 0 and not dense_in_1 and not dense_in_2:
             # A dense dtype that is neither fp32 nor the chunks' wire dtype: its own stage.
             third = kernels.cast_scaled(dense_v, 1.0 / n, dense_dtype)
             dense_local = third.clone()

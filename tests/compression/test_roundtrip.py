@@ -33,9 +33,9 @@ def test_csc_sends_only_norms_chunks_and_dense_part(layout, world, density, chun
     out = drive_lockstep(gens)[0]
     n = layout.numel
     nch = math.ceil(n / chunk)
-    k = min(nch, max(1, math.ceil(density * nch)))
     dense = _dense_mask(cfg, layout)
     d = int(dense.sum())
+    k = 0 if d == n else min(nch, max(1, math.ceil(density * nch)))
     sent = log[0]
     wdt = cfg.torch_wire_dtype
     assert sent[0].dtype == torch.float32 and sent[0].numel() == nch + (d if wire == "fp32" else 0)
