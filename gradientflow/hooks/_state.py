@@ -14,36 +14,25 @@ import torch.distributed as dist
 
 from ..compression import CompressionConfig, Compressor, Layout, make_compressor
 from ..compression import checkpoint as _ckpt
-from ..engine.stages import StageGen, drive
+from ..engine.api import submit_stages
+from ..engine.stages import StageGen
 
 __all__ = ["CompressionState", "compression_hook", "submit"]
 
 _uid = itertools.count()
 
 
-def submit(process_group, key, gen: StageGen, device: torch.device | None = None) -> torch.futures.Future:
-    """Run a StageGen on the group: through the engine when it exists, else synchronously here.
+def submit(process_group, key, gen: StageGen, device: torch.device | None = None,
+           dense_bytes: int = 0) -> torch.futures.Future:
+    """Run a bucket's StageGen through the engine (see gradientflow.engine.submit_stages).
 
-    The engine (gradientflow.engine.submit_stages) runs every stage of one bucket back to back on
-    its thread, in bucket order on every rank. Until it is there, this shim drives the generator
-    on the calling thread: DDP calls hooks in bucket-index order on every rank, so the order of
-    the collectives is the same everywhere, at the cost of no overlap with the backward pass.
+    On a gradientflow group every stage of one bucket runs back to back on the engine thread, in
+    bucket order on every rank, so CSC's two collectives per bucket never interleave with another
+    bucket's differently across ranks. On other backends the stages run synchronously in the
+    hook: DDP calls hooks in bucket order on every rank, so the order is the same everywhere, at
+    the cost of no overlap with the backward pass.
     """
-    try:
-        from ..engine import submit_stages  # provided by the engine (gradientflow/engine/api.py)
-    except ImportError:
-        submit_stages = None
-    if submit_stages is not None:
-        return submit_stages(process_group, key, gen, device=device)
-    fut: torch.futures.Future = torch.futures.Future()
-    try:
-        if dist.is_available() and dist.is_initialized():
-            fut.set_result(drive(gen, lambda t: dist.all_reduce(t, group=process_group)))
-        else:  # one rank, no group: every sum is the identity
-            fut.set_result(drive(gen, lambda t: None))
-    except BaseException as exc:  # noqa: BLE001 - the future carries it to DDP
-        fut.set_exception(exc)
-    return fut
+    return submit_stages(process_group, key, gen, device=device, dense_bytes=dense_bytes)
 
 
 class CompressionState:
@@ -212,5 +201,6 @@ def compression_hook(state: CompressionState, bucket) -> torch.futures.Future[to
 
         >>> ddp.register_comm_hook(CompressionState(None, CompressionConfig(method="fp16")), compression_hook)
     """
+    buf = bucket.buffer()
     return submit(state.process_group, ("ddp", state._uid, bucket.index()), state._stages(bucket),
-                  device=bucket.buffer().device)
+                  device=buf.device, dense_bytes=buf.numel() * 4)

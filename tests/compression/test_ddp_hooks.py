@@ -19,16 +19,17 @@ def _model():
         torch.nn.Linear(512, 512), torch.nn.ReLU(), torch.nn.Linear(512, 10))
 
 
-def _worker(rank, world, init_file, result_dir):
+def _worker(rank, world, init_file, result_dir, backend="gloo"):
     import torch.distributed as dist
     from torch.distributed.algorithms.join import Join
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    import gradientflow  # noqa: F401 - registers the backend
     import gradientflow.hooks as hooks
     from gradientflow.compression import CompressionConfig
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         gen = torch.Generator().manual_seed(100 + rank)
         data = [(torch.randn(16, 256, generator=gen), torch.randint(0, 10, (16,), generator=gen)) for _ in range(30)]
@@ -81,10 +82,12 @@ def _worker(rank, world, init_file, result_dir):
         dist.destroy_process_group()
 
 
-def test_hooks_under_ddp_on_two_gloo_ranks():
+@pytest.mark.parametrize("backend", ["gloo", "gradientflow"])
+def test_hooks_under_ddp_on_two_ranks(backend):
     world = 2
     with tempfile.TemporaryDirectory() as tmp:
-        ctx = mp.start_processes(_worker, args=(world, os.path.join(tmp, "init"), tmp), nprocs=world,
+        ctx = mp.start_processes(_worker, args=(world, os.path.join(tmp, "init"), tmp, backend),
+                                 nprocs=world,
                                  join=False, start_method="spawn")
         deadline = time.monotonic() + TIMEOUT_S
         try:
