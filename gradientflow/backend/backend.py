@@ -23,8 +23,11 @@ from torch._C._distributed_c10d import (
 from gradientflow.backend import validate as V
 from gradientflow.config import Config, current_overrides
 from gradientflow.engine.engine import Engine
-from gradientflow.engine.stall import Inspector
+from gradientflow.engine.stall import DEFERRED, Inspector, check_world
 from gradientflow.engine.work import FutureWork
+
+_UNSET = object()
+_DEFERRED_AR = "all_reduce" + DEFERRED  # fused path: differs on the wire from an eager one
 
 # Strong references: torch's TORCH_DISTRIBUTED_DEBUG=DETAIL wrapper needs the backend kept
 # alive by its creator, and `pg._get_backend()` returns the wrapper then, so this registry is
@@ -96,6 +99,7 @@ class GradientFlowBackend(_CBackend):
         self.group_name = group_name
         self._timeout = timeout
         self._seq_for_group = 0
+        check_world(store, rank, size, timeout.total_seconds())
         self.transports = Transports(store, rank, size, timeout)
         # A side group for the agreement rounds, so that they never pair with data messages.
         agree = _make_gloo(store, rank, size, timeout, "gradientflow/agree/")
@@ -175,7 +179,7 @@ class GradientFlowBackend(_CBackend):
         self.engine._fail(err)  # noqa: SLF001 - see the report: an Engine.abort(err) would do
 
     def _issue(self, name: str, submit: Callable[[], Any], sig: Any, opts: Any,
-               device: torch.device) -> Any:
+               device: torch.device, rop: Any = _UNSET) -> Any:
         """Submit in sequence order, recording the call for the inspector (and checking it
         first under GRADIENTFLOW_DEBUG); a synchronous CPU call is waited on here, in slices."""
         insp = self.inspector
@@ -187,7 +191,8 @@ class GradientFlowBackend(_CBackend):
             fields = _OPT_FIELDS[type(opts)] = tuple(
                 hasattr(opts, f) for f in ("rootRank", "reduceOp", "asyncOp"))
         root = opts.rootRank if fields[0] else None
-        rop = opts.reduceOp if fields[1] else None
+        if rop is _UNSET:
+            rop = opts.reduceOp if fields[1] else None
         engine = self.engine
         if insp._debug_group is not None:
             with self._debug_lock:  # the debug check and the submission in one order
@@ -195,11 +200,14 @@ class GradientFlowBackend(_CBackend):
                 with engine._cv:
                     seq = engine._seq
                     work = submit()
+                    insp.record(seq, name, sig, root, rop, work)
         else:
-            with engine._cv:  # reentrant: the sequence number read is the one submit() takes
+            # Reentrant lock: the sequence number read is the one submit() takes, and records
+            # happen in sequence order even when several threads issue collectives.
+            with engine._cv:
                 seq = engine._seq
                 work = submit()
-        insp.record(seq, name, sig, root, rop, work)
+                insp.record(seq, name, sig, root, rop, work)
         if isinstance(work, FutureWork):
             insp.attach(work)
         elif insp.sliced and fields[2] and not opts.asyncOp and device.type == "cpu":
@@ -216,13 +224,16 @@ class GradientFlowBackend(_CBackend):
     def allreduce(self, tensors, opts=None):
         opts = opts if isinstance(opts, AllreduceOptions) else _allreduce_opts(opts)
         t = V.check_single(self._rank, "all_reduce", tensors)
-        V.check_reduce(self._rank, "all_reduce", t, opts.reduceOp)
+        rop = opts.reduceOp  # read once: each read of this pybind property costs microseconds
+        V.check_reduce(self._rank, "all_reduce", t, rop)
         if getattr(opts, "asyncOp", True) and self.engine.fusable(t):
             self._seq_for_group += 1
-            return self._issue("all_reduce", lambda: self.engine.submit_allreduce(t, opts.reduceOp),
-                               t, opts, t.device)
-        return self._eager("all_reduce", t.device, lambda tp: tp.allreduce(tensors, opts), tensors,
-                           opts, t)
+            return self._issue(_DEFERRED_AR, lambda: self.engine.submit_allreduce(t, rop),
+                               t, opts, t.device, rop)
+        self._seq_for_group += 1
+        return self._issue("all_reduce", lambda: self.engine.submit_eager(
+            "all_reduce", lambda: self._tp(t.device).allreduce(tensors, opts), tensors),
+            t, opts, t.device, rop)
 
     def allreduce_coalesced(self, tensors, opts=None):
         dev = V.check_tensors(self._rank, "all_reduce_coalesced", tensors)

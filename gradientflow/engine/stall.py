@@ -41,8 +41,21 @@ from gradientflow.engine.engine import EngineError
 
 LOG = logging.getLogger("gradientflow")
 
-HISTORY = 64  # collectives remembered per rank (a stall is always within a few ops of the peers)
+HISTORY = 64  # collectives remembered in detail per rank (a stall is within a few ops)
+MARK_EVERY = 64  # a chain checkpoint every 64 collectives, the last 64 kept: 4096 calls back
 _KEY = "gradientflow/checkin/"
+_FAULT_KEY = "gradientflow/fault"
+_MASK = 2**61 - 1
+DEFERRED = " (deferred)"  # the name suffix of an allreduce queued for fusion
+_IDS: dict = {}
+
+
+def _id(x: Any) -> int:
+    """A process-independent id for an op name or dtype (str hashes are salted per process)."""
+    v = _IDS.get(x)
+    if v is None:
+        v = _IDS[x] = zlib.crc32(str(x).encode())
+    return v
 
 
 class CollectiveMismatchError(EngineError):
@@ -112,11 +125,19 @@ class Inspector:
         self._store = store
         self._on_fault = on_fault
         self._hist: collections.deque = collections.deque(maxlen=HISTORY)
+        # A fingerprint chain over every collective issued: h_n = mix(h_{n-1}, fp(op_n)). Two
+        # ranks whose chains differ at a common n issued different collectives at or before n,
+        # even long before the detailed history: nothing goes unchecked, only unnamed.
+        self._h = 0
+        self._n = 0
+        self._marks: collections.deque = collections.deque(maxlen=64)
         # (seq, name, work, t_issued) of the newest collective: the one a stall shows on.
         self.last: tuple | None = None
         self.fault: BaseException | None = None
         self.warnings: list[str] = []  # stall warnings logged (also for tests and the soak)
         self._warned_seq = -1
+        self._compared_n = 0
+        self._peer_cache: dict[int, dict] = {}
         self._published = (None, None)
         self._published_at = 0.0
         self._host = socket.gethostname()
@@ -132,9 +153,25 @@ class Inspector:
     # ------------------------------------------------------------------ hot path
     def record(self, seq: int, name: str, tensor: torch.Tensor | None, root: Any,
                reduce_op: Any, work: Any) -> None:
-        """Remember an issued collective (no communication; about a microsecond)."""
-        sig = (tensor.dtype, tensor.shape) if tensor is not None else None
-        self._hist.append((seq, name, sig, root, reduce_op))
+        """Remember an issued collective (no communication; a microsecond or two).
+
+        Called in sequence order (under the engine's lock), so the chain is the same on every
+        rank that issued the same collectives.
+        """
+        # Only ints in the hashed tuple: hash(None) is per-process before Python 3.12.
+        r = -1 if root is None else root
+        op = -1 if reduce_op is None else hash(reduce_op)  # a ReduceOp hashes to its op number
+        if tensor is not None:
+            sig = (tensor.dtype, tensor.shape)
+            fp = hash((_id(name), _id(sig[0]), sig[1], r, op))
+        else:
+            sig = None
+            fp = hash((_id(name), r, op))
+        self._h = h = ((self._h * 1_000_003) ^ fp) & _MASK
+        self._n = n = self._n + 1
+        self._hist.append((seq, n, h, name, sig, root, reduce_op))
+        if n % MARK_EVERY == 0:
+            self._marks.append((n, seq, h))
         self.last = (seq, name, work, time.monotonic())
 
     def wait_sync(self, work: Any, seq: int, name: str) -> None:
@@ -200,51 +237,89 @@ class Inspector:
 
     # ------------------------------------------------------------------ check-ins
     def _history(self) -> list:
-        return [[seq, describe(n, sig, root, op)] for seq, n, sig, root, op in list(self._hist)]
+        return [[seq, n, h, describe(name, sig, root, op)]
+                for seq, n, h, name, sig, root, op in list(self._hist)]
 
     def publish(self, pending: bool, age: float) -> None:
         """Write this rank's check-in to the group's store."""
         last = self.last
         value = {"seq": last[0] if last else -1, "op": last[1] if last else None,
                  "pending": pending, "age": round(age, 3), "t": time.time(),
-                 "pid": os.getpid(), "host": self._host, "hist": self._history()}
+                 "pid": os.getpid(), "host": self._host, "hist": self._history(),
+                 "marks": [list(m) for m in list(self._marks)]}
         self._store.set(f"{_KEY}{self.rank}", json.dumps(value))
         self._published = (value["seq"], pending)
         self._published_at = time.monotonic()
 
-    def read_peers(self) -> dict[int, dict | None]:
+    def read_peers(self, neighbours_only: bool = False) -> dict[int, dict | None]:
         """The other ranks' latest check-ins (None where a rank never checked in)."""
         out: dict[int, dict | None] = {}
-        for r in range(self.world_size):
+        ranks = range(self.world_size)
+        if neighbours_only and self.world_size > 16:  # O(world) store reads per interval
+            ranks = [(self.rank + 1) % self.world_size]
+        for r in ranks:
             if r == self.rank:
                 continue
             key = f"{_KEY}{r}"
             try:
                 out[r] = json.loads(self._store.get(key)) if self._store.check([key]) else None
-            except Exception:  # noqa: BLE001 - a dead store host: treat as unknown
-                out[r] = None
+                if out[r] is not None:
+                    self._peer_cache[r] = out[r]
+            except Exception:  # noqa: BLE001 - a dead store host: the last check-in read
+                out[r] = self._peer_cache.get(r)
         return out
 
     def find_mismatch(self, peers: dict[int, dict | None]) -> CollectiveMismatchError | None:
         """The first sequence number at which another rank issued a different collective."""
-        mine = {seq: desc for seq, desc in self._history()}
+        hist = self._history()
+        mine = {seq: desc for seq, _n, _h, desc in hist}
+        chain = {n: (seq, h) for seq, n, h, _d in hist}
+        chain.update({n: (seq, h) for n, seq, h in list(self._marks)})
         first = None
+        diverged = None
         for r, c in peers.items():
             if not c:
                 continue
-            for seq, desc in c["hist"]:
+            for seq, _n, _h, desc in c["hist"]:
                 if seq in mine and mine[seq] != desc and (first is None or seq < first[0]):
                     first = (seq, r, desc)
+            theirs = {n: (seq, h) for seq, n, h, _d in c["hist"]}
+            theirs.update({n: (seq, h) for n, seq, h in c.get("marks", [])})
+            common = sorted(set(chain) & set(theirs))
+            bad = [n for n in common if chain[n][1] != theirs[n][1]]
+            if bad and diverged is None:
+                good = [n for n in common if n < bad[0]]
+                diverged = (r, chain[good[-1]][0] if good else None, chain[bad[0]][0],
+                            chain[bad[0]][1], theirs[bad[0]][1])
+        if first is None and diverged is not None:
+            r, lo, hi, h_mine, h_theirs = diverged
+            return CollectiveMismatchError(
+                f"gradientflow: rank {self.rank}: collective mismatch on process group "
+                f"{self.name}: rank {self.rank} and rank {r} issued different collectives "
+                f"{'after sequence number %d and ' % lo if lo is not None else ''}at or before "
+                f"sequence number {hi} (fingerprint chains {h_mine & 0xffffffff:08x} vs "
+                f"{h_theirs & 0xffffffff:08x} there; the calls themselves are older than the "
+                f"{HISTORY} this rank keeps). Every rank must issue the same collectives (op, "
+                "dtype, shape, root, reduce op) in the same order; set GRADIENTFLOW_DEBUG=1 to "
+                "stop at the first differing call.")
         if first is None:
             return None
         seq, r, desc = first
+        hint = ""
+        if diverged is not None and diverged[2] < seq:
+            hint += (f" (The calls already differed at or before sequence number {diverged[2]}, "
+                     "older than the history kept.)")
+        if mine[seq].replace(DEFERRED, "") == desc.replace(DEFERRED, ""):
+            hint += (" The calls differ only in async_op: gradientflow defers (fuses) async "
+                    "allreduces smaller than the fusion threshold, which needs the same async_op "
+                    "on every rank.")
         return CollectiveMismatchError(
             f"gradientflow: rank {self.rank}: collective mismatch at sequence number {seq} on "
             f"process group {self.name}: rank {self.rank} issued {mine[seq]} [fingerprint "
             f"{fingerprint(mine[seq])}], rank {r} issued {desc} [fingerprint {fingerprint(desc)}]. "
             "Every rank must issue the same collectives (op, dtype, shape, root, reduce op) in "
             "the same order; collectives issued from several threads, or only on some ranks, "
-            "break that. Set GRADIENTFLOW_DEBUG=1 to check every call before it is sent.")
+            "break that. Set GRADIENTFLOW_DEBUG=1 to check every call before it is sent." + hint)
 
     def _missing(self, seq: int, peers: dict[int, dict | None]) -> tuple[list[int], list[str]]:
         """Ranks that have not issued collective `seq` yet, with what is known of each."""
@@ -264,22 +339,30 @@ class Inspector:
         return c.get("host") == self._host and not _pid_alive(int(c["pid"]))
 
     def tick(self) -> None:
-        """One pass of the background thread."""
+        """One pass of the background thread: check in; compare with the peers when this rank
+        issued something new (a mismatch that does not hang, e.g. SUM vs MAX, is found here,
+        within about two intervals) or while a collective is pending (stall inspection)."""
         if self.fault is not None:
+            return
+        if self._adopt_announced():
             return
         last = self.last
         now = time.monotonic()
         pending = last is not None and not _completed(last[2])
         age = now - last[3] if pending else 0.0
-        if ((last[0] if last else -1, pending) != self._published
-                or now - self._published_at > 10 * self.interval):
+        state = (last[0] if last else -1, pending)
+        if state != self._published or now - self._published_at > 10 * self.interval:
             self.publish(pending, age)
-        if not pending or age < self.interval:
+        stalled = pending and age >= self.interval
+        if not stalled and self._n == self._compared_n:
             return
-        peers = self.read_peers()
+        peers = self.read_peers(neighbours_only=not stalled)
+        self._compared_n = self._n
         err = self.find_mismatch(peers)
         if err is not None:
             self.set_fault(err)
+            return
+        if not stalled:
             return
         seq, name = last[0], last[1]
         if self.stall_warning_s > 0 and age >= self.stall_warning_s and self._warned_seq != seq:
@@ -298,10 +381,37 @@ class Inspector:
                 f"ranks {ranks} have not joined it" + (f" ({'; '.join(notes)})" if notes else "")
                 + ". The group is aborted: restart from a checkpoint."))
 
-    def set_fault(self, err: BaseException) -> None:
-        """Fail the group with `err` (first fault wins)."""
+    def _adopt_announced(self) -> bool:
+        """If another rank failed the group, fail it here too, with that rank's reason."""
+        if not self._store.check([_FAULT_KEY]):
+            return False
+        src, text = json.loads(self._store.get(_FAULT_KEY))
+        cls = CollectiveMismatchError if "mismatch" in text else StallError
+        self.set_fault(cls(f"gradientflow: rank {self.rank}: process group {self.name} was "
+                           f"failed by rank {src}: {text}"), announce=False)
+        return True
+
+    def set_fault(self, err: BaseException, announce: bool = True) -> None:
+        """Fail the group with `err` (first fault wins) and tell the other ranks.
+
+        The announcing rank raises only after every live peer acknowledged (or a few
+        intervals passed): a rank that raised at once would exit, and with it, if it is rank 0,
+        the store the others need to learn what went wrong.
+        """
         if self.fault is not None:
             return
+        try:
+            if announce:
+                text = str(err).split(": ", 2)[-1]
+                self._store.compare_set(_FAULT_KEY, "", json.dumps([self.rank, text]))
+                acks = [f"{_FAULT_KEY}-ack/{r}" for r in range(self.world_size) if r != self.rank]
+                deadline = time.monotonic() + 3 * max(self.interval, 0.1) + 1.0
+                while not self._store.check(acks) and time.monotonic() < deadline:
+                    self._stop.wait(0.02)  # peers adopt the fault on their next tick
+            else:
+                self._store.set(f"{_FAULT_KEY}-ack/{self.rank}", "1")
+        except Exception:  # noqa: BLE001 - the store may be gone with a dead rank 0
+            pass
         self.fault = err
         LOG.error("%s", err)
         try:
@@ -313,7 +423,10 @@ class Inspector:
         """Turn a transport error into a sentence: a mismatch, a dead peer, or the raw error."""
         if self.fault is not None:
             return self.fault
+        store_ok = True
         try:
+            if self._adopt_announced():
+                return self.fault
             self.publish(True, 0.0)
             deadline = time.monotonic() + min(3 * max(self.interval, 0.1), 5.0)
             while True:
@@ -327,7 +440,11 @@ class Inspector:
                     break
                 self._stop.wait(0.05)  # peers publish within one interval; bounded above
         except Exception:  # noqa: BLE001 - the store may be gone with a dead rank 0
-            peers = {}
+            peers = dict(self._peer_cache)
+            store_ok = False
+            mm = self.find_mismatch(peers)
+            if mm is not None:
+                return mm
         dead = [r for r, c in sorted(peers.items()) if c is not None and self._dead(c)]
         text = (f"gradientflow: rank {self.rank}: {name} (sequence number {seq}) on process group "
                 f"{self.name} failed: {exc}")
@@ -338,6 +455,9 @@ class Inspector:
         ranks, notes = self._missing(seq, peers)
         if ranks:
             text += f". Ranks {ranks} had not joined it ({'; '.join(notes)})"
+        if not store_ok:
+            text += (". The store (hosted by the rank that created it, usually rank 0) is "
+                     "unreachable too: that rank has most likely failed or exited; see its log")
         return EngineError(text + ".")
 
     def close(self) -> None:
@@ -369,3 +489,29 @@ def _run(ref: "weakref.ref[Inspector]", stop: threading.Event, interval: float) 
         except Exception as exc:  # noqa: BLE001 - e.g. the store is gone at teardown
             LOG.debug("gradientflow inspector: %s", exc)
         del insp
+
+
+def check_world(store: Any, rank: int, world_size: int, timeout_s: float) -> None:
+    """Refuse ranks started with different world sizes, with a sentence, before any transport.
+
+    Every rank writes its world size; rank 0 reads everyone's, the others read rank 0's. Left
+    to the transport, the ranks would fail after different timeouts with "Connect timeout".
+    """
+    store.set(f"gradientflow/world/{rank}", str(world_size))
+    peers = range(1, world_size) if rank == 0 else [0]
+    for r in peers:
+        key = f"gradientflow/world/{r}"
+        try:
+            store.wait([key], datetime.timedelta(seconds=timeout_s))
+        except Exception as exc:  # noqa: BLE001
+            raise EngineError(
+                f"gradientflow: rank {rank}: rank {r} of the {world_size} this rank was started "
+                f"with never joined within {timeout_s:.0f} s. Start every rank with the same "
+                "world_size (and check that all of them run)."
+            ) from exc
+        theirs = int(store.get(key))
+        if theirs != world_size:
+            raise EngineError(
+                f"gradientflow: rank {rank}: mismatched world sizes: this rank was started with "
+                f"world_size={world_size}, rank {r} with world_size={theirs}. Start every rank "
+                "with the same world_size.")

@@ -55,7 +55,15 @@ class FutureWork(Work):
                 "same order (GRADIENTFLOW_DEBUG=1 checks it) or raise the timeout of "
                 "init_process_group(timeout=...)."
             )
-        self._fut.wait()  # re-raises the operation's error, if any
+        try:
+            self._fut.wait()  # re-raises the operation's error, if any
+        except Exception:
+            # The group's fault (a mismatch, a stall abort) reads better than its echo through
+            # the future's callback chain ("Got the following error when running the callback").
+            fault = self.probe() if self.probe is not None else None
+            if fault is not None:
+                raise fault from None
+            raise
         return True
 
     def _wait(self, limit: float) -> bool:
