@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -68,7 +69,17 @@ def read_log(path: Path) -> list:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def summarise(runs: dict) -> dict:
+def backend_of(out: Path, key: str, seeds: list) -> str:
+    """The transport the runs of a setting used, read back from their console output."""
+    found = set()
+    for seed in seeds:
+        path = out / "logs" / f"{key}-seed{seed}.out"
+        m = re.search(r"dist_backend=(\w+)", path.read_text()) if path.exists() else None
+        found.add(m.group(1) if m else "?")
+    return "/".join(sorted(found))
+
+
+def summarise(runs: dict, backends: dict | None = None) -> dict:
     """Per setting: final top-1 over seeds, steady-state and whole-run wire bytes per step, images/s."""
     summary = {}
     for key, logs in runs.items():
@@ -79,7 +90,8 @@ def summarise(runs: dict) -> dict:
         # images/s from epoch 1 on: epoch 0 pays for compilation and first-touch allocation.
         ips = statistics.median(r["images_per_s"] for log in logs for r in (log[1:] or log))
         summary[key] = {
-            "label": SETTINGS[key][0], "seeds": len(logs), "top1_mean": statistics.mean(finals),
+            "label": SETTINGS[key][0], "seeds": len(logs), "backend": (backends or {}).get(key, "?"),
+            "top1_mean": statistics.mean(finals),
             "top1_std": statistics.stdev(finals) if len(finals) > 1 else 0.0,
             "top1_min": min(finals), "top1_max": max(finals),
             "top5_mean": statistics.mean(log[-1]["val_top5"] for log in logs),
@@ -96,14 +108,14 @@ def summarise(runs: dict) -> dict:
 def markdown(summary: dict, epochs: int, seeds: list, nproc: int, backend: str, command: str) -> str:
     dense_top1 = summary.get("dense", {}).get("top1_mean")
     lines = [
-        f"## Digits (scikit-learn, 1437 train / 360 val), ResNet-18 at 32x32, {nproc} CPU ranks, backend {backend}",
+        f"## Digits (scikit-learn, 1437 train / 360 val), ResNet-18 at 32x32, {nproc} CPU ranks",
         "",
         f"{epochs} epochs, seeds {', '.join(map(str, seeds))}; final top-1 as mean ± standard deviation over seeds "
         f"(min-max); wire bytes are what one rank hands to allreduce per step (values and chunk norms); "
         f"'steady' is the last epoch, 'run' the whole-run average with the warm-up. One val image = 0.28 points.",
         "",
-        "| setting | top-1 (%) | Δ vs dense | top-5 (%) | wire bytes/step steady | run avg | fewer bytes (steady / run) | images/s | comm s/epoch |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| setting | top-1 (%) | Δ vs dense | top-5 (%) | wire bytes/step steady | run avg | fewer bytes (steady / run) | images/s | comm s/epoch | transport |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for s in summary.values():
         delta = f"{s['top1_mean'] - dense_top1:+.2f}" if dense_top1 is not None else "n/a"
@@ -113,7 +125,7 @@ def markdown(summary: dict, epochs: int, seeds: list, nproc: int, backend: str, 
             f"{_bytes(s['wire_bytes_per_step_run'])} | "
             f"{s['dense_bytes_per_step'] / max(s['wire_bytes_per_step_steady'], 1):.0f}x / "
             f"{s['dense_bytes_per_step'] / max(s['wire_bytes_per_step_run'], 1):.0f}x | "
-            f"{s['images_per_s']:.0f} | {s['comm_s_per_epoch']:.2f} |")
+            f"{s['images_per_s']:.0f} | {s['comm_s_per_epoch']:.2f} | {s['backend']} |")
     lines += ["", f"Command: `{command}`", ""]
     return "\n".join(lines)
 
@@ -192,7 +204,7 @@ def main(argv=None) -> int:
     except (RuntimeError, subprocess.TimeoutExpired) as exc:
         print(f"run_experiment.py: error: {exc}; logs in {out / 'logs'}", file=sys.stderr)
         return 1
-    summary = summarise(runs)
+    summary = summarise(runs, {key: backend_of(out, key, seeds) for key in runs})
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     table = markdown(summary, epochs, seeds, args.nproc, args.dist_backend, command.strip())
     (out / "results.md").write_text(table)
