@@ -122,7 +122,12 @@ class Inspector:
         self.enabled = self.interval > 0 or bool(config.debug)
         # Synchronous CPU calls are waited on here in slices (see wait_sync).
         self.sliced = True
-        self._store = store
+        # A connection of its own: a user thread blocked in store.wait() holds the shared
+        # client's connection, and the check-ins must go on meanwhile.
+        try:
+            self._store = store.clone()
+        except Exception:  # noqa: BLE001 - stores without clone() (HashStore, FileStore)
+            self._store = store
         self._on_fault = on_fault
         self._hist: collections.deque = collections.deque(maxlen=HISTORY)
         # A fingerprint chain over every collective issued: h_n = mix(h_{n-1}, fp(op_n)). Two
@@ -400,18 +405,30 @@ class Inspector:
         """
         if self.fault is not None:
             return
+        if not announce:  # adopt first, acknowledge after: the announcer raises on our ack
+            self._fail_locally(err)
         try:
             if announce:
                 text = str(err).split(": ", 2)[-1]
-                self._store.compare_set(_FAULT_KEY, "", json.dumps([self.rank, text]))
-                acks = [f"{_FAULT_KEY}-ack/{r}" for r in range(self.world_size) if r != self.rank]
-                deadline = time.monotonic() + 3 * max(self.interval, 0.1) + 1.0
-                while not self._store.check(acks) and time.monotonic() < deadline:
-                    self._stop.wait(0.02)  # peers adopt the fault on their next tick
+                mine = json.dumps([self.rank, text])
+                cur = self._store.compare_set(_FAULT_KEY, "", mine)
+                if (cur.decode() if isinstance(cur, bytes) else cur) != mine:
+                    # Another rank announced first (it found the same fault): acknowledge.
+                    self._store.set(f"{_FAULT_KEY}-ack/{self.rank}", "1")
+                else:
+                    acks = [f"{_FAULT_KEY}-ack/{r}" for r in range(self.world_size)
+                            if r != self.rank]
+                    deadline = time.monotonic() + 3 * max(self.interval, 0.1) + 1.0
+                    while not self._store.check(acks) and time.monotonic() < deadline:
+                        self._stop.wait(0.02)  # peers adopt the fault on their next tick
             else:
                 self._store.set(f"{_FAULT_KEY}-ack/{self.rank}", "1")
         except Exception:  # noqa: BLE001 - the store may be gone with a dead rank 0
             pass
+        if announce:
+            self._fail_locally(err)
+
+    def _fail_locally(self, err: BaseException) -> None:
         self.fault = err
         LOG.error("%s", err)
         try:
