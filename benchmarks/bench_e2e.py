@@ -63,7 +63,9 @@ def _build_model(name: str):
     import torch
     if name == "tiny":
         return torch.nn.Sequential(
-            torch.nn.Conv2d(3, 16, 3, padding=1), torch.nn.ReLU(), torch.nn.AdaptiveAvgPool2d(4),
+            # BatchNorm as in ResNet: DDP then broadcasts its buffers every forward.
+            torch.nn.Conv2d(3, 16, 3, padding=1), torch.nn.BatchNorm2d(16), torch.nn.ReLU(),
+            torch.nn.AdaptiveAvgPool2d(4),
             torch.nn.Flatten(), torch.nn.Linear(256, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10))
     import torchvision
     return getattr(torchvision.models, name)(weights=None)
@@ -240,7 +242,7 @@ def _summarise(res, variants, world_size, model, tier_label, shaped, batch):
 
 
 def run(models, ranks_list, tiers, steps, rounds, warmup, timeout_s, loopback, log=print,
-        gradientflow=True):
+        gradientflow=True, only=None):
     """Measure every (model, ranks, tier); return (rows, tier_rows, single_rank, notes)."""
     from benchmarks.launch import launch
     from benchmarks.netem import Cluster, ShapeConfig
@@ -252,6 +254,9 @@ def run(models, ranks_list, tiers, steps, rounds, warmup, timeout_s, loopback, l
         notes.append(f"gradientflow variants skipped: {gf_reason}")
     else:
         groups.append(["nocomm", "ddp", *GF_VARIANTS])
+    if only:  # keep the nocomm/ddp anchors of every group that still has a variant asked for
+        groups = [[v for v in g if v in ("nocomm", "ddp") or v in only] for g in groups]
+        groups = [g for g in groups if any(v in only for v in g)]
     for model in models:
         cfg = MODELS[model]
         common = {"model": model, "batch": cfg["batch"], "image": cfg["image"],
@@ -293,7 +298,8 @@ def run(models, ranks_list, tiers, steps, rounds, warmup, timeout_s, loopback, l
                         for r in got:
                             r["rate_gbps"] = rate
                             r["load1"] = load1
-                            r["group"] = "peers" if variants[2] == "fp16_hook" else "gradientflow"
+                            r["group"] = ("gradientflow" if any(x.startswith("gf_") for x in variants)
+                                          else "peers")
                             if model in single and "median_ms" in r:
                                 r["scaling_eff"] = single[model] / r["median_ms"]
                         rows.extend(got)
@@ -425,6 +431,8 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--timeout", type=float, default=None, help="seconds per launch")
     ap.add_argument("--loopback", action="store_true", help="no namespaces: unshaped loopback")
+    ap.add_argument("--variants", default=None,
+                    help=f"comma list to run (with the nocomm/ddp anchors): {','.join(LABELS)}")
     ap.add_argument("--no-gradientflow", action="store_true",
                     help="measure the peers only (gradientflow variants not even launched)")
     ap.add_argument("--from-json", default=None,
@@ -466,7 +474,8 @@ def main(argv=None) -> int:
         tiers = [None]
     rows, single, notes = run(models, ranks, tiers, steps, rounds, args.warmup, timeout, loopback,
                               log=lambda s: print(s, flush=True),
-                              gradientflow=not args.no_gradientflow)
+                              gradientflow=not args.no_gradientflow,
+                              only=args.variants.split(",") if args.variants else None)
     md = _markdown(rows, single, notes, tier_rows, cmd.strip(), q)
     plots = [] if q else _plot(rows, args.out)
     if plots:
