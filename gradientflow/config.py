@@ -79,6 +79,10 @@ class Config:
     # benchmarks/results); big enough to amortise the per-message cost, small enough that two
     # segments pipeline the copy into the buffer with the transport.
     fusion_threshold: int = 16 * 10**6
+    # Synchronous allreduces smaller than this are fused (and agreed) like async ones, because
+    # PyTorch's Join pairs a synchronous allreduce on one rank with an async one on another;
+    # larger synchronous ones skip the agreement round (must be synchronous on every rank).
+    sync_fusion_limit: int = 64 * 2**10
     # Persistent fusion buffers per queue (device, dtype, op): packing message i+1 overlaps
     # the transport of message i. Extra memory <= segments * threshold per active queue.
     fusion_segments: int = 2
@@ -109,6 +113,7 @@ class Config:
     def _parsers() -> dict[str, Any]:
         return {
             "fusion_threshold": lambda v, n: parse_size(v, n),
+            "sync_fusion_limit": lambda v, n: parse_size(v, n),
             "fusion_segments": lambda v, n: _parse_int(v, n, 1, 8),
             "cycle_time_ms": lambda v, n: _parse_float(v, n, 0.0, 1000.0),
             "schedule_credit": lambda v, n: parse_size(v, n),

@@ -226,7 +226,7 @@ class GradientFlowBackend(_CBackend):
         t = V.check_single(self._rank, "all_reduce", tensors)
         rop = opts.reduceOp  # read once: each read of this pybind property costs microseconds
         V.check_reduce(self._rank, "all_reduce", t, rop)
-        if getattr(opts, "asyncOp", True) and self.engine.fusable(t):
+        if self.engine.fusable(t, getattr(opts, "asyncOp", True)):
             self._seq_for_group += 1
             return self._issue(_DEFERRED_AR, lambda: self.engine.submit_allreduce(t, rop),
                                t, opts, t.device, rop)

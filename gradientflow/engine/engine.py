@@ -156,10 +156,19 @@ class Engine:
             check_thread=self.check_not_engine_thread,
         )
 
-    def fusable(self, tensor: torch.Tensor) -> bool:
-        """Whether an async allreduce of `tensor` is deferred for fusion (same on every rank)."""
+    def fusable(self, tensor: torch.Tensor, async_op: bool = True) -> bool:
+        """Whether an allreduce of `tensor` is deferred for fusion (same on every rank).
+
+        Async allreduces below the fusion threshold are deferred. Synchronous ones are deferred
+        too below `sync_fusion_limit`: PyTorch itself pairs a synchronous allreduce on one rank
+        with an asynchronous one on another (Join: a joined rank's `all_reduce(zeros(1))`
+        answers the others' `all_reduce(ones(1), async_op=True)`), so for small tensors the
+        decision must not depend on async_op. Larger synchronous ones go eagerly, paying no
+        round (they must then be synchronous on every rank).
+        """
         thr = self.config.fusion_threshold
-        return thr > 0 and tensor.numel() * tensor.element_size() < thr
+        limit = thr if async_op else min(thr, self.config.sync_fusion_limit)
+        return tensor.numel() * tensor.element_size() < limit
 
     def submit_allreduce(self, tensor: torch.Tensor, reduce_op: Any) -> FutureWork:
         """Queue an async allreduce for fusion; returns its Work at once."""
