@@ -142,6 +142,7 @@ class Inspector:
         self.warnings: list[str] = []  # stall warnings logged (also for tests and the soak)
         self._warned_seq = -1
         self._compared_n = 0
+        self._debug_n = 0
         self._peer_cache: dict[int, dict] = {}
         self._published = (None, None)
         self._published_at = 0.0
@@ -221,7 +222,10 @@ class Inspector:
             return
         # Every rank sees the same gathered values, so every rank raises here, and nothing
         # reached the transport: the group stays usable.
-        key = f"gradientflow/debug/{seq}/"
+        # Keyed by the check's own count (the same on every rank: one allgather each), not by
+        # the sequence number, which a refused call does not advance.
+        self._debug_n += 1
+        key = f"gradientflow/debug/{self._debug_n}/"
         self._store.set(f"{key}{self.rank}", f"#{seq} {desc}")
         views = {}
         for r in range(self.world_size):
@@ -315,9 +319,10 @@ class Inspector:
             hint += (f" (The calls already differed at or before sequence number {diverged[2]}, "
                      "older than the history kept.)")
         if mine[seq].replace(DEFERRED, "") == desc.replace(DEFERRED, ""):
-            hint += (" The calls differ only in async_op: gradientflow defers (fuses) async "
-                    "allreduces smaller than the fusion threshold, which needs the same async_op "
-                    "on every rank.")
+            hint += (" The calls differ only in whether gradientflow deferred them for fusion, "
+                     "which follows from async_op for allreduces between sync_fusion_limit and "
+                     "the fusion threshold: issue this allreduce with the same async_op on every "
+                     "rank.")
         return CollectiveMismatchError(
             f"gradientflow: rank {self.rank}: collective mismatch at sequence number {seq} on "
             f"process group {self.name}: rank {self.rank} issued {mine[seq]} [fingerprint "

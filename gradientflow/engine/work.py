@@ -12,6 +12,21 @@ from torch._C._distributed_c10d import Work
 from gradientflow.observability.stats import STATS
 
 
+_CALLBACK_PREFIX = "Got the following error when running the callback: "
+
+
+def _unwrap(text: str) -> RuntimeError:
+    """The error a torch Future chain re-raised, without its prefix and C++ stack ("At: ...")."""
+    from gradientflow.engine.engine import EngineError
+
+    text = text[len(_CALLBACK_PREFIX):].split("\n\nAt:\n", 1)[0].rstrip()
+    for prefix in ("EngineError: ", "CollectiveMismatchError: ", "RuntimeError: "):
+        if text.startswith(prefix):
+            text = text[len(prefix):]
+            break
+    return EngineError(text)
+
+
 class FutureWork(Work):
     """A c10d Work over a torch Future whose wait() nudges the engine and honours the timeout.
 
@@ -57,12 +72,15 @@ class FutureWork(Work):
             )
         try:
             self._fut.wait()  # re-raises the operation's error, if any
-        except Exception:
+        except Exception as exc:
             # The group's fault (a mismatch, a stall abort) reads better than its echo through
             # the future's callback chain ("Got the following error when running the callback").
             fault = self.probe() if self.probe is not None else None
             if fault is not None:
                 raise fault from None
+            text = str(exc)
+            if text.startswith(_CALLBACK_PREFIX):
+                raise _unwrap(text) from exc
             raise
         return True
 

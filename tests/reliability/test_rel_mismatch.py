@@ -26,12 +26,14 @@ def mismatched_program(rank, world, case):
         # roots) is found within a couple of check-in intervals, and a later call raises.
         end = time.monotonic() + 8  # detection takes a couple of 0.2 s intervals
         while time.monotonic() < end:
-            x = torch.ones(5)
+            # 80 KB: above sync_fusion_limit, so synchronous calls go eagerly (no round); the
+            # small case goes through the engine's agreement round, which checks it there.
+            x = torch.ones(5 if case.endswith("small") else 20_000)
             if case == "op":
                 dist.all_reduce(x) if rank == 0 else dist.broadcast(x, src=0)
             elif case == "root":
                 dist.broadcast(x, src=rank)
-            elif case == "reduce_op":
+            elif case.startswith("reduce_op"):
                 dist.all_reduce(x, op=dist.ReduceOp.SUM if rank == 0 else dist.ReduceOp.MAX)
             elif case == "order":
                 if rank == 0:
@@ -54,6 +56,7 @@ def mismatched_program(rank, world, case):
 def test_mismatch_is_named_on_every_rank(pools, case):
     msgs = pools(2).run(mismatched_program, case, env=FAST, pg_timeout_s=10, timeout=90)
     for rank, msg in enumerate(msgs):
+        assert "callback" not in msg, msg
         assert "collective mismatch" in msg, (rank, msg)
         assert re.search(r"sequence number \d+", msg), msg
         assert "rank 0 issued" in msg and "rank 1 issued" in msg, msg
@@ -131,3 +134,12 @@ def test_chain_finds_a_mismatch_older_than_the_history(pools):
     for msg in msgs:
         assert "collective mismatch" in msg and "fingerprint chains" in msg, msg
         assert "at or before sequence number 63" in msg, msg
+
+
+def test_small_sync_mismatch_is_named_by_the_round(pools):
+    msgs = pools(2).run(mismatched_program, "reduce_op_small", env=FAST, pg_timeout_s=10,
+                        timeout=90)
+    for msg in msgs:
+        assert "collective mismatch" in msg and "sequence number" in msg, msg
+        assert "SUM" in msg and "MAX" in msg, msg
+        assert "Got the following error" not in msg, msg
