@@ -96,6 +96,12 @@ class Config:
     # still joins the others' rounds.
     schedule_credit: int = 4 * 10**6
     schedule_poll_ms: float = 2.0
+    # Threads of the numba compression kernels per rank; 0: the cores divided among the ranks
+    # of this host (torchrun's LOCAL_WORLD_SIZE, else the group's size), at least 1: ranks that
+    # share cores must not oversubscribe them.
+    kernel_threads: int = 0
+    # Ranks on this host, from torchrun's LOCAL_WORLD_SIZE (0: unknown).
+    local_world_size: int = 0
     # Full collective checks (every collective fingerprinted, not only fused batches).
     debug: bool = False
     # Seconds a collective may wait before a stall warning (0 disables) / an abort (0 disables).
@@ -118,6 +124,8 @@ class Config:
             "cycle_time_ms": lambda v, n: _parse_float(v, n, 0.0, 1000.0),
             "schedule_credit": lambda v, n: parse_size(v, n),
             "schedule_poll_ms": lambda v, n: _parse_float(v, n, 0.05, 1000.0),
+            "kernel_threads": lambda v, n: _parse_int(v, n, 0, 1024),
+            "local_world_size": lambda v, n: _parse_int(v, n, 0, 1 << 20),
             "debug": _parse_bool,
             "stall_warning_s": lambda v, n: _parse_float(v, n, 0.0, 86400.0),
             "stall_abort_s": lambda v, n: _parse_float(v, n, 0.0, 86400.0),
@@ -147,6 +155,9 @@ class Config:
             env_name = ENV_PREFIX + field.upper()
             if env_name in environ:
                 values[field] = parse(environ[env_name], env_name)
+        if "LOCAL_WORLD_SIZE" in environ and "local_world_size" not in values:
+            values["local_world_size"] = parsers["local_world_size"](
+                environ["LOCAL_WORLD_SIZE"], "LOCAL_WORLD_SIZE")
         for field, value in (overrides or {}).items():
             if field not in parsers:
                 raise ValueError(
@@ -171,3 +182,12 @@ def configure(**options: Any) -> Config:
 def current_overrides() -> dict[str, Any]:
     """The options set by `configure()` so far."""
     return dict(_user_overrides)
+
+
+def kernel_threads(config: Config, world_size: int, cores: int | None = None) -> int:
+    """Threads each rank's compression kernels should use under `config` (at least 1)."""
+    if config.kernel_threads:
+        return config.kernel_threads
+    local = config.local_world_size or world_size
+    cores = cores or os.cpu_count() or 1
+    return max(1, cores // max(1, local))

@@ -35,6 +35,14 @@ def submit(process_group, key, gen: StageGen, device: torch.device | None = None
     return submit_stages(process_group, key, gen, device=device, dense_bytes=dense_bytes)
 
 
+def _share_cores(world_size: int) -> None:
+    """Give the compression kernels this rank's share of the host's cores (config.kernel_threads)."""
+    from .. import kernels
+    from ..config import Config, current_overrides, kernel_threads
+
+    kernels.set_num_threads(kernel_threads(Config.resolve(current_overrides()), world_size))
+
+
 class CompressionState:
     """Hold what a compression hook needs across steps: the compressor, parameter names, loss scale.
 
@@ -75,6 +83,7 @@ class CompressionState:
         initialized = dist.is_available() and dist.is_initialized()
         self.world_size = world_size if world_size is not None else (dist.get_world_size(process_group) if initialized else 1)
         self.rank = rank if rank is not None else (dist.get_rank(process_group) if initialized else 0)
+        _share_cores(self.world_size)
         self.compressor: Compressor = make_compressor(config, self.world_size)
         self._uid = next(_uid)
         self._names: dict[int, str] = {}  # id(parameter) -> name
