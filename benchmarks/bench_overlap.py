@@ -1,0 +1,203 @@
+"""Overlap and scheduling: iteration time (p50, p95) of five ways to average gradients, side by side.
+
+    python -m benchmarks.bench_overlap [--quick] [--out DIR] [--width 1024 --depth 8 --batch 32]
+
+Two ranks on loopback, one thread each, train the same wide MLP (comparable communication and
+computation: both are printed) with:
+
+- no overlap: backward, then one allreduce of all gradients (flattened), then SGD;
+- DDP: torch DDP on the gradientflow group (its own buckets and hooks overlap with backward);
+- FIFO overlap: DistributedOptimizer(priority=False): partitions launched during backward in
+  the order backward makes them ready;
+- priority: DistributedOptimizer(priority=True): the partition the next forward needs first
+  goes first (TicTac's TIC order), among those ready on every rank;
+- priority + next forward: as priority, and step() returns at once; each layer is updated just
+  before the next forward uses it (forward pre-hooks wait per layer).
+
+The variants run in interleaved blocks (A B C D E A B C D E ...) so drift in the machine's load
+spreads over all of them; medians and 95th percentiles are over every timed iteration of rank 0.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from benchmarks.common import machine_line, markdown_table, median, p95, write_result
+from benchmarks.launch import launch
+
+VARIANTS = ["no overlap", "DDP", "FIFO overlap", "priority", "priority + next forward"]
+
+
+def worker(rank: int, world: int, width: int, depth: int, batch: int, blocks: int,
+           steps_per_block: int, partition_bytes: int) -> dict:
+    """One rank: every variant trained in interleaved blocks; per-iteration times."""
+    import copy
+
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import gradientflow  # noqa: F401  (registers the backend)
+    import gradientflow.optim as gfo
+
+    gf = dist.new_group(backend="gradientflow")
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(depth):
+        layers += [torch.nn.Linear(width, width), torch.nn.ReLU()]
+    base = torch.nn.Sequential(*layers, torch.nn.Linear(width, 1))
+    nparams = sum(p.numel() for p in base.parameters())
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(batch, width, generator=g)
+    y = torch.randn(batch, 1, generator=g)
+
+    def make(variant):
+        model = copy.deepcopy(base)
+        sgd = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9)
+        if variant == "no overlap":
+            return model, sgd
+        if variant == "DDP":
+            model = DDP(model, process_group=gf)
+            return model, torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9)
+        return model, gfo.DistributedOptimizer(
+            sgd, named_parameters=model.named_parameters(), process_group=gf,
+            partition_bytes=partition_bytes, priority=variant != "FIFO overlap",
+            overlap_next_forward=variant == "priority + next forward")
+
+    setups = {v: make(v) for v in VARIANTS}
+
+    def one_step(variant):
+        model, opt = setups[variant]
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        if variant == "no overlap":
+            grads = [p.grad for p in model.parameters()]
+            flat = torch._utils._flatten_dense_tensors(grads)
+            dist.all_reduce(flat, group=gf)
+            flat.div_(world)
+            for gr, new in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+                gr.copy_(new)
+        opt.step()
+
+    # Calibration: what one step computes and what it sends, each alone.
+    model0, _ = setups["no overlap"]
+
+    def compute_only():
+        model0.zero_grad()
+        torch.nn.functional.mse_loss(model0(x), y).backward()
+
+    flat = torch.zeros(nparams)
+
+    def comm_only():
+        dist.all_reduce(flat, group=gf)
+
+    for fn in (compute_only, comm_only):
+        fn()
+    dist.barrier(group=gf)
+    calib = {}
+    for name, fn in (("compute_ms", compute_only), ("comm_ms", comm_only)):
+        ts = []
+        for _ in range(max(3, steps_per_block)):
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
+        calib[name] = median(ts) * 1e3
+
+    for v in VARIANTS:  # warm-up: first-step allocations, scheduler and DDP start-up
+        for _ in range(2):
+            one_step(v)
+        opt = setups[v][1]
+        if hasattr(opt, "finish_updates"):
+            opt.finish_updates()
+    times = {v: [] for v in VARIANTS}
+    for _ in range(blocks):
+        for v in VARIANTS:
+            dist.barrier(group=gf)
+            opt = setups[v][1]
+            for i in range(steps_per_block):
+                t0 = time.perf_counter()
+                one_step(v)
+                if i == steps_per_block - 1 and hasattr(opt, "finish_updates"):
+                    opt.finish_updates()  # the deferred update of the last step counts too
+                times[v].append(time.perf_counter() - t0)
+    logs = setups["priority"][1].launch_log
+    return {"rank": rank, "times": times, "calib": calib, "nparams": nparams,
+            "partitions": len(setups["priority"][1].plan), "last_priority_log": logs}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="tiny sizes (seconds)")
+    ap.add_argument("--out", default="benchmarks/results", help="directory for overlap.json/.md")
+    ap.add_argument("--width", type=int, default=None)
+    ap.add_argument("--depth", type=int, default=None)
+    ap.add_argument("--batch", type=int, default=None)
+    ap.add_argument("--blocks", type=int, default=None)
+    ap.add_argument("--steps-per-block", type=int, default=None)
+    ap.add_argument("--partition-bytes", type=int, default=1 << 20)
+    args = ap.parse_args(argv)
+    quick = args.quick
+    kw = {"width": args.width or (256 if quick else 1024),
+          "depth": args.depth or (3 if quick else 8),
+          "batch": args.batch or (16 if quick else 32),
+          "blocks": args.blocks or (2 if quick else 8),
+          "steps_per_block": args.steps_per_block or (3 if quick else 10),
+          "partition_bytes": args.partition_bytes}
+    res = launch("benchmarks.bench_overlap:worker", world_size=2, kwargs=kw,
+                 timeout_s=120 if quick else 900, threads_per_rank=1)
+    if not res.ok:
+        print(res.error, file=sys.stderr)
+        return 1
+    r0 = res.results[0]
+    rows = []
+    base_p50 = median(r0["times"]["no overlap"])
+    for v in VARIANTS:
+        ts = r0["times"][v]
+        rows.append({"variant": v, "p50 ms": median(ts) * 1e3, "p95 ms": p95(ts) * 1e3,
+                     "p95/p50": p95(ts) / median(ts),
+                     "speed-up vs no overlap": base_p50 / median(ts), "iterations": len(ts)})
+    cal = r0["calib"]
+    table = markdown_table(list(rows[0]), rows)
+    prio = next(r for r in rows if r["variant"] == "priority")
+    fifo = next(r for r in rows if r["variant"] == "FIFO overlap")
+    nf = next(r for r in rows if r["variant"] == "priority + next forward")
+    md = f"""## Overlap and priority scheduling (DistributedOptimizer)
+
+`python -m benchmarks.bench_overlap{' --quick' if quick else ''}`: 2 ranks on loopback, one thread
+each; MLP {kw['depth']} x {kw['width']}x{kw['width']} + head ({r0['nparams'] / 1e6:.2f} M
+parameters, {r0['nparams'] * 4 / 1e6:.1f} MB of gradients, {r0['partitions']} partitions of
+<= {kw['partition_bytes'] / 2**20:g} MiB), batch {kw['batch']}. Alone, one forward+backward takes
+{cal['compute_ms']:.1f} ms and one allreduce of every gradient {cal['comm_ms']:.1f} ms (rank 0
+medians). {kw['blocks']} interleaved blocks of {kw['steps_per_block']} iterations per variant.
+
+{table}
+
+Priority vs FIFO: p50 {fifo['p50 ms'] / prio['p50 ms']:.2f}x, p95 {fifo['p95 ms'] / prio['p95 ms']:.2f}x
+(> 1: priority faster). Priority + next-forward overlap vs no overlap: {nf['speed-up vs no overlap']:.2f}x.
+
+How to read it. Launching during backward (FIFO, priority, DDP) hides communication behind the
+rest of backward; what remains exposed at the end is the last partitions' transfer. Ordering
+alone (priority vs FIFO, both waiting for everything at step()) changes *which* transfer is last,
+not how much is sent, so without next-forward overlap the two should be within noise: TicTac's
++19.2% training throughput came from GPU workers whose next iteration's first layers could start
+as soon as their parameters arrived, and its 2.3x smaller straggler effect from a *deterministic*
+order on every worker instead of a random one. Here both orders are already deterministic and
+agreed on every rank (the keyed scheduler), so there is no random-order straggling to remove.
+What ordering buys appears with next-forward overlap: the first layer's partition is sent first,
+so the next forward starts while the later layers' partitions are still in flight. On this
+machine the two ranks share {'few' if True else ''} cores with their own communication threads
+(loopback copies and reductions are CPU work), so overlap competes with computation for the same
+cores and the gains are smaller than on a GPU with a NIC; p95/p50 shows the spread.
+
+{machine_line()}
+"""
+    write_result(args.out, "overlap", {"config": kw, "rows": rows, "calibration": cal,
+                                       "ranks": res.results}, md)
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
