@@ -193,8 +193,8 @@ def line_plot(path: str | os.PathLike, series: dict[str, tuple[Sequence[float], 
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
     if logx:
         ax.set_xscale("log")
-        ticks = sorted({x for xs, _ in series.values() for x in xs})
-        if 0 < len(ticks) <= 12:  # few points (bandwidth tiers): label them plainly
+        ticks = sorted({float(x) for xs, _ in series.values() for x in xs})
+        if 0 < len(ticks) <= 6:  # few points (bandwidth tiers): label them plainly
             ax.set_xticks(ticks, [f"{t:g}" for t in ticks])
             ax.minorticks_off()
     if logy:

@@ -146,33 +146,62 @@ def plot_step_time(records: dict, out: Path) -> list[str]:
     return made
 
 
+_UNITS = {"b": 1, "kb": 2**10, "kib": 2**10, "mb": 2**20, "mib": 2**20, "gb": 2**30, "gib": 2**30}
+
+
+def _size_bytes(value) -> float | None:
+    """A message size as bytes: a number, or a label such as "64 KB" / "1MiB"."""
+    if isinstance(value, (int, float)):
+        return float(value)
+    text = str(value).strip().lower().replace(" ", "")
+    num = text.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = text[len(num):] or "b"
+    try:
+        return float(num) * _UNITS[unit]
+    except (ValueError, KeyError):
+        return None
+
+
 def plot_busbw(records: dict, out: Path) -> list[str]:
-    """Bus bandwidth vs message size from collectives' rows, if its schema allows."""
+    """Bus bandwidth vs message size from collectives' rows (long or wide format)."""
     rows = _rows(records.get("collectives"))
     if not rows:
         return []
-    keys = rows[0].keys()
-    size = next((k for k in ("bytes", "size_bytes", "size", "nbytes") if k in keys), None)
-    bw = next((k for k in keys if "busbw" in k), None)
-    group = next((k for k in ("label", "impl", "backend", "op", "variant") if k in keys), None)
-    if not size or not bw:
+    keys = list(rows[0].keys())
+    size = next((k for k in ("bytes", "size_bytes", "nbytes", "size") if k in keys), None)
+    # Every busbw column is a series (wide: "gloo busbw GB/s", "gf busbw GB/s"); ratios are not.
+    bws = [k for k in keys if "busbw" in k and "/" not in k.replace("GB/s", "").replace("Gb/s", "")
+           .replace("gbps", "")]
+    groups = [k for k in ("op", "ranks", "label", "impl", "backend", "variant") if k in keys]
+    if not size or not bws:
         return []
     series = {}
     for r in rows:
-        if r.get(size) is None or r.get(bw) is None:
-            continue
-        xs, ys = series.setdefault(str(r.get(group, "all")) if group else "all", ([], []))
-        xs.append(r[size])
-        ys.append(r[bw])
-    p = line_plot(out / "summary_busbw.png", series, f"message size ({size})", bw,
-                  "bus bandwidth vs message size", logx=True)
+        x = _size_bytes(r.get(size))
+        for bw in bws:
+            y = r.get(bw)
+            if x is None or not isinstance(y, (int, float)):
+                continue
+            name = " ".join([*(str(r[g]) + ("r" if g == "ranks" else "") for g in groups),
+                             *([bw] if len(bws) > 1 else [])])
+            xs, ys = series.setdefault(name or bw, ([], []))
+            xs.append(x)
+            ys.append(y)
+    p = line_plot(out / "summary_busbw.png", series, "message size (bytes)",
+                  bws[0] if len(bws) == 1 else "bus bandwidth", "bus bandwidth vs message size",
+                  logx=True, logy=True)
     return [p.name] if p else []
 
 
 def write_summary(results: list[dict], out: Path, quick: bool, cmd: str) -> Path:
     """Write OUT/summary.md (machine, status table, each benchmark's section, plots)."""
     records = {r["name"]: r["data"] for r in results if r["data"]}
-    plots = plot_step_time(records, out) + plot_busbw(records, out)
+    plots, plot_errors = [], []
+    for plot in (plot_step_time, plot_busbw):
+        try:
+            plots += plot(records, out)
+        except Exception as exc:  # noqa: BLE001 - a plot must never cost the summary
+            plot_errors.append(f"{plot.__name__}: {type(exc).__name__}: {exc}")
     m = machine_info()
     lines = [f"# GradientFlow benchmarks{' (quick mode: plumbing on tiny sizes)' if quick else ''}",
              "", machine_line(m), f"Command: `{cmd}`", "",
@@ -184,6 +213,8 @@ def write_summary(results: list[dict], out: Path, quick: bool, cmd: str) -> Path
     for r in results:
         if r["markdown"]:
             lines += [r["markdown"].rstrip(), ""]
+    if plot_errors:
+        lines += ["Plots that failed: " + "; ".join(plot_errors), ""]
     if plots:
         lines += ["## Plots", ""] + [f"![{p}]({p})" for p in plots] + [""]
     path = out / "summary.md"

@@ -114,3 +114,16 @@ def test_e2e_quick_runs_the_peers(tmp_path):
     got = {r["variant"] for r in data["rows"] if "median_ms" in r}
     assert {"nocomm", "ddp", "fp16_hook", "powersgd"} <= got
     assert (tmp_path / "e2e.md").read_text().startswith("## End-to-end")
+
+
+def test_runner_plots_wide_and_long_collectives_rows(tmp_path):
+    from benchmarks.run import _size_bytes, plot_busbw
+
+    assert _size_bytes("64 KB") == 65536 and _size_bytes("1MiB") == 2**20
+    assert _size_bytes(4096) == 4096 and _size_bytes("huge") is None
+    wide = {"rows": [{"op": "all_reduce", "size": s, "gloo busbw GB/s": b, "gf/gloo busbw": 1.0}
+                     for s, b in (("4 KB", 0.1), ("1 MB", 0.9))]}
+    long = {"rows": [{"label": "gloo", "bytes": 4096, "busbw_gbps": 1.0}]}
+    for data in (wide, long):
+        made = plot_busbw({"collectives": data}, tmp_path)
+        assert made == ["summary_busbw.png"] and (tmp_path / made[0]).stat().st_size > 0
