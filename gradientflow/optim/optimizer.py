@@ -180,6 +180,7 @@ class _DistributedOptimizer:
         self._snapshot: list[dict] | None = None
         self._pending_futs: dict[int, torch.futures.Future] = {}
         self._sparse = [False] * len(self._params)  # sticky: a sparse gradient was seen
+        self._buffers: dict[int, torch.Tensor] = {}  # partition key -> its flat buffer
         self._step_open = False  # compressor step not closed yet
         self._hooks = [p.register_post_accumulate_grad_hook(functools.partial(_on_grad_hook,
                                                                               weakref.ref(self), i))
@@ -353,8 +354,15 @@ class _DistributedOptimizer:
             gen = compressed_average(self._compressor, self._layouts[part.key],
                                      [g for g, _ in dense], pre, post)
         elif dense:
-            gen = dense_average([g for g, _ in dense], [seg.numel for _, seg in dense],
-                                part.dtype, part.device, pre, post)
+            numels = [seg.numel for _, seg in dense]
+            buf = self._buffers.get(part.key)
+            if buf is None or buf.numel() != sum(numels) + len(numels):
+                buf = self._buffers[part.key] = torch.empty(sum(numels) + len(numels),
+                                                            dtype=part.dtype, device=part.device)
+            # One buffer per partition, reused every step: a partition runs once per step and
+            # its results are copied out before its future completes.
+            gen = dense_average([g for g, _ in dense], numels, part.dtype, part.device, pre, post,
+                                buffer=buf)
         else:
             gen = None
         if gen is not None:
@@ -394,6 +402,13 @@ class _DistributedOptimizer:
             return
         if not used:
             p.grad = None  # no rank had a gradient: leave it alone, as DDP does
+            return
+        if seg.whole and not value.is_sparse and self._compressor is None:
+            # The result already sits in this partition's buffer: point the gradient at it
+            # instead of copying it back (DDP's gradient_as_bucket_view). The buffer is reused
+            # next step, after zero_grad(); a zero_grad(set_to_none=False) zeroes it in place
+            # and backward accumulates into it, which the next fill then finds in place.
+            p.grad = value
             return
         if p.grad is None or p.grad.is_sparse:
             p.grad = torch.zeros_like(p)

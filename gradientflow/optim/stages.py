@@ -23,8 +23,12 @@ __all__ = ["dense_average", "compressed_average", "sparse_allgather"]
 
 
 def _fill(inputs: Sequence[torch.Tensor | None], numels: Sequence[int], dtype: torch.dtype,
-          device: torch.device, extra: int) -> torch.Tensor:
-    flat = torch.empty(sum(numels) + extra, dtype=dtype, device=device)
+          device: torch.device, extra: int, buffer: torch.Tensor | None = None) -> torch.Tensor:
+    size = sum(numels) + extra
+    if buffer is not None and buffer.numel() == size and buffer.dtype == dtype:
+        flat = buffer  # reused every step: a fresh allocation costs page faults per step
+    else:
+        flat = torch.empty(size, dtype=dtype, device=device)
     off = 0
     for g, n in zip(inputs, numels):
         if g is None:
@@ -37,14 +41,15 @@ def _fill(inputs: Sequence[torch.Tensor | None], numels: Sequence[int], dtype: t
 
 def dense_average(inputs: Sequence[torch.Tensor | None], numels: Sequence[int],
                   dtype: torch.dtype, device: torch.device, prescale: float,
-                  postscale: float) -> StageGen:
+                  postscale: float, buffer: torch.Tensor | None = None) -> StageGen:
     """Sum `inputs` (None: no gradient here) over ranks in one stage; return (flat, used flags).
 
     The flat result holds every segment back to back, scaled by prescale * postscale; used[i] says
-    whether any rank had a gradient for segment i.
+    whether any rank had a gradient for segment i. `buffer` (optional) is used as the flat
+    buffer when its size and dtype fit.
     """
     n = sum(numels)
-    flat = _fill(inputs, numels, dtype, device, len(numels))
+    flat = _fill(inputs, numels, dtype, device, len(numels), buffer)
     flat[n:] = torch.tensor([0.0 if g is None else 1.0 for g in inputs], dtype=dtype)
     if prescale != 1.0:
         flat[:n].mul_(prescale)

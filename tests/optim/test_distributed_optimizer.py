@@ -53,6 +53,7 @@ def vs_ddp(rank, world, configs, steps=4, widths=(12, 40, 40, 1)):
         clip = cfg.pop("clip", None)
         slow = cfg.pop("slow_rank", None)
         use_gloo = cfg.pop("gloo_group", False)
+        set_to_none = cfg.pop("set_to_none", True)
         base = _mlp(torch, widths)
         ddp = DDP(copy.deepcopy(base), process_group=gloo, bucket_cap_mb=0.001)
         ref = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-3)
@@ -68,8 +69,8 @@ def vs_ddp(rank, world, configs, steps=4, widths=(12, 40, 40, 1)):
         worst_g = worst_w = 0.0
         logs = []
         for step in range(steps):
-            ref.zero_grad()
-            opt.zero_grad()
+            ref.zero_grad(set_to_none=set_to_none)
+            opt.zero_grad(set_to_none=set_to_none)
             for micro in range(bpps):
                 x, y = _batch(torch, step, micro, rank, widths[0])
                 out_model = model(x)  # next-forward overlap: this forward applies last step
@@ -124,6 +125,10 @@ CONFIGS = {
                                 "partition_bytes": 1024},
     "predivide": {"gradient_predivide_factor": 2.0, "partition_bytes": 4096},
     "gloo_fallback": {"gloo_group": True, "partition_bytes": 2048},
+    # Gradients zeroed in place: they are views of the reused partition buffers by then.
+    "zero_in_place": {"set_to_none": False, "partition_bytes": 2048},
+    "zero_in_place_accumulate": {"set_to_none": False, "backward_passes_per_step": 2},
+    "zero_in_place_next_forward": {"set_to_none": False, "overlap_next_forward": True},
 }
 
 
