@@ -36,6 +36,9 @@ SETTINGS = {
     "csc-10%": ("CSC 10%", CSC + ["--density", "0.1"]),
     "csc-1%": ("CSC 1%", CSC + ["--density", "0.01"]),
     "csc-0.1%": ("CSC 0.1%", CSC + ["--density", "0.001"]),
+    # DGC's momentum correction: the compressor accumulates velocity (SGD then runs without
+    # momentum), so what waits in the residual is the momentum-corrected update, not the raw gradient.
+    "csc-1%-mc": ("CSC 1% + MC", CSC + ["--density", "0.01", "--momentum-correction"]),
 }
 
 # One schedule for every setting: ResNet-18 (torchvision, unchanged) on 32x32 upscaled digits,
