@@ -75,7 +75,8 @@ def launch(target: str, world_size: int, kwargs: dict | None = None, cluster=Non
         cluster.tag, cluster.shaped = "loopback", False
     if cluster.world_size != world_size:
         raise ValueError(f"launch: cluster has {cluster.world_size} ranks, asked for {world_size}")
-    port = 29400 + os.getpid() % 500 if cluster.shaped else free_port()
+    # A fresh port per launch: one launch's rendezvous must never meet the previous one's.
+    port = free_port()
     tmp = Path(tempfile.mkdtemp(prefix="gfb-launch-"))
     procs, logs, outs = [], [], []
     base_env = dict(os.environ)
