@@ -18,6 +18,7 @@ import datetime
 import importlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -78,6 +79,15 @@ def launch(target: str, world_size: int, kwargs: dict | None = None, cluster=Non
     # A fresh port per launch: one launch's rendezvous must never meet the previous one's.
     port = free_port()
     tmp = Path(tempfile.mkdtemp(prefix="gfb-launch-"))
+    try:
+        return _launch_in(tmp, target, world_size, kwargs, cluster, timeout_s, env_extra,
+                          threads_per_rank, port)
+    finally:  # also on Ctrl-C / SIGTERM: no per-launch files left behind
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _launch_in(tmp: Path, target, world_size, kwargs, cluster, timeout_s, env_extra,
+               threads_per_rank, port) -> LaunchResult:
     procs, logs, outs = [], [], []
     base_env = dict(os.environ)
     base_env["PYTHONPATH"] = os.pathsep.join(
@@ -151,9 +161,6 @@ def launch(target: str, world_size: int, kwargs: dict | None = None, cluster=Non
                else f"exited with code {codes[failed_rank]}")
         error = (f"rank {failed_rank} of {world_size} {why} running {target}; "
                  f"its log ends:\n{_tail(log_texts[failed_rank])}")
-    for f in list(tmp.iterdir()):
-        f.unlink()
-    tmp.rmdir()
     return LaunchResult(ok=ok, results=results, returncodes=codes, error=error,
                         failed_rank=None if ok else failed_rank, wall_s=wall, logs=log_texts)
 
