@@ -652,6 +652,10 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
             just before its next forward (call finish_updates() before reading them otherwise).
         sparse_as_dense: densify sparse gradients (else they are allgathered).
 
+    After step() (dense path), p.grad is a view into a flat buffer that is reused the next step,
+    as with DDP's gradient_as_bucket_view: clone it to keep it longer. A parameter no rank gave a
+    gradient keeps grad None. optimizer.step(closure) re-running backward is not supported.
+
     Example::
 
         >>> opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
