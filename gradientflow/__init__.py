@@ -23,5 +23,27 @@ def mark_step(step: int) -> None:
     _TIMELINE.mark_step(step)
 
 
+# Imported on first use, so that `import gradientflow` (and the backend) stay light: the
+# optimizer and the hooks pull in the compressors and the numba kernels.
+_LAZY = {
+    "DistributedOptimizer": "gradientflow.optim",
+    "broadcast_parameters": "gradientflow.optim",
+    "broadcast_optimizer_state": "gradientflow.optim",
+    "Average": "gradientflow.optim",
+    "Sum": "gradientflow.optim",
+}
+_SUBMODULES = {"compression", "hooks", "optim", "engine", "kernels", "observability", "backend"}
+
+
+def __getattr__(name: str):
+    import importlib
+
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    if name in _SUBMODULES:
+        return importlib.import_module(f"gradientflow.{name}")
+    raise AttributeError(f"module 'gradientflow' has no attribute {name!r}")
+
+
 __all__ = ["BACKEND_NAME", "Config", "__version__", "configure", "flush", "mark_step",
-           "reset_stats", "start_timeline", "stats", "stop_timeline"]
+           "reset_stats", "start_timeline", "stats", "stop_timeline", *_LAZY]
