@@ -172,9 +172,17 @@ def soak_run(world: int, steps: int, timeout_s: float, fault: bool, rng: random.
                 if not vdone:
                     result["wrong"] = True
                     result["wrong_why"] = f"ranks {done} finished although rank {victim} died"
+            survivors = [r for r in range(world) if r != victim]
+            raised = {r for r, ev in enumerate(evs) if r != victim
+                      and any(e["event"] == "error" for e in ev)}
             if errs:
-                result["detect_s"] = min(e["t"] for e in errs) - kill_t
-                result["errors"] = sorted({e["msg"][:160] for e in errs})
+                # Time until *every* survivor raised (the first one alone flatters).
+                result["detect_first_s"] = min(e["t"] for e in errs) - kill_t
+                result["detect_s"] = max(e["t"] for e in errs) - kill_t
+                result["errors"] = sorted({e["msg"][:300] for e in errs})
+            result["survivors_raised"] = f"{len(raised)}/{len(survivors)}"
+            if len(raised) < len(survivors):
+                result["detect_s"] = None  # counted as undetected unless a hang or wrong
         elif not fault:
             import torch
 
@@ -210,10 +218,12 @@ def soak(args) -> dict:
                 break
             world = 2 + (i % 2) if args.max_world >= 3 else 2
             fault = i % 4 != 3
+            t0 = time.monotonic()
             r = soak_run(world, args.steps, args.timeout_s, fault, rng, work)
+            r["run_s"] = round(time.monotonic() - t0, 1)
             runs.append(r)
             print(f"run {i}: world {world} fault {fault} -> hang {r['hang']} wrong {r['wrong']} "
-                  f"detect {r['detect_s']}", flush=True)
+                  f"detect {r['detect_s']} ({r['run_s']} s)", flush=True)
     injected = [r for r in runs if r.get("killed")]
     detect = [r["detect_s"] for r in injected if r["detect_s"] is not None]
     summary = {
@@ -401,6 +411,9 @@ def _markdown(name: str, res: dict) -> str:
         rows = "".join(f"| {k} | {v['gloo_us']} | {v['off_us']} | {v['on_us']} | "
                        f"{v['on_minus_off_us']} |\n" for k, v in res.items() if isinstance(v, dict))
         return ("## Inspector overhead (sync all_reduce, 2 ranks, median us per call)\n\n"
+                "4 KB goes through the engine's deferred path (below sync_fusion_limit), 1 MB "
+                "eagerly. On a shared 2-core machine the transport varies by far more than the "
+                "check costs; the CPU line below is the check's own cost.\n\n"
                 "| bytes | gloo | gradientflow, inspector off | inspector on | on - off (paired) |\n"
                 f"|---|---|---|---|---|\n{rows}\nCPU added per call by the default check (issue path "
                 f"around a completed Work, best of 7): {res['issue_path_added_us']} us "
@@ -420,7 +433,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--overhead", action="store_true")
     ap.add_argument("--stress", action="store_true")
     ap.add_argument("--runs", type=int, default=None)
-    ap.add_argument("--steps", type=int, default=400)
+    ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--timeout-s", type=float, default=20.0)
     ap.add_argument("--budget-s", type=float, default=1200.0)
     ap.add_argument("--max-world", type=int, default=3)
