@@ -21,8 +21,9 @@ Two nodes (run on each node; NODE0 is any address every node can reach):
 The built-in small real data set (see prepare.py and README.md):
     python experiments/imagenet/prepare.py
     torchrun --standalone --nproc-per-node 2 experiments/imagenet/train.py \\
-        experiments/imagenet/data/digits -a resnet18 --image-size 32 --num-classes 10 \\
-        --augment none -b 64 --lr 0.05 --lr-base-batch 64 --epochs 8 --compression csc --density 0.01
+        experiments/imagenet/data/digits -a resnet18 --image-size 32 --num-classes 10 --augment light \\
+        -b 64 --lr 0.05 --lr-base-batch 64 --lr-schedule cosine --lr-warmup-epochs 1 --wd 5e-4 -j 0 --epochs 8 \\
+        --compression csc --density 0.01 --momentum-correction --warmup 3 --warmup-unit step --warmup-period 3
 """
 from __future__ import annotations
 
