@@ -101,7 +101,11 @@ def _pid_alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
-    return True
+    try:  # a killed process stays a zombie until its parent reaps it
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return True
 
 
 class Inspector:
@@ -142,6 +146,7 @@ class Inspector:
         self.warnings: list[str] = []  # stall warnings logged (also for tests and the soak)
         self._warned_seq = -1
         self._compared_n = 0
+        self._read_at = 0.0
         self._debug_n = 0
         self._peer_cache: dict[int, dict] = {}
         self._published = (None, None)
@@ -364,10 +369,13 @@ class Inspector:
         if state != self._published or now - self._published_at > 10 * self.interval:
             self.publish(pending, age)
         stalled = pending and age >= self.interval
-        if not stalled and self._n == self._compared_n:
+        # Nothing new since the last comparison: only refresh the peers' pids now and then
+        # (what names a dead peer when its store host is gone too).
+        if not stalled and self._n == self._compared_n and now - self._read_at < 10 * self.interval:
             return
         peers = self.read_peers(neighbours_only=not stalled)
         self._compared_n = self._n
+        self._read_at = now
         err = self.find_mismatch(peers)
         if err is not None:
             self.set_fault(err)

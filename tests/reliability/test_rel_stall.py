@@ -181,3 +181,40 @@ def test_peer_killed_mid_training_is_detected(pools, tmp_path):
     killed = float((tmp_path / "killed").read_text())
     assert r0["t"] - killed < 10.0, (r0, killed)  # within the group timeout
     assert "did not answer" not in text
+
+
+def dies_between_calls(rank, world, out_dir):
+    """Rank body: rank 1 dies after checking in; rank 0's next call names it as dead."""
+    import signal
+
+    import torch
+    import torch.distributed as dist
+
+    from gradientflow.backend.backend import backend_of
+
+    insp = backend_of().inspector
+    t = torch.ones(20_000)  # above sync_fusion_limit: the eager path, waited on in slices
+    dist.all_reduce(t)
+    store = _store()
+    if rank == 1:
+        store.wait(["seen"])
+        os.kill(os.getpid(), signal.SIGKILL)
+    # Rank 0 has read rank 1's check-in (its pid and host) before rank 1 dies.
+    assert _wait_for(lambda: insp.read_peers().get(1) is not None, 20)
+    store.set("seen", "1")
+    try:
+        for _ in range(100):
+            dist.all_reduce(t)
+    except Exception as exc:  # noqa: BLE001
+        with open(os.path.join(out_dir, "rank0.txt"), "w") as f:
+            f.write(f"{type(exc).__name__}: {exc}")
+        raise
+    return "no error"
+
+
+def test_dead_peer_is_named(pools, tmp_path):
+    with pytest.raises(RankFailure):
+        pools(2).run(dies_between_calls, str(tmp_path), pg_timeout_s=10, timeout=60,
+                     env={"GRADIENTFLOW_INSPECT_INTERVAL_S": "0.2"})
+    msg = (tmp_path / "rank0.txt").read_text()
+    assert msg.startswith("PeerFailureError") and "Rank(s) [1] died" in msg, msg
