@@ -226,9 +226,10 @@ class GradientFlowBackend(_CBackend):
         t = V.check_single(self._rank, "all_reduce", tensors)
         rop = opts.reduceOp  # read once: each read of this pybind property costs microseconds
         V.check_reduce(self._rank, "all_reduce", t, rop)
-        if self.engine.fusable(t, getattr(opts, "asyncOp", True)):
+        async_op = getattr(opts, "asyncOp", True)
+        if self.engine.fusable(t, async_op):
             self._seq_for_group += 1
-            return self._issue(_DEFERRED_AR, lambda: self.engine.submit_allreduce(t, rop),
+            return self._issue(_DEFERRED_AR, lambda: self.engine.submit_allreduce(t, rop, not async_op),
                                t, opts, t.device, rop)
         self._seq_for_group += 1
         return self._issue("all_reduce", lambda: self.engine.submit_eager(

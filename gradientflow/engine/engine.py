@@ -170,8 +170,13 @@ class Engine:
         limit = thr if async_op else min(thr, self.config.sync_fusion_limit)
         return tensor.numel() * tensor.element_size() < limit
 
-    def submit_allreduce(self, tensor: torch.Tensor, reduce_op: Any) -> FutureWork:
-        """Queue an async allreduce for fusion; returns its Work at once."""
+    def submit_allreduce(self, tensor: torch.Tensor, reduce_op: Any,
+                         waited: bool = False) -> FutureWork:
+        """Queue an allreduce for fusion; returns its Work at once.
+
+        `waited`: the caller waits on it right away (a synchronous call), so its batch is
+        agreed at once instead of after the cycle time.
+        """
         fut, public = completion.new_future()
         with self._cv:
             self._check_usable("allreduce")
@@ -186,6 +191,8 @@ class Engine:
                 self._run_bytes += op.nbytes
             self._q.append(op)
             self.counters.deferred += 1
+            if waited:
+                self._wanted_upto = max(self._wanted_upto, seq)
             self._cv.notify_all()
         STATS.record_operation()
         if TIMELINE.enabled:
