@@ -176,7 +176,7 @@ class GradientFlowBackend(_CBackend):
 
     def _abort(self, err: BaseException) -> None:
         """The inspector found a fault: fail what is queued and refuse new work with `err`."""
-        self.engine._fail(err)  # noqa: SLF001 - see the report: an Engine.abort(err) would do
+        self.engine.abort(err)
 
     def _issue(self, name: str, submit: Callable[[], Any], sig: Any, opts: Any,
                device: torch.device, rop: Any = _UNSET) -> Any:

@@ -330,11 +330,18 @@ class Engine:
                 self._fail(exc)
                 return
 
+    def abort(self, exc: BaseException) -> None:
+        """Fail the group: every queued op raises, later submissions too; the first error stays."""
+        self._fail(exc)
+
     def _fail(self, exc: BaseException) -> None:
         err = exc if isinstance(exc, EngineError) else EngineError(
             f"gradientflow: rank {self.rank}: process group {self._name} failed: {exc}")
         with self._cv:
-            self._error = err
+            # The first error explains the others (a mismatch, then the timeouts it causes).
+            if self._error is None:
+                self._error = err
+            err = self._error
             while self._q:
                 completion.complete(self._q.popleft().fut, error=err)
             self._run_len = self._run_bytes = 0
