@@ -40,6 +40,8 @@ import time
 from pathlib import Path
 
 import torch
+
+import gradientflow  # registers the backend; stats() and mark_step() for the logs
 import torch.distributed as dist
 import torch.nn as nn
 import torchvision.models as tv_models
@@ -474,6 +476,7 @@ def train_one_epoch(cfg, epoch, model, criterion, optimizer, scaler, loader, com
     for i, (images, target) in enumerate(loader):
         if i >= steps:
             break
+        gradientflow.mark_step(epoch * steps + i)  # timeline markers and sampling
         for g in optimizer.param_groups:
             g["lr"] = learning_rate(cfg, epoch + i / steps)
         images, target = images.to(device, non_blocking=True), target.to(device, non_blocking=True)
@@ -626,7 +629,11 @@ def main(argv=None) -> int:
             sampler.set_epoch(epoch)
             comm.set_epoch(epoch)
             record = {"epoch": epoch, "lr": learning_rate(cfg, epoch)}
+            gradientflow.reset_stats()
             record.update(train_one_epoch(cfg, epoch, ddp, criterion, optimizer, scaler, train_loader, comm, device))
+            # The backend's own counters for the epoch: operations, fused messages, agreement
+            # rounds, time in communication, overlap (see gradientflow.observability.stats).
+            record["engine"] = gradientflow.stats()
             record.update(evaluate(cfg, ddp, criterion, val_set, device))
             record["wire_bytes_per_step"] = record["wire_bytes"] / record["steps"]
             record["dense_bytes_per_step"] = record["dense_bytes"] / record["steps"]
