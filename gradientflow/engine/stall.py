@@ -540,6 +540,15 @@ def check_world(store: Any, rank: int, world_size: int, timeout_s: float) -> Non
                 "world_size (and check that all of them run)."
             ) from exc
         theirs = int(store.get(key))
+        if rank != 0:
+            # Tell rank 0 this rank has read its size: rank 0 hosts the store, and if it raised
+            # and exited first, this rank would only see "Connection reset by peer".
+            store.set(f"gradientflow/world-ack/{rank}", "1")
+        elif theirs != world_size:
+            try:
+                store.wait([f"gradientflow/world-ack/{r}"], datetime.timedelta(seconds=5))
+            except Exception:  # noqa: BLE001 - raise the clear error below regardless
+                pass
         if theirs != world_size:
             raise EngineError(
                 f"gradientflow: rank {rank}: mismatched world sizes: this rank was started with "

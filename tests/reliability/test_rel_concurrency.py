@@ -70,14 +70,14 @@ def debug_threads(rank, world):
     import torch
     import torch.distributed as dist
 
-    errors, right = [], [0]
+    errors, right = [], []  # list.append is atomic; `n += 1` from two threads loses counts
 
     def body(tid):
         for _ in range(20):
             t = torch.ones(4 + tid * 3)
             try:
                 dist.all_reduce(t)
-                right[0] += bool((t == 2.0).all())
+                right.append(bool((t == 2.0).all()))
             except Exception as exc:  # noqa: BLE001
                 errors.append(str(exc)[:300])
 
@@ -86,7 +86,7 @@ def debug_threads(rank, world):
         th.start()
     for th in threads:
         th.join(60)
-    return {"right": right[0], "errors": errors, "alive": sum(th.is_alive() for th in threads)}
+    return {"right": sum(right), "errors": errors, "alive": sum(th.is_alive() for th in threads)}
 
 
 def test_debug_mode_refuses_threaded_shape_mismatch(pools):
