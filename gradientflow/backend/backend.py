@@ -253,12 +253,8 @@ class GradientFlowBackend(_CBackend):
 
     def reduce_scatter(self, output_tensors, input_tensors, opts):
         out = V.check_single(self._rank, "reduce_scatter", output_tensors)
-        if len(input_tensors) != 1:
-            raise V.fail(self._rank, "reduce_scatter", "expected one input list",
-                         "pass one list of world_size tensors")
-        V.check_list_len(self._rank, "reduce_scatter", input_tensors[0], self._size, "input_list")
-        V.check_tensors(self._rank, "reduce_scatter", input_tensors[0], "input_list", out.device)
-        V.check_same_shape(self._rank, "reduce_scatter", input_tensors[0], out, "input_list")
+        V.check_rank_list(self._rank, "reduce_scatter", input_tensors, self._size, "input_list",
+                          out)
         V.check_reduce(self._rank, "reduce_scatter", out, opts.reduceOp)
         return self._eager("reduce_scatter", out.device,
                            lambda tp: tp.reduce_scatter(output_tensors, input_tensors, opts),
@@ -289,12 +285,7 @@ class GradientFlowBackend(_CBackend):
 
     def allgather(self, output_tensors, input_tensors, opts=None):
         t = V.check_single(self._rank, "all_gather", input_tensors)
-        if len(output_tensors) != 1:
-            raise V.fail(self._rank, "all_gather", "expected one output list",
-                         "pass one list of world_size tensors")
-        V.check_list_len(self._rank, "all_gather", output_tensors[0], self._size, "tensor_list")
-        V.check_tensors(self._rank, "all_gather", output_tensors[0], "tensor_list", t.device)
-        V.check_same_shape(self._rank, "all_gather", output_tensors[0], t, "tensor_list")
+        V.check_rank_list(self._rank, "all_gather", output_tensors, self._size, "tensor_list", t)
         return self._eager("all_gather", t.device,
                            lambda tp: tp.allgather(output_tensors, input_tensors, opts),
                            output_tensors, opts, t)
@@ -370,12 +361,7 @@ class GradientFlowBackend(_CBackend):
         t = V.check_single(self._rank, "gather", input_tensors)
         V.check_root(self._rank, "gather", opts.rootRank, self._size)
         if self._rank == opts.rootRank:
-            if len(output_tensors) != 1:
-                raise V.fail(self._rank, "gather", "expected one output list on the root",
-                             "pass gather_list with world_size tensors on the root")
-            V.check_list_len(self._rank, "gather", output_tensors[0], self._size, "gather_list")
-            V.check_tensors(self._rank, "gather", output_tensors[0], "gather_list", t.device)
-            V.check_same_shape(self._rank, "gather", output_tensors[0], t, "gather_list")
+            V.check_rank_list(self._rank, "gather", output_tensors, self._size, "gather_list", t)
         return self._eager("gather", t.device,
                            lambda tp: tp.gather(output_tensors, input_tensors, opts),
                            output_tensors, opts, t)
@@ -384,12 +370,7 @@ class GradientFlowBackend(_CBackend):
         t = V.check_single(self._rank, "scatter", output_tensors)
         V.check_root(self._rank, "scatter", opts.rootRank, self._size)
         if self._rank == opts.rootRank:
-            if len(input_tensors) != 1:
-                raise V.fail(self._rank, "scatter", "expected one input list on the root",
-                             "pass scatter_list with world_size tensors on the root")
-            V.check_list_len(self._rank, "scatter", input_tensors[0], self._size, "scatter_list")
-            V.check_tensors(self._rank, "scatter", input_tensors[0], "scatter_list", t.device)
-            V.check_same_shape(self._rank, "scatter", input_tensors[0], t, "scatter_list")
+            V.check_rank_list(self._rank, "scatter", input_tensors, self._size, "scatter_list", t)
         return self._eager("scatter", t.device,
                            lambda tp: tp.scatter(output_tensors, input_tensors, opts),
                            output_tensors, opts, t)

@@ -113,3 +113,15 @@ def check_same_shape(rank: int, op: str, tensors: Sequence[torch.Tensor], ref: t
             raise fail(rank, op, f"{_name(t, f'{label}[{i}]')} does not match "
                        f"{_name(ref, 'the input')}",
                        "every entry must have the input's dtype and number of elements")
+
+
+def check_rank_list(rank: int, op: str, lists, world_size: int, label: str,
+                    ref: torch.Tensor) -> None:
+    """The [[one tensor per rank]] argument of gather-like ops: one list, world_size entries,
+    each on the reference tensor's device with its dtype and size."""
+    if len(lists) != 1:
+        raise fail(rank, op, f"expected one {label} list, got {len(lists)}",
+                   f"pass {label} as one list of world_size tensors")
+    check_list_len(rank, op, lists[0], world_size, label)
+    check_tensors(rank, op, lists[0], label, ref.device)
+    check_same_shape(rank, op, lists[0], ref, label)
