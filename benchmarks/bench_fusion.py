@@ -19,7 +19,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import fmt, machine_line, markdown_table, median, write_result  # noqa: E402
+from benchmarks.common import machine_line, markdown_table, median, write_result  # noqa: E402
 from benchmarks.launch import launch  # noqa: E402
 
 MB = 10**6

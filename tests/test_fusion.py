@@ -115,7 +115,6 @@ def test_many_small_allreduces_go_in_one_message(pools):
 
 def fused_loop_memory(rank, world, steps):
     """Rank body: RSS after `steps` fused steps must not grow past warm-up."""
-    import resource  # noqa: F401
     import torch
     import torch.distributed as dist
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 def keyed_different_orders(rank, world, steps):
     import random
-    import threading
     import time
 
     import torch
