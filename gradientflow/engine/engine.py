@@ -27,7 +27,7 @@ from __future__ import annotations
 import collections
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Hashable
 
 import torch
@@ -66,7 +66,6 @@ class EagerOp:
     launch: Callable[[], Any]  # -> c10d Work
     outputs: Any
     fut: torch.futures.Future
-    post: Callable[[], None] | None = None  # runs after the transport finished (e.g. unpacking)
 
 
 @dataclass
@@ -91,7 +90,6 @@ class _Counters:
     deferred: int = 0
     eager: int = 0
     fast_path: int = 0
-    extra: dict = field(default_factory=dict)
 
 
 class Engine:
@@ -199,8 +197,7 @@ class Engine:
             op.queued_us = now_us()
         return self._work(public, seq, "allreduce", nudge=True)
 
-    def submit_eager(self, name: str, launch: Callable[[], Any], outputs: Any,
-                     post: Callable[[], None] | None = None) -> Any:
+    def submit_eager(self, name: str, launch: Callable[[], Any], outputs: Any) -> Any:
         """Run a collective in sequence order; returns a Work.
 
         When nothing is queued or running, the transport call is made right here on the
@@ -211,13 +208,13 @@ class Engine:
             self._check_usable(name)
             seq = self._seq
             self._seq += 1
-            if not self._q and not self._busy and post is None:
+            if not self._q and not self._busy:
                 self.counters.fast_path += 1
                 self.counters.eager += 1
                 STATS.record_operation()
                 return launch()
             fut, public = completion.new_future()
-            self._q.append(EagerOp(seq, name, launch, outputs, fut, post))
+            self._q.append(EagerOp(seq, name, launch, outputs, fut))
             self.counters.eager += 1
             self._cv.notify_all()
         STATS.record_operation()
@@ -512,8 +509,6 @@ class Engine:
         def done(f, op=op, work=work):
             try:
                 f.value()
-                if op.post is not None:
-                    op.post()
                 completion.complete(op.fut, op.outputs)
             except BaseException as exc:  # noqa: BLE001
                 completion.complete(op.fut, error=exc)
