@@ -321,26 +321,19 @@ def overhead(args) -> dict:
 
 
 # ---------------------------------------------------------------------- stress
-def stress_worker(rank: int, world: int, port: int, ops: int, out: str) -> None:
-    """10,000 mixed operations (mostly async) on every rank, the same program everywhere;
-    results checked, RSS sampled every 1,000 operations."""
+def mixed_program(rank: int, world: int, ops: int, *, seed: int, max_n: int, flush_every: int,
+                  on_op=None) -> None:
+    """Run `ops` mixed collectives (mostly async allreduces, broadcasts, all_gathers, sync
+    allreduces), the same program on every rank (seeded), checking every result; waits on the
+    pending Works every `flush_every` operations and at the end. `on_op(i)` runs after op i."""
     import torch
     import torch.distributed as dist
 
-    _init(rank, world, port, 60)
-    from gradientflow.backend.backend import backend_of  # noqa: F401
-
-    def rss_mb() -> float:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * 4096 / 2**20
-
-    rng = random.Random(7)  # the same program on every rank
-    rss = []
+    rng = random.Random(seed)
     pending = []
-    t0 = time.time()
     for i in range(ops):
         kind = rng.choice(["ar", "ar", "ar", "ar_big", "bcast", "ag", "sync"])
-        n = rng.randint(1, 2000)
+        n = rng.randint(1, max_n)
         if kind == "ar":
             t = torch.full((n,), float(rank))
             pending.append((dist.all_reduce(t, async_op=True), t, float(sum(range(world)))))
@@ -358,13 +351,34 @@ def stress_worker(rank: int, world: int, port: int, ops: int, out: str) -> None:
             t = torch.ones(n)
             dist.all_reduce(t)
             assert t[0].item() == world
-        if len(pending) >= 64 or i == ops - 1:
+        if len(pending) >= flush_every or i == ops - 1:
             for w, t, want in pending:
                 w.wait()
                 assert t[0].item() == want and t[-1].item() == want, (i, want, t[0].item())
             pending.clear()
+        if on_op is not None:
+            on_op(i)
+
+
+def stress_worker(rank: int, world: int, port: int, ops: int, out: str) -> None:
+    """10,000 mixed operations (mostly async) on every rank, the same program everywhere;
+    results checked, RSS sampled every 1,000 operations."""
+    import torch.distributed as dist
+
+    _init(rank, world, port, 60)
+
+    def rss_mb() -> float:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * 4096 / 2**20
+
+    rss = []
+    t0 = time.time()
+
+    def sample(i: int) -> None:
         if i % 1000 == 0:
             rss.append(round(rss_mb(), 1))
+
+    mixed_program(rank, world, ops, seed=7, max_n=2000, flush_every=64, on_op=sample)
     rss.append(round(rss_mb(), 1))
     with open(out + f".{rank}", "w") as f:
         json.dump({"rss_mb": rss, "seconds": round(time.time() - t0, 1)}, f)

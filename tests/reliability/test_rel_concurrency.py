@@ -99,49 +99,20 @@ def test_debug_mode_refuses_threaded_shape_mismatch(pools):
 
 def mixed_async_load(rank, world, ops):
     """Rank body: a mixed async program (same on every rank); RSS after warm-up stays flat."""
-    import random
-
-    import torch
-    import torch.distributed as dist
+    from benchmarks.soak import mixed_program  # the soak's program, at a test's size
 
     def rss_mb():
         with open("/proc/self/statm") as f:
             return int(f.read().split()[1]) * 4096 / 2**20
 
-    rng = random.Random(3)
-    pending = []
-    before = None
-    for i in range(ops):
+    before = []
+
+    def sample(i):
         if i == ops // 4:
-            before = rss_mb()
-        kind = rng.choice(["ar", "ar", "ar", "big", "bcast", "ag", "sync"])
-        n = rng.randint(1, 500)
-        if kind == "ar":
-            t = torch.full((n,), float(rank))
-            pending.append((dist.all_reduce(t, async_op=True), t, float(sum(range(world)))))
-        elif kind == "big":
-            t = torch.ones(n * 100)
-            pending.append((dist.all_reduce(t, async_op=True), t, float(world)))
-        elif kind == "bcast":
-            t = torch.full((n,), float(rank))
-            pending.append((dist.broadcast(t, src=i % world, async_op=True), t, float(i % world)))
-        elif kind == "ag":
-            outs = [torch.empty(n) for _ in range(world)]
-            dist.all_gather(outs, torch.full((n,), float(rank)))
-            assert all(o[0].item() == r for r, o in enumerate(outs))
-        else:
-            t = torch.ones(n)
-            dist.all_reduce(t)
-            assert t[0].item() == world
-        if len(pending) >= 32:
-            for w, t, want in pending:
-                w.wait()
-                assert t[0].item() == want and t[-1].item() == want, (i, want)
-            pending.clear()
-    for w, t, want in pending:
-        w.wait()
-        assert t[0].item() == want
-    return rss_mb() - before
+            before.append(rss_mb())
+
+    mixed_program(rank, world, ops, seed=3, max_n=500, flush_every=32, on_op=sample)
+    return rss_mb() - before[0]
 
 
 def test_mixed_async_load_on_four_ranks_is_flat(pools):
