@@ -118,6 +118,9 @@ class Engine:
         self._error: BaseException | None = None
         self._pools: dict[Hashable, SegmentPool] = {}
         self.counters = _Counters()
+        # Set by the backend: turns a transport error into the inspector's explanation (which
+        # rank is missing or died, what differed). Called once, on the first error only.
+        self.explain: Callable[[BaseException], BaseException] | None = None
         self._thread = threading.Thread(target=self._main, name=f"{name}-engine", daemon=True)
         self._thread.start()
 
@@ -332,6 +335,11 @@ class Engine:
         self._fail(exc)
 
     def _fail(self, exc: BaseException) -> None:
+        if self._error is None and self.explain is not None:
+            try:
+                exc = self.explain(exc)
+            except Exception:  # noqa: BLE001 - the original error is still worth raising
+                pass
         err = exc if isinstance(exc, EngineError) else EngineError(
             f"gradientflow: rank {self.rank}: process group {self._name} failed: {exc}")
         with self._cv:
