@@ -77,32 +77,30 @@ def plan_messages(batch: Sequence[FusableOp], threshold: int) -> list[Message]:
 
 
 class SegmentPool:
-    """Persistent fusion buffers of one key, used round-robin.
+    """Persistent fusion buffers of one key; a message takes any free one.
 
-    Packing message i+1 into the next segment overlaps the transport of message i; a segment
-    is reused only after its message was unpacked. Memory: at most `segments` buffers of the
-    largest fused message seen (<= threshold) per key.
+    Packing message i+1 into another segment overlaps the transport of message i; a segment
+    is reused only after its message was unpacked. Which segment a message gets does not
+    matter to the other ranks (only the transport order does), so the engine never waits for a
+    particular one. Memory: at most `segments` buffers of the largest fused message seen
+    (<= threshold) per key.
     """
 
     def __init__(self, dtype: torch.dtype, device: torch.device, segments: int) -> None:
         self._dtype = dtype
         self._device = device
         self._buffers: list[torch.Tensor | None] = [None] * segments
-        self._free = [threading.Event() for _ in range(segments)]
-        for ev in self._free:
-            ev.set()
-        self._next = 0
+        self._free = [True] * segments
+        self._lock = threading.Lock()
 
-    def acquire(self, numel: int, timeout_s: float) -> tuple[int, torch.Tensor]:
-        """Wait for the next segment to be free and return (index, a view of `numel` elements)."""
-        idx = self._next
-        self._next = (idx + 1) % len(self._buffers)
-        if not self._free[idx].wait(timeout_s):
-            raise TimeoutError(
-                f"fusion segment {idx} was not released within {timeout_s:.1f} s: the previous "
-                "fused allreduce of this queue has not completed"
-            )
-        self._free[idx].clear()
+    def try_acquire(self, numel: int) -> tuple[int, torch.Tensor] | None:
+        """A free segment as (index, a view of `numel` elements), or None if all are in use."""
+        with self._lock:
+            try:
+                idx = self._free.index(True)
+            except ValueError:
+                return None
+            self._free[idx] = False
         buf = self._buffers[idx]
         if buf is None or buf.numel() < numel:
             buf = torch.empty(numel, dtype=self._dtype, device=self._device)
@@ -111,7 +109,8 @@ class SegmentPool:
 
     def release(self, idx: int) -> None:
         """Mark segment `idx` reusable."""
-        self._free[idx].set()
+        with self._lock:
+            self._free[idx] = True
 
     @property
     def allocated_bytes(self) -> int:
