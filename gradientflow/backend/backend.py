@@ -8,6 +8,7 @@ tensors (created lazily on first CUDA use, on the same store). We never write so
 from __future__ import annotations
 
 import datetime
+import os
 import threading
 from typing import Any, Callable
 
@@ -46,6 +47,19 @@ def _make_nccl(store, rank: int, size: int, timeout: datetime.timedelta, prefix:
     opts = ProcessGroupNCCL.Options()
     opts._timeout = timeout
     return ProcessGroupNCCL(PrefixStore(prefix, store), rank, size, opts)
+
+
+def attempt_store(store):
+    """The store namespaced by torchrun's restart count: one attempt never reads another's keys.
+
+    Under `torchrun --max-restarts` the agent's store outlives the workers, and a restarted
+    attempt gets the same store with the same group name. Without a namespace, gloo's
+    rendezvous reads the dead attempt's addresses ("Connection refused" at init), and the
+    inspector would adopt the dead attempt's fault. (TORCHELASTIC_RESTART_COUNT is torchrun's,
+    read here rather than in gradientflow.config: it is not a gradientflow setting.)
+    """
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    return PrefixStore(f"gradientflow/attempt{attempt}/", store) if attempt else store
 
 
 class Transports:
@@ -99,6 +113,7 @@ class GradientFlowBackend(_CBackend):
         self.group_name = group_name
         self._timeout = timeout
         self._seq_for_group = 0
+        store = attempt_store(store)
         check_world(store, rank, size, timeout.total_seconds())
         self.transports = Transports(store, rank, size, timeout)
         # A side group for the agreement rounds, so that they never pair with data messages.
