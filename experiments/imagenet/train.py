@@ -34,9 +34,11 @@ import math
 import os
 import random
 import re
+import signal
 import socket
 import sys
 import time
+import zlib
 from pathlib import Path
 
 import torch
@@ -74,7 +76,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--momentum", default=0.9, type=float)
     p.add_argument("--wd", "--weight-decay", default=1e-4, type=float, dest="weight_decay")
     p.add_argument("-p", "--print-freq", default=10, type=int, help="progress-bar refresh, in steps")
-    p.add_argument("--resume", default="", type=str, help="path to checkpoint.pth.tar")
+    p.add_argument("--resume", default="", type=str, help="path to checkpoint.pth.tar; 'auto': the one in "
+                   "--checkpoint-dir if it exists (what a torchrun --max-restarts restart needs), else from scratch")
     p.add_argument("-e", "--evaluate", action="store_true", help="evaluate on the validation set and exit")
     p.add_argument("--seed", default=None, type=int, help="seed for initialisation and data order")
     p.add_argument("--dist-backend", default="gradientflow", help="torch.distributed backend (gradientflow, gloo, nccl)")
@@ -115,6 +118,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "(not --log: torchrun would take it for an abbreviation of its own --log-dir)")
     p.add_argument("--checkpoint-dir", default=".", help="where checkpoint.pth.tar (+ one shard per rank) is written")
     p.add_argument("--no-checkpoint", action="store_true", help="do not write checkpoints")
+    # --- fault injection (tests and benchmarks/soak.py only) ---
+    p.add_argument("--fault-kill-at-step", default=-1, type=int, metavar="N",
+                   help="the last rank SIGKILLs itself before global step N, in the first torchrun "
+                   "attempt only (TORCHELASTIC_RESTART_COUNT 0): tests restarts with --resume auto")
     return p.parse_args(argv)
 
 
@@ -164,6 +171,7 @@ class Config:
     log: str | None
     checkpoint_dir: str
     checkpoint: bool
+    fault_kill_at_step: int   # -1: no fault injected
 
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMG]i?B|B)?\s*$", re.IGNORECASE)
@@ -222,7 +230,11 @@ def resolve(args: argparse.Namespace, env=os.environ) -> Config:
         raise ConfigError(f"--chunk-size must be a positive number of elements, got {args.chunk_size}")
     if args.fusion_threshold is not None and not _SIZE.match(args.fusion_threshold):
         raise ConfigError(f"--fusion-threshold {args.fusion_threshold!r} is not a size such as 64MB or 1048576")
-    if args.resume and not os.path.isfile(args.resume):
+    resume = args.resume
+    if resume == "auto":  # the same command line starts a run and resumes it after a restart
+        resume = os.path.join(args.checkpoint_dir, "checkpoint.pth.tar")
+        resume = resume if os.path.isfile(resume) else ""
+    elif resume and not os.path.isfile(resume):
         raise ConfigError(f"--resume: no checkpoint at {args.resume!r}")
     if args.epochs < 1 or not 0 <= args.start_epoch <= args.epochs:
         raise ConfigError(f"--epochs must be >= 1 and --start-epoch in [0, epochs], got {args.epochs}, {args.start_epoch}")
@@ -253,8 +265,9 @@ def resolve(args: argparse.Namespace, env=os.environ) -> Config:
         world_size=world_size, rank=int(env.get("RANK", "0")), local_rank=int(env.get("LOCAL_RANK", "0")),
         dist_backend=args.dist_backend, compression=args.compression, compression_config=comp,
         fusion_threshold=args.fusion_threshold, bucket_cap_mb=args.bucket_cap_mb,
-        resume=args.resume, evaluate=args.evaluate, print_freq=args.print_freq, log=args.log,
+        resume=resume, evaluate=args.evaluate, print_freq=args.print_freq, log=args.log,
         checkpoint_dir=args.checkpoint_dir, checkpoint=not args.no_checkpoint,
+        fault_kill_at_step=args.fault_kill_at_step,
     )
 
 
@@ -477,6 +490,8 @@ def train_one_epoch(cfg, epoch, model, criterion, optimizer, scaler, loader, com
         if i >= steps:
             break
         gradientflow.mark_step(epoch * steps + i)  # timeline markers and sampling
+        if epoch * steps + i == cfg.fault_kill_at_step:
+            maybe_kill_self(cfg)
         for g in optimizer.param_groups:
             g["lr"] = learning_rate(cfg, epoch + i / steps)
         images, target = images.to(device, non_blocking=True), target.to(device, non_blocking=True)
@@ -531,6 +546,30 @@ def evaluate(cfg, model, criterion, val_set, device) -> dict:
     return {"val_loss": sums[0].item() / n, "val_top1": 100 * sums[1].item() / n, "val_top5": 100 * sums[2].item() / n}
 
 
+def maybe_kill_self(cfg: Config) -> None:
+    """--fault-kill-at-step: the last rank dies as a crash would (SIGKILL: no cleanup, no
+    exception), in torchrun's first attempt only, so that the restarted job can finish."""
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if cfg.rank == cfg.world_size - 1 and attempt == 0:
+        print(f"[rank {cfg.rank}] fault injection: SIGKILL at step {cfg.fault_kill_at_step} "
+              f"(attempt {attempt})", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def residual_checksum(comm_state: dict) -> str:
+    """CRC-32 and L1 norm of the compressor's residual memory, for the logs: a resumed run
+    prints the same line for what it loaded as the saving run printed for what it saved."""
+    crc, l1 = 0, 0.0
+    memory = comm_state.get("memory", {})
+    for slot in sorted(memory):
+        for name in sorted(memory[slot]):
+            t = memory[slot][name].detach().float().contiguous().cpu()
+            crc = zlib.crc32(f"{slot}/{name}".encode(), crc)
+            crc = zlib.crc32(t.numpy().tobytes(), crc)
+            l1 += t.abs().sum().item()
+    return f"crc32 {crc:08x} l1 {l1:.6g}"
+
+
 def shard_path(checkpoint: str, rank: int) -> str:
     """Per-rank file beside the checkpoint: compressor residuals and RNG state differ per rank."""
     return f"{checkpoint}.rank{rank}"
@@ -544,6 +583,8 @@ def save_checkpoint(cfg, epoch, model, optimizer, scaler, comm, best_acc1) -> No
                      "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}}
     torch.save(shard, shard_path(path, cfg.rank) + ".tmp")
     os.replace(shard_path(path, cfg.rank) + ".tmp", shard_path(path, cfg.rank))
+    print(f"[rank {cfg.rank}] checkpoint saved after epoch {epoch}: compressor residuals "
+          f"{residual_checksum(shard['compressor'])}", flush=True)
     if cfg.rank == 0:
         torch.save({"epoch": epoch + 1, "arch": cfg.arch, "state_dict": model.module.state_dict(),
                     "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict(),
@@ -564,6 +605,9 @@ def load_checkpoint(cfg, model, optimizer, scaler, comm, device) -> tuple:
     if ckpt.get("world_size") == cfg.world_size and os.path.isfile(shard_file):
         shard = torch.load(shard_file, map_location="cpu", weights_only=False)
         comm.load_state_dict(shard["compressor"])
+        # Read back from the compressor itself: proves the residuals are in use, not just read.
+        print(f"[rank {cfg.rank}] resumed from {cfg.resume} at epoch {ckpt['epoch']}: compressor "
+              f"residuals {residual_checksum(comm.state_dict())}", flush=True)
         torch.set_rng_state(shard["rng"]["torch"])
         random.setstate(shard["rng"]["python"])
         if shard["rng"]["cuda"] is not None and torch.cuda.is_available():
