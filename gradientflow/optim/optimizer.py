@@ -299,9 +299,14 @@ class _DistributedOptimizer:
         if self._sched is not None and not self._begun:
             self._sched.begin(len(self._plan))
             self._begun = True
-        gen = self._stages(part)
+        dense, sparse = self._grad_inputs(part)
+        gen = self._stages(part, dense, sparse)
         if self._sched is not None:
-            fut = self._sched.submit(k, self._priority[k], gen, part.device, part.nbytes)
+            # The dense average is one allreduce: packed here (the hook's thread) and sent
+            # asynchronously; compressed and sparse partitions run their stages in sequence.
+            single = self._compressor is None and not sparse
+            fut = self._sched.submit(k, self._priority[k], gen, part.device, part.nbytes,
+                                     single_stage=single)
         else:
             fut = submit_stages(self._pg, ("optim", id(self), k), gen, part.device,
                                 name="optim", dense_bytes=part.nbytes)
@@ -336,14 +341,13 @@ class _DistributedOptimizer:
             return 1.0, 1.0
         return 1.0 / f, f / n
 
-    def _stages(self, part: Partition):
-        """The StageGen of one partition: reduce, then write the results (scheduler thread).
+    def _stages(self, part: Partition, dense, sparse):
+        """The StageGen of one partition: reduce, then write the results.
 
         The gradients are picked here, on the submitting thread, not inside the generator:
-        it starts later, on the scheduler's thread, after the user may have zeroed p.grad
-        (next-forward overlap lets zero_grad() run while partitions are still in flight).
+        a multi-stage one starts later, on the scheduler's thread, after the user may have
+        zeroed p.grad (next-forward overlap lets zero_grad() run while partitions are in flight).
         """
-        dense, sparse = self._grad_inputs(part)
         sparse_grads = {seg.index: self._params[seg.index].grad for seg in sparse}
         return self._run_stages(part, dense, sparse, sparse_grads)
 
@@ -477,7 +481,18 @@ class _DistributedOptimizer:
             self._should_synchronize = True
 
     def step(self, closure=None):
-        """Average what is still in flight, then run the wrapped optimizer's step."""
+        """Average what is still in flight, then run the wrapped optimizer's step.
+
+        With a closure (Horovod's contract): the closure is called first, once, with gradients
+        enabled; it should zero the gradients, compute the loss and call backward(), which
+        launches the averaging as usual. Then the step runs on the averaged gradients and the
+        closure's loss is returned. Optimizers that re-evaluate the closure inside their step
+        (LBFGS) are not supported: each evaluation would need its own averaging.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
         if not self._should_synchronize or self._synchronized:
             if self._should_synchronize:
                 warnings.warn(f"{_PREFIX}: step() after synchronize() without "
@@ -485,12 +500,15 @@ class _DistributedOptimizer:
                               "synchronize() averaged; use the context manager to say so",
                               stacklevel=2)
             self._synchronized = False
-            return self._base_step(closure)
-        if self._opts.overlap_next_forward and closure is None:
-            return self._step_deferred()
+            self._base_step(None)
+            return loss
+        if self._opts.overlap_next_forward:
+            self._step_deferred()
+            return loss
         self.synchronize()
         self._synchronized = False
-        return self._base_step(closure)
+        self._base_step(None)
+        return loss
 
     def _base_step(self, closure):
         # The wrapped class's own step, without the optimizer-hook wrapper a second time (our
@@ -654,7 +672,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
 
     After step() (dense path), p.grad is a view into a flat buffer that is reused the next step,
     as with DDP's gradient_as_bucket_view: clone it to keep it longer. A parameter no rank gave a
-    gradient keeps grad None. optimizer.step(closure) re-running backward is not supported.
+    gradient keeps grad None. optimizer.step(closure) calls the closure once (it runs
+    backward), then steps on the averaged gradients.
 
     Example::
 

@@ -497,3 +497,97 @@ def test_next_forward_overlap_uses_the_hyperparameters_of_step_time():
     assert any(not torch.equal(a, b) for a, b in zip(before, after))
     for a, b in zip(model.parameters(), model2.parameters()):
         assert torch.allclose(a, b, atol=1e-6)
+
+
+def closure_step(rank, world, steps=3):
+    """Rank body: step(closure) (the closure runs backward) vs DDP; with and without overlap."""
+    import copy
+
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import gradientflow.optim as gfo
+
+    gloo = dist.new_group(backend="gloo")
+    out = {}
+    for nf in (False, True):
+        base = _mlp(torch, (6, 16, 1))
+        ddp = DDP(copy.deepcopy(base), process_group=gloo)
+        ref = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+        model = copy.deepcopy(base)
+        opt = gfo.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                       named_parameters=model.named_parameters(),
+                                       partition_bytes=256, overlap_next_forward=nf)
+        worst_loss = 0.0
+        for step in range(steps):
+            x, y = _batch(torch, step, 0, rank, 6)
+
+            def closure():
+                opt.zero_grad()
+                loss = ((model(x) - y) ** 2).mean()
+                loss.backward()
+                return loss
+
+            ref.zero_grad()
+            ref_loss = ((ddp(x) - y) ** 2).mean()
+            ref_loss.backward()
+            ref.step()
+            loss = opt.step(closure)
+            worst_loss = max(worst_loss, abs(float(loss) - float(ref_loss)))
+        opt.finish_updates()
+        out[nf] = (worst_loss, _worst(torch, list(model.parameters()), list(ddp.parameters())))
+        opt.close()
+    return out
+
+
+def test_step_with_closure_matches_ddp(pools):
+    for per_rank in pools(2).run(closure_step, timeout=60):
+        for nf, (wl, ww) in per_rank.items():
+            assert wl <= TOL and ww <= TOL, (nf, wl, ww)
+
+
+def fp16_dense(rank, world, steps=2):
+    """Rank body: FP16 parameters on the dense path; the average of FP16 gradients, in FP16."""
+    import copy
+
+    import torch
+    import torch.distributed as dist
+
+    import gradientflow.optim as gfo
+
+    gloo = dist.new_group(backend="gloo")
+    model = _mlp(torch, (8, 24, 24, 1)).half()
+    local = copy.deepcopy(model)  # the same model without the optimizer: this rank's gradients
+    opt = gfo.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
+                                   named_parameters=model.named_parameters(), partition_bytes=512)
+    worst = 0.0
+    dtypes = set()
+    for step in range(steps):
+        x, y = _batch(torch, step, 0, rank, 8)
+        x, y = x.half(), y.half()
+        opt.zero_grad()
+        local.zero_grad()
+        ((model(x) - y) ** 2).mean().backward()
+        ((local(x) - y) ** 2).mean().backward()
+        opt.synchronize()
+        for p, q in zip(model.parameters(), local.parameters()):
+            dtypes.add(p.grad.dtype)
+            everyone = [torch.zeros_like(q.grad, dtype=torch.float32) for _ in range(world)]
+            dist.all_gather(everyone, q.grad.float(), group=gloo)
+            want = torch.stack(everyone).mean(0)
+            # FP16 has 11 significant bits: compare relative to the gradient's scale.
+            err = float((p.grad.float() - want).abs().max()) / max(1e-3, float(want.abs().max()))
+            worst = max(worst, err)
+        with opt.skip_synchronize():
+            opt.step()
+        with torch.no_grad():
+            for p, q in zip(model.parameters(), local.parameters()):
+                q.copy_(p)
+    return worst, sorted(map(str, dtypes))
+
+
+def test_fp16_parameters_dense_average(pools):
+    for worst, dtypes in pools(2).run(fp16_dense, timeout=60):
+        assert dtypes == ["torch.float16"]
+        assert worst <= 2e-3, worst
