@@ -339,6 +339,10 @@ class _DistributedOptimizer:
             return 1.0 / f, f * (n if self._opts.op is ReduceOp.Sum else 1)
         if self._opts.op is ReduceOp.Sum:
             return 1.0, 1.0
+        if f == 1.0:
+            # Divide while packing, as DDP does before its allreduce: nothing is left to do on
+            # the transport's thread after the sum, and FP16 sums of n ranks cannot overflow.
+            return 1.0 / n, 1.0
         return 1.0 / f, f / n
 
     def _stages(self, part: Partition, dense, sparse):

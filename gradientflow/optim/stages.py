@@ -23,7 +23,8 @@ __all__ = ["dense_average", "compressed_average", "sparse_allgather"]
 
 
 def _fill(inputs: Sequence[torch.Tensor | None], numels: Sequence[int], dtype: torch.dtype,
-          device: torch.device, extra: int, buffer: torch.Tensor | None = None) -> torch.Tensor:
+          device: torch.device, extra: int, buffer: torch.Tensor | None = None,
+          scale: float = 1.0) -> torch.Tensor:
     size = sum(numels) + extra
     if buffer is not None and buffer.numel() == size and buffer.dtype == dtype:
         flat = buffer  # reused every step: a fresh allocation costs page faults per step
@@ -33,6 +34,8 @@ def _fill(inputs: Sequence[torch.Tensor | None], numels: Sequence[int], dtype: t
     for g, n in zip(inputs, numels):
         if g is None:
             flat[off:off + n].zero_()
+        elif scale != 1.0:
+            torch.mul(g.reshape(-1), scale, out=flat[off:off + n])  # copy and scale in one pass
         else:
             flat[off:off + n].copy_(g.reshape(-1))
         off += n
@@ -49,10 +52,8 @@ def dense_average(inputs: Sequence[torch.Tensor | None], numels: Sequence[int],
     buffer when its size and dtype fit.
     """
     n = sum(numels)
-    flat = _fill(inputs, numels, dtype, device, len(numels), buffer)
+    flat = _fill(inputs, numels, dtype, device, len(numels), buffer, prescale)
     flat[n:] = torch.tensor([0.0 if g is None else 1.0 for g in inputs], dtype=dtype)
-    if prescale != 1.0:
-        flat[:n].mul_(prescale)
     flat = yield flat
     if postscale != 1.0:
         flat[:n].mul_(postscale)
@@ -67,9 +68,7 @@ def compressed_average(compressor, layout, inputs: Sequence[torch.Tensor | None]
     (world_size * predivide for Sum, predivide for Average).
     """
     numels = layout.numels
-    flat = _fill(inputs, numels, torch.float32, _device_of(inputs), 0)
-    if prescale != 1.0:
-        flat.mul_(prescale)
+    flat = _fill(inputs, numels, torch.float32, _device_of(inputs), 0, scale=prescale)
     out = yield from compressor.reduce(flat, layout)
     flags = torch.tensor([0.0 if g is None else 1.0 for g in inputs], dtype=torch.float32)
     flags = yield flags
