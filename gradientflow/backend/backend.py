@@ -132,6 +132,10 @@ class GradientFlowBackend(_CBackend):
             on_fault=self._abort,
             make_group=lambda prefix: _make_gloo(store, rank, size, timeout, prefix))
         self._debug_lock = threading.Lock()
+        if self.inspector.enabled:
+            # The engine's first error (a round, a fused message after a peer died) is named
+            # like an eager op's: which rank died or is missing, what differed.
+            self.engine.explain = self.inspector.explain_engine
 
     # ------------------------------------------------------------------ plumbing
     def _get_backend_name(self) -> str:
@@ -224,7 +228,7 @@ class GradientFlowBackend(_CBackend):
                 work = submit()
                 insp.record(seq, name, sig, root, rop, work)
         if isinstance(work, FutureWork):
-            insp.attach(work)
+            insp.attach(work, seq, name)
         elif insp.sliced and fields[2] and not opts.asyncOp and device.type == "cpu":
             insp.wait_sync(work, seq, name)
         return work

@@ -153,6 +153,7 @@ class Inspector:
         self._published_at = 0.0
         self._host = socket.gethostname()
         self._stop = threading.Event()
+        self._explain_lock = threading.RLock()
         self._debug_group = make_group("gradientflow/debug/") if config.debug and make_group else None
         self._thread = None
         if self.interval > 0 and world_size > 1:
@@ -199,9 +200,23 @@ class Inspector:
                     continue
                 raise self.explain(exc, seq, name) from exc
 
-    def attach(self, work: Any) -> Any:
-        """Let a FutureWork's wait() end early with this group's fault."""
-        work.probe = self.probe
+    def attach(self, work: Any, seq: int, name: str) -> Any:
+        """Let a FutureWork's wait() end early with this group's fault, and explain the error
+        its operation failed with (a fused message completes its Works with the transport's
+        raw error, before the engine's explanation is ready)."""
+        fut = work.get_future()
+
+        def probe() -> BaseException | None:
+            # Waiting: the future is not done, so this is one attribute read and done().
+            # Failed: the first explanation of the group (made once, under a lock).
+            if self.fault is None and fut.done() and not self._stop.is_set():
+                try:
+                    fut.wait()
+                except Exception as exc:  # noqa: BLE001 - this operation's error
+                    return self.explain(exc, seq, name)
+            return self.fault
+
+        work.probe = probe
         work.slice_s = self.slice.total_seconds()
         return work
 
@@ -450,9 +465,38 @@ class Inspector:
             pass
 
     def explain(self, exc: BaseException, seq: int, name: str) -> BaseException:
-        """Turn a transport error into a sentence: a mismatch, a dead peer, or the raw error."""
-        if self.fault is not None:
-            return self.fault
+        """Turn a transport error into a sentence: a mismatch, a dead peer, or the raw error.
+
+        A transport error leaves gloo's connections unusable, so the explanation becomes the
+        group's fault: every later wait and call raises it, and the engine fails what is
+        queued with it. Made once per group (later errors get the first explanation).
+        """
+        return self._explain_once(exc, seq, (
+            f"gradientflow: rank {self.rank}: {name} (sequence number {seq}) on process group "
+            f"{self.name} failed: {exc}"))
+
+    def explain_engine(self, exc: BaseException) -> BaseException:
+        """Engine.explain: the first error of the engine's own work (an agreement round, a fused
+        message, a compressed bucket), explained like an eager operation's."""
+        text = str(exc)
+        if self.fault is None and "collective mismatch" in text:
+            return exc  # the agreement round found and named it (every rank's view)
+        if not text.startswith("gradientflow: "):
+            text = f"gradientflow: rank {self.rank}: process group {self.name} failed: {text}"
+        last = self.last
+        # The newest collective this rank issued: the ranks that have not reached it are named.
+        return self._explain_once(exc, last[0] if last else 0, text)
+
+    def _explain_once(self, exc: BaseException, seq: int, text: str) -> BaseException:
+        # Reentrant: the fault's on_fault aborts the engine, whose hook comes back here.
+        with self._explain_lock:
+            if self.fault is None:
+                err = self._explain(exc, seq, text)
+                if self.fault is None:  # (else it adopted a fault another rank announced)
+                    self._fail_locally(err)
+        return self.fault
+
+    def _explain(self, exc: BaseException, seq: int, text: str) -> BaseException:
         store_ok = True
         try:
             if self._adopt_announced():
@@ -476,8 +520,6 @@ class Inspector:
             if mm is not None:
                 return mm
         dead = [r for r, c in sorted(peers.items()) if c is not None and self._dead(c)]
-        text = (f"gradientflow: rank {self.rank}: {name} (sequence number {seq}) on process group "
-                f"{self.name} failed: {exc}")
         if dead:
             return PeerFailureError(
                 text + f". Rank(s) {dead} died (their processes are gone): restart the job from "
