@@ -218,3 +218,63 @@ def test_dead_peer_is_named(pools, tmp_path):
                      env={"GRADIENTFLOW_INSPECT_INTERVAL_S": "0.2"})
     msg = (tmp_path / "rank0.txt").read_text()
     assert msg.startswith("PeerFailureError") and "Rank(s) [1] died" in msg, msg
+
+
+def dies_with_fused_allreduces(rank, world, out_dir, case):
+    """Rank body: rank 1 dies while rank 0's fused async allreduces are queued (its agreement
+    round has no partner) or in flight (rank 1 issued them too, then died); every Work rank 0
+    waits on must fail naming rank 1 as dead."""
+    import signal
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from gradientflow.backend.backend import backend_of
+
+    insp = backend_of().inspector
+    dist.all_reduce(torch.ones(20_000))  # both ranks check in (pid, host) on the eager path
+    store = _store()
+    assert _wait_for(lambda: insp.read_peers().get(1 - rank) is not None, 20)
+    store.set(f"seen/{rank}", "1")
+    store.wait([f"seen/{1 - rank}"])
+    tensors = [torch.full((1000,), float(rank)) for _ in range(40)]  # 4 KB each: deferred
+    if rank == 1:
+        if case == "in_flight":  # agree the batch with rank 0, send one message of ten, die
+            for t in tensors:
+                dist.all_reduce(t, async_op=True)
+            backend_of().flush()
+            assert _wait_for(lambda: backend_of().engine.counters.messages >= 1, 20)
+        os.kill(os.getpid(), signal.SIGKILL)
+    t0 = time.monotonic()
+    errors, works = [], []
+    try:  # the group may fail while rank 0 is still issuing: the next call then says why
+        for t in tensors:
+            works.append(dist.all_reduce(t, async_op=True))
+    except Exception as exc:  # noqa: BLE001
+        errors.append(f"{type(exc).__name__}: {exc}")
+    for w in works:
+        try:
+            w.wait()
+        except Exception as exc:  # noqa: BLE001
+            errors.append(f"{type(exc).__name__}: {exc}")
+    with open(os.path.join(out_dir, "rank0.json"), "w") as f:
+        json.dump({"took": time.monotonic() - t0, "errors": errors}, f)
+    return "done"
+
+
+@pytest.mark.parametrize("case", ["queued", "in_flight"])
+def test_dead_peer_is_named_by_fused_allreduces(pools, tmp_path, case):
+    # 16 KB: the forty 4 KB allreduces go as ten fused messages.
+    env = {"GRADIENTFLOW_INSPECT_INTERVAL_S": "0.2", "GRADIENTFLOW_FUSION_THRESHOLD": "16384"}
+    with pytest.raises(RankFailure) as info:
+        pools(2).run(dies_with_fused_allreduces, str(tmp_path), case, pg_timeout_s=10,
+                     timeout=60, env=env)
+    assert "rank 1: died" in str(info.value) and "rank 0" not in str(info.value), str(info.value)
+    with open(tmp_path / "rank0.json") as f:
+        r0 = json.load(f)
+    # In flight, the last messages may have completed before rank 1 died; the rest must fail.
+    assert r0["errors"], r0
+    assert r0["took"] < 8.0, r0  # within the 10 s group timeout
+    for msg in r0["errors"]:
+        assert "Rank(s) [1] died" in msg, msg
