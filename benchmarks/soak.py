@@ -3,6 +3,7 @@
     python benchmarks/soak.py [--quick] [--out DIR]            # fault soak (kills ranks)
     python benchmarks/soak.py --overhead [--quick] [--out DIR]  # inspector cost per call
     python benchmarks/soak.py --stress [--quick] [--out DIR]    # 10,000 mixed async ops, 4 ranks
+    python benchmarks/soak.py --restart [--quick] [--out DIR]   # torchrun restarts + residuals
 
 Soak: each run starts a small DDP training on gradientflow (2 or 3 ranks, a few seconds),
 SIGKILLs one rank at a random moment (the parent picks the rank and the time) and watches the
@@ -11,6 +12,14 @@ hang) and none may finish training as if nothing happened (a wrong result). One 
 injects no fault and checks the trained weights against a single-process reference instead
 (a mismatch is a wrong result). Reports runs, faults injected, hangs, wrong results and the
 time from the kill to the first survivor's error (median, max).
+
+Restart (--restart): the experiment's training (experiments/imagenet/train.py, digits, CSC at
+1%, per-rank checkpoint shards) under `torchrun --max-restarts 1 --resume auto`, the last rank
+SIGKILLing itself at a random step of the second epoch in the first attempt. Each run must exit
+0, resume from the checkpoint with the residuals it saved (checksums logged at save and load),
+and end with the parameters of one uninterrupted run (else a wrong result). Reports runs,
+faults, hangs, wrong results, restarts that resumed, and the time from the kill until torchrun
+started the new attempt.
 
 Overhead: 2 ranks; the same gradientflow group with its inspector on and off (toggled in
 place, blocks interleaved, medians), plain gloo beside it, at 4 KB and 1 MB.
@@ -21,12 +30,14 @@ import argparse
 import json
 import os
 import random
+import re
 import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -414,6 +425,171 @@ def stress(args) -> dict:
         return res
 
 
+# ---------------------------------------------------------------------- restart
+TRAIN = Path(ROOT) / "experiments" / "imagenet" / "train.py"
+_SAVED = re.compile(r"\[rank (\d+)\] checkpoint saved after epoch (\d+): compressor residuals "
+                    r"(crc32 \w+ l1 (\S+))")
+_RESUMED = re.compile(r"\[rank (\d+)\] resumed from \S+ at epoch (\d+): compressor residuals "
+                      r"(crc32 \w+ l1 (\S+))")
+_KILLED = re.compile(r"\[rank (\d+)\] fault injection: SIGKILL at step \d+ \(attempt 0, time "
+                     r"([\d.]+)\)")
+
+
+def prepare_digits(out: Path) -> Path:
+    """The experiment's digits ImageFolder, 48 images per split at 16 px (3 steps of 16)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gf_soak_prepare", TRAIN.parent / "prepare.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.prepare(out, size=16, limit=48)
+
+
+def restart_command(data: Path, ckpt: Path, log_dir: Path, kill_at_step: int,
+                    max_restarts: int = 1) -> list[str]:
+    """torchrun, 2 ranks; train.py on the digits with CSC at 1% (so there are residuals),
+    per-rank shards, --resume auto, two epochs of 3 steps; the last rank kills itself before
+    global step `kill_at_step` in the first attempt (-1: no fault)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+            "--max-restarts", str(max_restarts), "--log-dir", str(log_dir), "--redirects", "3",
+            str(TRAIN), str(data), "-a", "resnet18", "--image-size", "16", "--num-classes", "10",
+            "--augment", "none", "-b", "16", "--lr", "0.05", "--lr-base-batch", "16", "-j", "0",
+            "--seed", "3", "--compression", "csc", "--density", "0.01", "--warmup", "none",
+            "--bucket-cap-mb", "5", "--epochs", "2", "--checkpoint-dir", str(ckpt),
+            "--resume", "auto", "--fault-kill-at-step", str(kill_at_step)]
+
+
+def launcher_env() -> dict:
+    """This environment without a launcher's or gradientflow's variables (they would leak in)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("GRADIENTFLOW_", "TORCHELASTIC_"))
+           and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    return env
+
+
+def rank_logs(log_dir: Path) -> dict[tuple[int, int], str]:
+    """{(attempt, rank): stdout + stderr} from torchrun's --log-dir tree."""
+    out = {}
+    for attempt_dir in sorted(Path(log_dir).glob("*/attempt_*")):
+        attempt = int(attempt_dir.name.split("_")[1])
+        for rank_dir in sorted(p for p in attempt_dir.iterdir() if p.is_dir()):
+            out[(attempt, int(rank_dir.name))] = "".join(
+                (rank_dir / f).read_text(errors="replace")
+                for f in ("stdout.log", "stderr.log") if (rank_dir / f).exists())
+    return out
+
+
+def format_logs(logs: dict, launcher: str = "") -> str:
+    """Every rank's log of every attempt (tails), for a failure message."""
+    parts = [f"--- torchrun\n{launcher[-3000:]}"] if launcher else []
+    parts += [f"--- attempt {a}, rank {r}\n{text[-3000:]}" for (a, r), text in sorted(logs.items())]
+    return "\n".join(parts)
+
+
+def check_resumed(logs: dict, world: int = 2) -> dict:
+    """The restart's evidence in the logs: the last rank killed itself in attempt 0, every rank
+    of the last attempt resumed from a checkpoint (not from scratch) with the residuals it had
+    saved (same checksum, not all zero). Raises AssertionError saying what is missing."""
+    attempts = sorted({a for a, _r in logs})
+    assert attempts and attempts[-1] >= 1, "no restart happened (only attempt 0 in torchrun's logs)"
+    killed = [r for (a, r), text in logs.items() if a == 0 and _KILLED.search(text)]
+    assert killed == [world - 1], f"expected rank {world - 1} to kill itself in attempt 0, got {killed}"
+    saved = {(int(m[1]), int(m[2])): m[3] for (a, _r), t in logs.items() if a == 0
+             for m in _SAVED.finditer(t)}
+    last = attempts[-1]
+    resumed = {}
+    for r in range(world):
+        ms = list(_RESUMED.finditer(logs.get((last, r), "")))
+        assert ms, f"rank {r} did not resume from a checkpoint in attempt {last} (started from scratch?)"
+        epoch, text, l1 = int(ms[0][2]), ms[0][3], float(ms[0][4])
+        assert epoch >= 1 and (r, epoch - 1) in saved, (
+            f"rank {r} resumed at epoch {epoch}, but attempt 0 saved no checkpoint of epoch {epoch - 1}")
+        assert text == saved[(r, epoch - 1)], (
+            f"rank {r}: residuals loaded ({text}) differ from those saved ({saved[(r, epoch - 1)]})")
+        assert l1 > 0, f"rank {r}: the saved residuals are all zero: the check would prove nothing"
+        resumed[r] = {"epoch": epoch, "residuals": text}
+    assert "epoch 0:" not in logs.get((last, 0), ""), f"attempt {last} trained epoch 0 again"
+    return resumed
+
+
+def restart_run(data: Path, work: Path, kill_at_step: int, timeout_s: float) -> dict:
+    """One torchrun job; its outcome, the logs' evidence and its final parameters."""
+    import torch
+
+    ckpt, log_dir = work / "ckpt", work / "logs"
+    res = {"kill_at_step": kill_at_step, "hang": False, "wrong": False, "resumed": False}
+    t0 = time.monotonic()
+    try:
+        proc = subprocess.run(restart_command(data, ckpt, log_dir, kill_at_step),
+                              capture_output=True, text=True, timeout=timeout_s,
+                              env=launcher_env(), cwd=work)
+        res["rc"] = proc.returncode
+    except subprocess.TimeoutExpired:
+        res["hang"] = True
+    res["run_s"] = round(time.monotonic() - t0, 1)
+    logs = rank_logs(log_dir)
+    res["logs"] = logs
+    if kill_at_step >= 0 and not res["hang"]:
+        try:
+            res["ranks"] = check_resumed(logs)
+            res["resumed"] = True
+        except AssertionError as exc:
+            res["why"] = str(exc)
+        killed = [float(m[2]) for (a, _r), t in logs.items() if a == 0 for m in _KILLED.finditer(t)]
+        attempt1 = sorted(log_dir.glob("*/attempt_1"))
+        if killed and attempt1:  # torchrun creates the attempt's log folder as it starts it
+            res["restart_s"] = round(attempt1[0].stat().st_mtime - killed[0], 2)
+    if res.get("rc") == 0 and (ckpt / "checkpoint.pth.tar").is_file():
+        res["params"] = torch.load(ckpt / "checkpoint.pth.tar", map_location="cpu",
+                                   weights_only=False)["state_dict"]
+    return res
+
+
+def restart_soak(args) -> dict:
+    """A reference run without a fault, then runs killed at random steps of the second epoch:
+    each must resume with its residuals and end with the reference's parameters."""
+    import torch
+
+    rng = random.Random(args.seed)
+    runs = []
+    with tempfile.TemporaryDirectory(prefix="gf-restart-") as tmp:
+        tmp = Path(tmp)
+        data = prepare_digits(tmp / "digits")
+        ref = restart_run(data, _mkdir(tmp / "ref"), -1, args.timeout_s)
+        if "params" not in ref:
+            raise RuntimeError("the reference run without a fault failed:\n" + format_logs(ref["logs"]))
+        for i in range(args.runs):
+            r = restart_run(data, _mkdir(tmp / f"run{i}"), rng.randrange(3, 6), args.timeout_s)
+            params = r.pop("params", None)
+            if r["hang"] or r.get("rc") != 0 or not r["resumed"]:
+                r["wrong"] = not r["hang"]
+            else:
+                diff = max(float((params[k] - v).abs().max()) for k, v in ref["params"].items())
+                r["max_param_diff"] = diff
+                r["wrong"] = diff > 1e-5
+                if r["wrong"]:
+                    r["why"] = f"final parameters differ from the uninterrupted run's by {diff:g}"
+            logs = r.pop("logs")
+            if r["wrong"] or r["hang"]:
+                r["logs_tail"] = format_logs(logs)[-4000:]
+            runs.append(r)
+            print(f"restart run {i}: kill at step {r['kill_at_step']} -> rc {r.get('rc')} hang "
+                  f"{r['hang']} wrong {r['wrong']} resumed {r['resumed']} restart after "
+                  f"{r.get('restart_s')} s ({r['run_s']} s)", flush=True)
+    restart = [r["restart_s"] for r in runs if r.get("restart_s") is not None]
+    return {"runs": len(runs), "faults_injected": len(runs), "hangs": sum(r["hang"] for r in runs),
+            "wrong_results": sum(r["wrong"] for r in runs),
+            "resumed": sum(r["resumed"] and not r["wrong"] for r in runs),
+            "restart_median_s": statistics.median(restart) if restart else None,
+            "restart_max_s": max(restart) if restart else None,
+            "reference_run_s": ref["run_s"], "timeout_s": args.timeout_s, "runs_detail": runs}
+
+
+def _mkdir(path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
 def _markdown(name: str, res: dict) -> str:
     if name == "soak":
         return ("## Soak: ranks killed at random points of DDP training\n\n"
@@ -422,6 +598,17 @@ def _markdown(name: str, res: dict) -> str:
                 f"| {res['runs']} | {res['faults_injected']} | {res['hangs']} | "
                 f"{res['wrong_results']} | {res['undetected']} | "
                 f"{_f(res['detect_median_s'])} | {_f(res['detect_max_s'])} | {res['timeout_s']} |\n")
+    if name == "restart":
+        return ("## Restart: torchrun --max-restarts 1, a rank SIGKILLed mid-training, resumed "
+                "from its checkpoint (CSC 1% residuals)\n\n"
+                "| runs | faults injected | hangs | wrong results | resumed with saved residuals "
+                "| kill to restart median (s) | max (s) | one run without fault (s) |\n"
+                "|---|---|---|---|---|---|---|---|\n"
+                f"| {res['runs']} | {res['faults_injected']} | {res['hangs']} | "
+                f"{res['wrong_results']} | {res['resumed']} | {_f(res['restart_median_s'])} | "
+                f"{_f(res['restart_max_s'])} | {res['reference_run_s']} |\n\nA wrong result: "
+                "the job failed, did not resume, loaded other residuals than it saved, or ended "
+                "with other parameters than the uninterrupted run.\n")
     if name == "overhead":
         rows = "".join(f"| {k} | {v['gloo_us']} | {v['off_us']} | {v['on_us']} | "
                        f"{v['on_minus_off_us']} |\n" for k, v in res.items() if isinstance(v, dict))
@@ -447,6 +634,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--out", default=None)
     ap.add_argument("--overhead", action="store_true")
     ap.add_argument("--stress", action="store_true")
+    ap.add_argument("--restart", action="store_true")
     ap.add_argument("--runs", type=int, default=None)
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--timeout-s", type=float, default=20.0)
@@ -462,6 +650,12 @@ def main(argv=None) -> dict:
     elif args.stress:
         name = "stress"
         res = stress(args)
+    elif args.restart:
+        name = "restart"
+        args.runs = args.runs or (2 if args.quick else 4)
+        if args.timeout_s == ap.get_default("timeout_s"):
+            args.timeout_s = 300.0  # a whole torchrun job with its restart, not a group timeout
+        res = restart_soak(args)
     else:
         name = "soak"
         args.runs = args.runs or (4 if args.quick else 16)

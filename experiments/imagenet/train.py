@@ -552,7 +552,7 @@ def maybe_kill_self(cfg: Config) -> None:
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if cfg.rank == cfg.world_size - 1 and attempt == 0:
         print(f"[rank {cfg.rank}] fault injection: SIGKILL at step {cfg.fault_kill_at_step} "
-              f"(attempt {attempt})", flush=True)
+              f"(attempt {attempt}, time {time.time():.3f})", flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
 
 
