@@ -1,0 +1,209 @@
+"""numba CUDA kernels on real CUDA tensors vs the torch reference on the same device.
+
+The simulator test (tests/kernels/test_cuda_sim.py) drives the launchers on numpy arrays; these
+drive the dispatch (``impl="numba"`` vs ``impl="torch"``) on torch CUDA tensors, zero-copy, on
+torch's current stream. Same contract as the CPU kernels: norms within float accumulation
+error, every other output bit for bit. Skipped without a GPU (tests/gpu/conftest.py).
+"""
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gradientflow import kernels as K
+
+
+
+def assert_same_bits(ours: torch.Tensor, ref: torch.Tensor) -> None:
+    """Assert two tensors are bit-identical (any NaN matches any NaN), naming the first miss."""
+    assert ours.dtype == ref.dtype and ours.shape == ref.shape, (ours.dtype, ref.dtype)
+    view = {torch.float32: torch.int32, torch.float16: torch.int16,
+            torch.bfloat16: torch.int16}[ours.dtype]
+    a, b = ours.contiguous(), ref.contiguous()
+    same = (a.view(view) == b.view(view)) | (torch.isnan(a.float()) & torch.isnan(b.float()))
+    if not bool(same.all()):
+        i = int((~same).nonzero()[0])
+        raise AssertionError(
+            f"{int((~same).sum())} of {a.numel()} elements differ; first at {i}: "
+            f"ours {a[i].item()!r} (bits {a.view(view)[i].item():#x}) vs "
+            f"ref {b[i].item()!r} (bits {b.view(view)[i].item():#x})")
+
+DEV = "cuda"
+WIRES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _special(n: int, gen: torch.Generator) -> torch.Tensor:
+    """A gradient with large values, infinities, NaN, subnormals and FP16 overflow in front."""
+    v = torch.randn(n, generator=gen) * 100
+    special = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan"), 65504.0,
+                            65520.0, 1e-8, 6e-8, 3e5, -3e5, 1e-40])
+    m = min(n, special.numel())
+    v[:m] = special[:m]
+    return v.to(DEV)
+
+
+def test_numba_cuda_target_loads_and_is_used():
+    """On a GPU machine the dispatch must pick the numba kernels, not fall back to torch."""
+    mod = K._cuda()
+    assert mod is not None, f"numba CUDA kernels unavailable: {K._cuda_error!r}"
+    assert K._backend("chunk_norms", "auto", torch.device(DEV)) is mod
+
+
+def test_views_are_zero_copy():
+    """The numba view of a tensor is the tensor's own memory (no copy, float16 as uint16 bits)."""
+    from gradientflow.kernels import cuda as KC
+
+    for dtype in WIRES:
+        t = torch.zeros(1000, dtype=dtype, device=DEV)
+        a = KC._arr(t)
+        assert a.__cuda_array_interface__["data"][0] == t.data_ptr()
+        assert a.shape == (1000,)
+
+
+@pytest.mark.parametrize("n,c", [(1, 4), (13, 3), (1000, 16), (4099, 1024), (300_000, 1024)])
+@pytest.mark.parametrize("mode", ["plain", "momentum", "nesterov"])
+@pytest.mark.parametrize("norm", ["l1", "l2"])
+@pytest.mark.parametrize("has_r", [False, True])
+def test_chunk_norms(n, c, mode, norm, has_r):
+    gen = torch.Generator().manual_seed(n * 7 + c)
+    g = torch.randn(n, generator=gen).to(DEV)
+    g[: min(n, 3)] *= 1e3
+    r = torch.randn(n, generator=gen).to(DEV) if has_r else None
+    mom = torch.randn(n, generator=gen).to(DEV) if mode != "plain" else None
+    kw = {}
+    outs = []
+    for impl in ("numba", "torch"):
+        gi = g.clone()
+        mo = torch.empty(n, device=DEV) if mom is not None else None
+        if mom is not None:
+            kw = dict(momentum=mom, momentum_out=mo, m=0.9, nesterov=mode == "nesterov")
+        norms = K.chunk_norms(gi, r, c, norm, impl=impl, **kw)
+        outs.append((gi, mo, norms))
+    (g_n, mo_n, nr_n), (g_t, mo_t, nr_t) = outs
+    assert_same_bits(g_n, g_t)
+    if mom is not None:
+        assert_same_bits(mo_n, mo_t)
+    torch.testing.assert_close(nr_n, nr_t, rtol=2e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("n,c", [(1, 4), (13, 3), (1000, 16), (300_001, 1024)])
+@pytest.mark.parametrize("wire", WIRES)
+def test_pack_unpack_cast_upcast(n, c, wire):
+    gen = torch.Generator().manual_seed(n + c)
+    v = _special(n, gen)
+    nch = K.nchunks_of(n, c)
+    for k in sorted({0, 1, max(1, nch // 3), nch}):
+        idx = torch.sort(torch.randperm(nch, generator=gen)[:k]).values.to(DEV)
+        p_n = K.pack_chunks(v, idx, c, 0.5, wire, impl="numba")
+        p_t = K.pack_chunks(v, idx, c, 0.5, wire, impl="torch")
+        assert_same_bits(p_n, p_t)
+        red = (p_t.float() * 2).to(wire)  # stands in for the reduced buffer
+        for has_r in (False, True):
+            for has_loc in (False, True):
+                for alias in ((False, True) if has_r and has_loc else (False,)):
+                    res = []
+                    for impl in ("numba", "torch"):
+                        vi = v.clone()
+                        r = torch.full((n,), 7.0, device=DEV) if has_r else None
+                        out = vi if alias else torch.empty(n, device=DEV)
+                        K.unpack_update(vi, r, red, p_t if has_loc else None, idx, c, 0.25, 2.0,
+                                        out=out, impl=impl)
+                        res.append((out, r))
+                    assert_same_bits(res[0][0], res[1][0])
+                    if has_r:
+                        assert_same_bits(res[0][1], res[1][1])
+    c_n = K.cast_scaled(v, 0.25, wire, impl="numba")
+    c_t = K.cast_scaled(v, 0.25, wire, impl="torch")
+    assert_same_bits(c_n, c_t)
+    up_n = K.upcast_scaled(c_t, 4.0, out=torch.empty(n, device=DEV), impl="numba")
+    up_t = K.upcast_scaled(c_t, 4.0, out=torch.empty(n, device=DEV), impl="torch")
+    assert_same_bits(up_n, up_t)
+
+
+@settings(max_examples=30, deadline=None)
+@given(n=st.integers(1, 5000), c=st.integers(1, 300), density=st.floats(0.0, 1.0),
+       wire=st.sampled_from(WIRES), seed=st.integers(0, 2**31 - 1),
+       mode=st.sampled_from(["plain", "momentum", "nesterov"]))
+def test_csc_step_property(n, c, density, wire, seed, mode):
+    """A whole CSC step on random sizes: numba CUDA and the torch reference agree bit for bit
+    (given the same selection; the norms only within rounding)."""
+    gen = torch.Generator().manual_seed(seed)
+    g = torch.randn(n, generator=gen).to(DEV) * 10
+    r0 = torch.randn(n, generator=gen).to(DEV)
+    mom = torch.randn(n, generator=gen).to(DEV) if mode != "plain" else None
+    nch = K.nchunks_of(n, c)
+    k = int(round(density * nch))
+    state = {}
+    for impl in ("numba", "torch"):
+        gi, r = g.clone(), r0.clone()
+        kw = {}
+        if mom is not None:
+            kw = dict(momentum=mom, momentum_out=torch.empty(n, device=DEV), m=0.9,
+                      nesterov=mode == "nesterov")
+        norms = K.chunk_norms(gi, r, c, "l1", impl=impl, **kw)
+        state[impl] = (gi, r, norms)
+    torch.testing.assert_close(state["numba"][2], state["torch"][2], rtol=2e-5, atol=1e-4)
+    idx = K.select_chunks(state["torch"][2], k)
+    for impl in ("numba", "torch"):
+        gi, r, _ = state[impl]
+        packed = K.pack_chunks(gi, idx, c, 0.5, wire, impl=impl)
+        local = packed.clone()
+        K.unpack_update(gi, r, packed, local, idx, c, 2.0, 2.0, out=gi, impl=impl)
+    assert_same_bits(state["numba"][0], state["torch"][0])
+    assert_same_bits(state["numba"][1], state["torch"][1])
+
+
+def test_kernels_run_on_the_current_stream():
+    """Inputs written on a side stream and the kernels launched under it: the results are right
+    only if the kernels are ordered on that stream (the wrappers never synchronise)."""
+    n, c = 4 * 1024 * 1024, 1024
+    s = torch.cuda.Stream()
+    expect_g = torch.arange(n, dtype=torch.float32, device=DEV).remainder_(977).sub_(488)
+    torch.cuda.synchronize()
+    with torch.cuda.stream(s):
+        for _ in range(5):
+            g = torch.empty(n, device=DEV)
+            torch.cuda._sleep(2_000_000)  # keep the stream busy: a launch elsewhere would race
+            g.copy_(expect_g)
+            norms = K.chunk_norms(g, None, c, "l1", impl="numba")
+            idx = K.select_chunks(norms, 100)
+            packed = K.pack_chunks(g, idx, c, 1.0, torch.float32, impl="numba")
+            out = torch.empty(n, device=DEV)
+            K.unpack_update(g, None, packed, None, idx, c, 1.0, 1.0, out=out, impl="numba")
+    s.synchronize()
+    ref = K.chunk_norms(expect_g.clone(), None, c, "l1", impl="torch")
+    torch.testing.assert_close(norms, ref, rtol=2e-5, atol=1e-3)
+    ref_idx = K.select_chunks(ref, 100)
+    assert torch.equal(idx, ref_idx)
+    mask = torch.zeros(n, dtype=torch.bool, device=DEV)
+    mask.view(-1, c)[idx] = True
+    assert torch.equal(out[mask], expect_g[mask])
+    assert bool((out[~mask] == 0).all())
+
+
+@pytest.mark.skipif("out" not in inspect.signature(K.chunk_norms).parameters,
+                    reason="chunk_norms has no out= (v folded into the residual) in this version")
+@pytest.mark.parametrize("wire", WIRES)
+def test_csc_step_folded_into_the_residual(wire):
+    """v written straight into the residual (chunk_norms(out=residual)) and unpack_update with
+    residual = v, out = the gradient: numba CUDA and torch agree bit for bit."""
+    n, c = 300_001, 1024
+    gen = torch.Generator().manual_seed(5)
+    g0 = torch.randn(n, generator=gen).to(DEV)
+    r0 = torch.randn(n, generator=gen).to(DEV)
+    nch = K.nchunks_of(n, c)
+    res = {}
+    for impl in ("numba", "torch"):
+        g, r = g0.clone(), r0.clone()
+        norms = K.chunk_norms(g, r, c, "l1", out=r, impl=impl)
+        idx = K.select_chunks(norms, nch // 10)
+        packed = K.pack_chunks(r, idx, c, 0.5, wire, impl=impl)
+        K.unpack_update(r, r, packed, packed.clone(), idx, c, 2.0, 2.0, out=g, impl=impl)
+        res[impl] = (g, r, idx)
+    assert torch.equal(res["numba"][2], res["torch"][2])
+    assert_same_bits(res["numba"][0], res["torch"][0])
+    assert_same_bits(res["numba"][1], res["torch"][1])
