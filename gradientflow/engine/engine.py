@@ -44,6 +44,7 @@ from gradientflow.observability.timeline import TIMELINE, now_us
 
 
 MAX_BATCH = 256  # most deferred ops one agreement round can close
+MAX_WAIT_CYCLES = 5  # longest a partial batch waits for a quiet caller, in cycle times
 _NO_HASH = 2**62  # fills the fingerprint slots past a rank's candidates (never the MIN)
 _MASK = 2**61 - 1
 
@@ -200,7 +201,12 @@ class Engine:
             self.counters.deferred += 1
             if waited:
                 self._wanted_upto = max(self._wanted_upto, seq)
-            self._cv.notify_all()
+            # Wake the engine only when this op changes its decision: a timed wait (the cycle
+            # time) re-reads _last_submit when it ends anyway, and a wake-up per op costs the
+            # issuing thread a GIL hand-off (a per-tensor loop issues one every few us).
+            if (len(self._q) == 1 or waited or self._run_len < len(self._q)
+                    or self._run_bytes >= self.config.fusion_threshold):
+                self._cv.notify_all()
         STATS.record_operation()
         if TIMELINE.enabled:
             op.queued_us = now_us()
@@ -289,16 +295,19 @@ class Engine:
         first_seq = self._q[0].seq
         if self._wanted_upto >= first_seq or self._run_bytes >= self.config.fusion_threshold:
             return True, None
-        # The cycle time: with the transport idle, a partial batch waits at most one cycle for
-        # more tensors. With messages in flight the batch may keep growing (bigger messages),
-        # but only while the caller keeps issuing: once it has been quiet for a cycle, nothing
-        # more is coming soon and waiting for the transport to drain first would serialise the
-        # tail of the batch behind everything in flight (measured: ~35 ms of a 230 ms ResNet-50
-        # list on 2 ranks, the last 82 tensors agreed only after the rest had completed).
+        # The cycle time (Horovod's): a partial batch is agreed once the caller has been quiet
+        # for one cycle: nothing more is coming soon. While the caller keeps issuing, the
+        # batch keeps growing (bigger messages, fewer rounds: a per-tensor loop issues a tensor
+        # every ~0.1 ms here, so "one cycle after the first tensor" cut a 24-tensor list into 3
+        # rounds), up to MAX_WAIT_CYCLES cycles when the transport is idle, so latency stays
+        # bounded. With messages in flight there is no such bound: the batch grows until the
+        # transport needs more, the threshold is reached or the caller pauses, and waiting
+        # for the transport to drain first would serialise the tail of a list behind
+        # everything in flight.
         cycle = self.config.cycle_time_ms / 1000.0
         left = self._last_submit + cycle - now
         if self._inflight == 0:
-            left = min(left, self._run_since + cycle - now)
+            left = min(left, self._run_since + MAX_WAIT_CYCLES * cycle - now)
         return (left <= 0), (left if left > 0 else None)
 
     def _next_job(self):
@@ -546,8 +555,7 @@ class Engine:
             with self._cv:
                 self._inflight -= 1
                 self._cv.notify_all()
-        for op in msg.ops:
-            completion.complete(op.fut, [op.tensor], error)
+        completion.complete_all([(op.fut, [op.tensor], error) for op in msg.ops])
         if error is not None:
             self._fail(error)
 

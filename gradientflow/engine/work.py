@@ -43,8 +43,6 @@ class FutureWork(Work):
         self._timeout_s = timeout_s
         self._nudge = nudge
         self._check_thread = check_thread
-        self._done = threading.Event()
-        fut.add_done_callback(lambda _f: self._done.set())
         # Set by the group's inspector (stall.py): a fault it finds (collective mismatch,
         # stall abort) ends a wait early with that fault, checked every `slice_s` seconds.
         self.probe: Callable[[], BaseException | None] | None = None
@@ -54,7 +52,7 @@ class FutureWork(Work):
         """Block until the operation finished; raise its error, or a timeout naming the op."""
         if self._check_thread is not None:
             self._check_thread(self._describe())
-        if self._nudge is not None and not self._done.is_set():
+        if self._nudge is not None and not self._fut.done():
             self._nudge()
         limit = self._timeout_s
         if isinstance(timeout, datetime.timedelta) and timeout.total_seconds() > 0:
@@ -85,11 +83,17 @@ class FutureWork(Work):
         return True
 
     def _wait(self, limit: float) -> bool:
+        if self._fut.done():
+            return True
+        # The event is made only for a wait that really blocks: most Works of a fused batch
+        # are already complete when their turn to be waited on comes.
+        done = threading.Event()
+        self._fut.add_done_callback(lambda _f: done.set())
         probe = self.probe
         if probe is None:
-            return self._done.wait(limit)
+            return done.wait(limit)
         deadline = time.monotonic() + limit
-        while not self._done.wait(min(self.slice_s, max(0.0, deadline - time.monotonic()))):
+        while not done.wait(min(self.slice_s, max(0.0, deadline - time.monotonic()))):
             fault = probe()
             if fault is not None:
                 raise fault
