@@ -7,13 +7,17 @@ order, then waits for all of them:
     it is full, so the copy of bucket i+1 overlaps the transport of bucket i;
   - gradientflow fused: the same per-tensor calls on gradientflow groups, at each fusion
     threshold of the sweep.
-All variants are timed alternately, rep by rep, in one run.
+All variants are timed alternately, rep by rep, in one run. On loopback for every model, and
+on the emulated switched network of benchmarks/netem.py (one namespace per rank, tbf both
+ways) for the models and tiers of --net-models/--tiers, where the wire, not the copies, is the
+limit.
 
-    python benchmarks/bench_fusion.py [--quick] [--out DIR]
+    python benchmarks/bench_fusion.py [--quick] [--out DIR] [--tiers none,10,1]
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 
@@ -21,6 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.common import machine_line, markdown_table, median, write_result  # noqa: E402
 from benchmarks.launch import launch  # noqa: E402
+from benchmarks.netem import Cluster, ShapeConfig  # noqa: E402
 
 MB = 10**6
 
@@ -104,47 +109,79 @@ def worker(rank: int, world_size: int, models: list[str], thresholds: list[int],
     return out
 
 
+def _tier_label(rate: float | None) -> str:
+    return "loopback" if rate is None else f"{rate:g} Gbps"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default="benchmarks/results")
-    ap.add_argument("--worlds", default=None)
+    ap.add_argument("--worlds", default=None, help="rank counts, e.g. 2,4")
+    ap.add_argument("--models", default=None, help="models on loopback, e.g. resnet50,alexnet")
+    ap.add_argument("--tiers", default=None,
+                    help="emulated link rates in Gbit/s besides loopback ('none'), e.g. none,10,1")
+    ap.add_argument("--net-models", default="resnet50",
+                    help="models run on the emulated tiers (each rep moves the whole list)")
+    ap.add_argument("--reps", type=int, default=None)
     args = ap.parse_args(argv)
     if args.quick:
-        models, thresholds, worlds, reps = ["tiny"], [1 * MB, 16 * MB], [2], 3
+        models, thresholds, worlds, reps, tiers = ["tiny"], [1 * MB, 16 * MB], [2], 3, [None]
     else:
         models = ["resnet50", "alexnet", "bert-base"]
         thresholds = [1 * MB, 4 * MB, 16 * MB, 64 * MB, 128 * MB]
-        worlds, reps = [2, 4], 7
+        worlds, reps, tiers = [2, 4], 7, [None, 10.0]
     if args.worlds:
         worlds = [int(w) for w in args.worlds.split(",")]
-    rows, raw = [], {}
-    for n in worlds:
-        res = launch("benchmarks.bench_fusion:worker", world_size=n,
-                     kwargs={"models": models, "thresholds": thresholds, "reps": reps},
-                     timeout_s=3000)
-        if not res.ok:
-            print(res.error)
-            return 1
-        raw[n] = res.results[0]
-        for model, r in res.results[0].items():
-            ms = r["ms"]
-            fused = {k: v for k, v in ms.items() if k.startswith("gf fused")}
-            best = min(fused, key=fused.get)
-            rows.append({"ranks": n, "model": model, "tensors": r["tensors"],
-                         "MB": r["numel"] * 4 / MB, "gloo per-tensor ms": ms["gloo per-tensor"],
-                         "gloo 25MB buckets ms": ms["gloo 25MB buckets"],
-                         "best fused": best.replace("gf fused ", ""), "fused ms": fused[best],
-                         "per-tensor / fused": ms["gloo per-tensor"] / fused[best],
-                         "buckets / fused": ms["gloo 25MB buckets"] / fused[best],
-                         **{k.replace("gf fused ", "gf "): v for k, v in fused.items()}})
+    if args.models:
+        models = args.models.split(",")
+    if args.tiers:
+        tiers = [None if t.strip().lower() in ("none", "loopback", "") else float(t)
+                 for t in args.tiers.split(",")]
+    reps = args.reps or reps
+    rows, raw, notes = [], {}, []
+    for rate in tiers:
+        tier_models = models if rate is None else args.net_models.split(",")
+        for n in worlds:
+            ctx = (contextlib.nullcontext(None) if rate is None
+                   else Cluster(n, ShapeConfig(rate_gbps=rate)))
+            with ctx as cluster:
+                if rate is not None and not cluster.shaped:
+                    notes.append(f"{_tier_label(rate)} not emulated ({cluster.reason}): skipped")
+                    continue
+                res = launch("benchmarks.bench_fusion:worker", world_size=n,
+                             kwargs={"models": tier_models, "thresholds": thresholds,
+                                     "reps": reps},
+                             cluster=cluster, timeout_s=3000)
+            if not res.ok:
+                print(res.error)
+                return 1
+            raw[f"{_tier_label(rate)} {n}"] = res.results[0]
+            for model, r in res.results[0].items():
+                rows.append(_row(_tier_label(rate), n, model, r))
     cols = list(rows[0].keys()) if rows else []
     md = (f"## Lazy allreduce: fused vs per-tensor vs 25 MB buckets (median ms for the whole "
-          f"gradient list)\n\n{machine_line()}\n\nRatios > 1 mean gradientflow is faster.\n\n"
-          + markdown_table(cols, rows))
+          f"gradient list)\n\n{machine_line()}\n\nRatios > 1 mean gradientflow is faster. "
+          "Emulated tiers: one network namespace per rank behind a bridge, each NIC shaped "
+          "with tbf in both directions (benchmarks/netem.py).\n\n"
+          + markdown_table(cols, rows) + "".join(f"\n- {n}" for n in notes))
     print(md)
-    write_result(args.out, "fusion", {"rows": rows, "raw": raw}, md)
+    write_result(args.out, "fusion", {"rows": rows, "raw": raw, "notes": notes}, md)
     return 0
+
+
+def _row(tier: str, n: int, model: str, r: dict) -> dict:
+    """One table row: the baselines, the best threshold and every threshold of the sweep."""
+    ms = r["ms"]
+    fused = {k: v for k, v in ms.items() if k.startswith("gf fused")}
+    best = min(fused, key=fused.get)
+    return {"tier": tier, "ranks": n, "model": model, "tensors": r["tensors"],
+            "MB": r["numel"] * 4 / MB, "gloo per-tensor ms": ms["gloo per-tensor"],
+            "gloo 25MB buckets ms": ms["gloo 25MB buckets"],
+            "best fused": best.replace("gf fused ", ""), "fused ms": fused[best],
+            "per-tensor / fused": ms["gloo per-tensor"] / fused[best],
+            "buckets / fused": ms["gloo 25MB buckets"] / fused[best],
+            **{k.replace("gf fused ", "gf "): v for k, v in fused.items()}}
 
 
 if __name__ == "__main__":
