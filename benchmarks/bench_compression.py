@@ -11,7 +11,13 @@ Timing: one compress+reduce of that gradient for 2 ranks simulated in one proces
 compressor, median over repeats, all compressors side by side in each repeat; torch and the
 numba kernels at `--threads` (1 by default).
 
+Per-step budget: the work one rank's DDP hook does per ResNet-50 step (its 25 MB buckets, each
+reduced by the compressor with the collectives replaced by the identity, so only compression is
+timed), wall and CPU time (``time.process_time``: all of the process's threads, so it stays
+meaningful when other processes share the cores), median over repeats, compressors interleaved.
+
 Run: ``python -m benchmarks.bench_compression [--quick] [--out DIR]``
+     ``python -m benchmarks.bench_compression --budget-only [--reps N]``   (the budget table only)
 """
 from __future__ import annotations
 
@@ -26,7 +32,7 @@ import torch
 
 from gradientflow import kernels
 from gradientflow.compression import CompressionConfig, Layout, make_compressor
-from gradientflow.engine.stages import drive_lockstep
+from gradientflow.engine.stages import drive, drive_lockstep
 
 DDP_BUCKET_MB = 25  # DDP's default bucket_cap_mb
 
@@ -75,6 +81,47 @@ def one_step(cfg: CompressionConfig, layouts, world: int, grads=None, comps=None
     return comps, dt, outs
 
 
+def step_budget(configs: dict, layouts, reps: int, world: int = 2) -> list[dict]:
+    """Time one rank's compression work per step over `layouts` (the hook's buckets), per config.
+
+    The collectives are the identity (`drive` with a no-op), so what is timed is exactly what the
+    hook adds on the rank's core: residual add, norms, selection, packing, unpacking, residual
+    update, finiteness tests, Python. Gradients are refilled before each step (not timed).
+    Returns rows with median wall and CPU milliseconds; configs alternate step by step.
+    """
+    comps = {label: make_compressor(cfg, world) for label, cfg in configs.items()}
+    gen = torch.Generator().manual_seed(0)
+    src = [torch.randn(lay.numel, generator=gen) for lay in layouts]
+    flats = [g.clone() for g in src]
+    wall: dict[str, list[float]] = {label: [] for label in configs}
+    cpu: dict[str, list[float]] = {label: [] for label in configs}
+    for rep in range(reps + 2):  # two warm-up steps: compilation, residual and buffer allocation
+        for label, comp in comps.items():
+            for f, g in zip(flats, src):
+                f.copy_(g)
+            t0, c0 = time.perf_counter(), time.process_time()
+            for lay, f in zip(layouts, flats):
+                drive(comp.reduce(f, lay), lambda t: None)
+            comp.end_step()
+            if rep >= 2:
+                wall[label].append(time.perf_counter() - t0)
+                cpu[label].append(time.process_time() - c0)
+    return [{"compressor": label, "wall_ms": 1e3 * statistics.median(wall[label]),
+             "cpu_ms": 1e3 * statistics.median(cpu[label]), "min_wall_ms": 1e3 * min(wall[label]),
+             "buckets": len(layouts)} for label in configs]
+
+
+def budget_configs(density: float = 0.01, chunk_size: int = CompressionConfig.chunk_size) -> dict:
+    """The hook settings whose per-step cost the e2e benchmark depends on."""
+    common = dict(chunk_size=chunk_size, warmup_densities=())
+    return {
+        "fp16 (error feedback)": CompressionConfig(method="fp16"),
+        "fp16 (no error feedback)": CompressionConfig(method="fp16", error_feedback=False),
+        f"csc {density:g} fp16": CompressionConfig(method="csc", density=density, **common),
+        "csc 0.1 fp16": CompressionConfig(method="csc", density=0.1, **common),
+    }
+
+
 def arithmetic(n: int, d: int, chunk: int, density: float, wire_b: int, dense_b: int, norm_b: int = 4) -> dict:
     """The wire bytes of one CSC step on ONE flat buffer, from the formula."""
     nch = math.ceil(n / chunk)
@@ -92,6 +139,8 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=None, help="timing repeats (default 5, quick 2)")
     p.add_argument("--density", type=float, default=0.01)
     p.add_argument("--chunk-size", type=int, default=CompressionConfig.chunk_size)
+    p.add_argument("--budget-only", action="store_true",
+                   help="only the per-step hook budget (one rank, ResNet-50's DDP buckets)")
     p.add_argument("--threads", type=int, default=1,
                    help="torch and kernel threads (default 1: numba's pool and torch's fight over 2 cores, "
                         "e.g. a 310k-element isfinite took 88 ms instead of 2.5 ms with both at 2)")
@@ -103,6 +152,16 @@ def main(argv=None) -> int:
     warnings.simplefilter("ignore", RuntimeWarning)
 
     shapes = resnet50_shapes()
+    if args.budget_only:
+        from benchmarks.common import machine_line, markdown_table
+
+        brows = step_budget(budget_configs(args.density, args.chunk_size), ddp_buckets(shapes),
+                            args.reps or 9)
+        print(f"Per-step hook budget, one rank, {kernels.get_num_threads()} kernel thread(s), "
+              f"median of {args.reps or 9}:")
+        print(markdown_table(["compressor", "buckets", "wall_ms", "cpu_ms", "min_wall_ms"], brows))
+        print(machine_line())
+        return 0
     whole = Layout.from_shapes(shapes)
     n = whole.numel
     cfg0 = CompressionConfig(chunk_size=args.chunk_size)
@@ -184,6 +243,8 @@ def main(argv=None) -> int:
             times[label].append(dt)
     trows = [{"compressor": label, "median_ms": 1e3 * statistics.median(ts), "min_ms": 1e3 * min(ts),
               "per_rank_ms": 1e3 * statistics.median(ts) / world} for label, ts in times.items()]
+    buckets_b = ddp_buckets(shapes)
+    brows = step_budget(budget_configs(args.density, args.chunk_size), buckets_b, reps if not args.quick else 2)
     threads = kernels.get_num_threads()
 
     t1 = ["compressor", "layout", "wire_bytes", "dense_fp32_bytes", "ratio", "chunks_sent"]
@@ -202,15 +263,21 @@ def main(argv=None) -> int:
         f"({4 * n / run_avg:.1f}x fewer than dense FP32); steady state {steady_b:,.0f} B/step.", "",
         f"One compress+reduce of the {n:,}-element gradient, {world} ranks simulated in one process "
         f"(both ranks' work + the sums), median of {reps}; kernel threads {threads}:", "",
-        markdown_table(t2, trows),
+        markdown_table(t2, trows), "",
+        f"Per-step hook budget: one rank's compression work per ResNet-50 step as the DDP hook runs "
+        f"it ({len(buckets_b)} buckets of {DDP_BUCKET_MB} MB, collectives replaced by the identity), "
+        f"median of {reps if not args.quick else 2}, kernel threads {threads}; cpu = process CPU time "
+        "(all threads), which other processes on the cores inflate less than wall time:", "",
+        markdown_table(["compressor", "buckets", "wall_ms", "cpu_ms", "min_wall_ms"], brows),
     ])
     print(markdown_table(t1, rows))
     print(markdown_table(t2, trows))
+    print(markdown_table(["compressor", "buckets", "wall_ms", "cpu_ms", "min_wall_ms"], brows))
     write_result(args.out, "compression", {
         "numel": n, "dense_numel": d, "one_d_numel": d1, "chunk_size": args.chunk_size, "density": args.density,
         "wire_rows": rows, "arithmetic_dense_fp32": ar32, "arithmetic_dense_fp16": ar16,
         "warmup_per_epoch": per_epoch, "whole_run_avg_bytes": run_avg, "time_rows": trows, "reps": reps,
-        "kernel_threads": threads, "world": world,
+        "kernel_threads": threads, "world": world, "budget_rows": brows,
     }, md)
     return 0
 

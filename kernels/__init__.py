@@ -59,6 +59,8 @@ __all__ = [
     "unpack_update",
     "cast_scaled",
     "upcast_scaled",
+    "cast_feedback",
+    "upcast_finite",
     "nchunks_of",
     "set_num_threads",
     "get_num_threads",
@@ -195,6 +197,14 @@ def _check_flat(op: str, name: str, t: torch.Tensor, dtype=torch.float32, numel:
         raise ValueError(f"{op}: {name} must have {numel} elements, got {t.numel()}")
     if device is not None and t.device != device:
         raise ValueError(f"{op}: {name} is on {t.device} but the gradient is on {device}")
+
+
+def _check_upcast(op: str, x: torch.Tensor, out: torch.Tensor) -> None:
+    """Refuse a wire buffer x of another dtype, or an out that is not float32 of x's size."""
+    _check_flat(op, "x", x, dtype=None)
+    if x.dtype not in WIRE_DTYPES:
+        raise ValueError(f"{op}: x must be one of {WIRE_DTYPES}, got {x.dtype}")
+    _check_flat(op, "out", out, numel=x.numel(), device=x.device)
 
 
 def _check_chunk(op: str, chunk_size: int) -> None:
@@ -400,9 +410,62 @@ def upcast_scaled(
 ) -> torch.Tensor:
     """Write ``float32(x) * scale`` into ``out`` (float32); x is float32, float16 or bfloat16."""
     op = "upcast_scaled"
-    _check_flat(op, "x", x, dtype=None)
-    if x.dtype not in WIRE_DTYPES:
-        raise ValueError(f"{op}: x must be one of {WIRE_DTYPES}, got {x.dtype}")
-    _check_flat(op, "out", out, numel=x.numel(), device=x.device)
+    _check_upcast(op, x, out)
     mod = _backend(op, impl, x.device)
     return mod.upcast_scaled(x, float(scale), out=out)
+
+
+def cast_feedback(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    scale: float,
+    wire_dtype: torch.dtype,
+    err_scale: float,
+    *,
+    out: torch.Tensor | None = None,
+    residual_out: torch.Tensor | None = None,
+    impl: str = "auto",
+) -> torch.Tensor:
+    """Cast ``x + residual`` scaled to the wire type and keep its rounding error, in one pass.
+
+    ``v = x + residual`` (``residual=None``: ``v = x``); ``out = cast(v * scale)`` rounded to
+    nearest even; ``residual_out = v - float32(out) * err_scale`` (skipped when None). With
+    ``scale = 1/n`` and ``err_scale = n`` this is the FP16 wire with error feedback: the three
+    eager passes it replaces (add, cast, upcast-and-subtract) read the gradient three times.
+    ``x`` and ``residual`` are not modified unless one is ``residual_out`` (allowed).
+
+    Returns:
+        ``out`` (or a new tensor): ``x.numel()`` elements of ``wire_dtype``.
+    """
+    op = "cast_feedback"
+    _check_flat(op, "x", x)
+    n, dev = x.numel(), x.device
+    if wire_dtype not in WIRE_DTYPES:
+        raise ValueError(f"{op}: wire_dtype must be one of {WIRE_DTYPES}, got {wire_dtype}")
+    if residual is not None:
+        _check_flat(op, "residual", residual, numel=n, device=dev)
+    if residual_out is not None:
+        _check_flat(op, "residual_out", residual_out, numel=n, device=dev)
+    if out is None:
+        out = torch.empty(n, dtype=wire_dtype, device=dev)
+    else:
+        _check_flat(op, "out", out, dtype=wire_dtype, numel=n, device=dev)
+    mod = _backend(op, impl, dev)
+    if not hasattr(mod, "cast_feedback"):  # the CUDA kernels have no fused version: torch on the GPU
+        mod = reference
+    return mod.cast_feedback(x, residual, float(scale), wire_dtype, float(err_scale), out=out,
+                             residual_out=residual_out)
+
+
+def upcast_finite(x: torch.Tensor, scale: float, *, out: torch.Tensor, impl: str = "auto") -> bool:
+    """Write ``float32(x) * scale`` into ``out`` and return whether all of it is finite, in one pass.
+
+    Why: a compressor decides from the reduced result whether the step overflowed (GradScaler
+    then skips it); a separate ``isfinite(out).all()`` or ``out.sum()`` reads ``out`` again.
+    """
+    op = "upcast_finite"
+    _check_upcast(op, x, out)
+    mod = _backend(op, impl, x.device)
+    if not hasattr(mod, "upcast_finite"):  # the CUDA kernels have no fused version: torch on the GPU
+        mod = reference
+    return bool(mod.upcast_finite(x, float(scale), out=out))

@@ -19,6 +19,8 @@ __all__ = [
     "unpack_update",
     "cast_scaled",
     "upcast_scaled",
+    "cast_feedback",
+    "upcast_finite",
     "nchunks_of",
 ]
 
@@ -201,3 +203,28 @@ def upcast_scaled(x: torch.Tensor, scale: float, *, out: torch.Tensor) -> torch.
     """Write float32(x) * scale into ``out`` (float32)."""
     torch.mul(x.to(torch.float32), torch.tensor(scale, dtype=torch.float32), out=out)
     return out
+
+
+def cast_feedback(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    scale: float,
+    wire_dtype: torch.dtype,
+    err_scale: float,
+    *,
+    out: torch.Tensor,
+    residual_out: torch.Tensor | None,
+) -> torch.Tensor:
+    """``v = x + residual``; ``out = cast(v * scale)``; ``residual_out = v - float32(out) * err_scale``."""
+    v = x if residual is None else x + residual
+    out.copy_(v * torch.tensor(scale, dtype=torch.float32))
+    if residual_out is not None:
+        torch.sub(v, out.to(torch.float32) * torch.tensor(err_scale, dtype=torch.float32),
+                  out=residual_out)
+    return out
+
+
+def upcast_finite(x: torch.Tensor, scale: float, *, out: torch.Tensor) -> bool:
+    """Write ``float32(x) * scale`` into ``out``; return whether every element of it is finite."""
+    upcast_scaled(x, scale, out=out)
+    return bool(torch.isfinite(out).all())

@@ -7,8 +7,6 @@ lost over steps beyond the rounding of the sum itself.
 """
 from __future__ import annotations
 
-import math
-
 import torch
 
 from gradientflow import kernels
@@ -25,32 +23,43 @@ __all__ = ["HalfCompressor"]
 class HalfCompressor(Compressor):
     """Send the whole buffer in the half-precision wire dtype (config.wire_dtype: fp16 or bf16)."""
 
+    def __init__(self, config, world_size: int) -> None:
+        super().__init__(config, world_size)
+        # One wire buffer per (layout, device), reused every step: a fresh 51 MB tensor per
+        # ResNet-50 step would be fresh pages each time (page faults on first touch).
+        self._wire: dict[tuple, torch.Tensor] = {}
+
+    def _wire_buffer(self, layout: Layout, flat: torch.Tensor) -> torch.Tensor:
+        key = (layout, flat.device, self.config.torch_wire_dtype)
+        buf = self._wire.get(key)
+        if buf is None:
+            buf = self._wire[key] = torch.empty(flat.numel(), dtype=key[2], device=flat.device)
+        return buf
+
     def reduce(self, flat: torch.Tensor, layout: Layout, *, loss_scale: float = 1.0) -> StageGen:
-        """Return a StageGen: v = grad + residual; send cast(v / n); residual <- rounding error."""
+        """Return a StageGen: v = grad + residual; send cast(v / n); residual <- rounding error.
+
+        Two passes over the buffer in all: one fused kernel before the allreduce (add, cast,
+        rounding error into the spare residual) and one after (upcast into ``flat`` and the
+        finiteness test), where the eager chain took six (measured in benchmarks/bench_kernels).
+        """
         layout.check(flat, "HalfCompressor.reduce")
         cfg, n = self.config, self.world_size
         self.stats.add_bucket(numel=flat.numel(), density=1.0)
-        residual = None
+        wire = self._wire_buffer(layout, flat)
         if cfg.error_feedback:
             mem = self.memory.get(layout, ("residual", "_residual_spare"), flat, loss_scale)
-            residual = mem["residual"]
-            flat.add_(residual)
-        wire = kernels.cast_scaled(flat, 1.0 / n, cfg.torch_wire_dtype)
-        if residual is not None:
             # The candidate residual v - upcast(wire) * n goes to the spare buffer; it is committed
             # (by a swap) only if the reduced result is finite: a step GradScaler skips must leave
             # the residual alone.
-            # (upcast by the kernel, then an FP32 subtract: torch's mixed-dtype sub was ~5x slower).
-            spare = kernels.upcast_scaled(wire, float(n), out=mem["_residual_spare"])
-            torch.sub(flat, spare, out=spare)
+            kernels.cast_feedback(flat, mem["residual"], 1.0 / n, cfg.torch_wire_dtype, float(n),
+                                  out=wire, residual_out=mem["_residual_spare"])
+        else:
+            kernels.cast_scaled(flat, 1.0 / n, cfg.torch_wire_dtype, out=wire)
         reduced = yield from self._stage(wire)
-        out = kernels.upcast_scaled(reduced, 1.0, out=flat)
-        # Decided from the reduced result, so the same on every rank. A float32 sum is one vectorised
-        # pass (isfinite(x).all() was ~30x slower here on CPU) and is non-finite iff an element is,
-        # except if the sum itself overflows (|sum| > 3.4e38, gradients near FP32's limit), which
-        # only skips this step's residual update, the safe side.
-        if not math.isfinite(float(out.sum())):
+        # Decided from the reduced result, so the same on every rank.
+        if not kernels.upcast_finite(reduced, 1.0, out=flat):
             self._step_non_finite = True
-        elif residual is not None:
+        elif cfg.error_feedback:
             self.memory.commit(layout, (("residual", "_residual_spare"),))
-        return out
+        return flat

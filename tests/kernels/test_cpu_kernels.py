@@ -142,3 +142,57 @@ def test_csc_round_trip_loses_nothing(wire):
     K.unpack_update(grad, res, packed, local, idx, c, 1.0, 1.0, out=grad)
     torch.testing.assert_close(grad.double() + res.double(), expected, rtol=0, atol=1e-6)
     assert int((grad != 0).sum()) <= 20 * c
+
+
+@SETTINGS
+@given(n=st.integers(0, 40000), wire=st.sampled_from(WIRES), seed=st.integers(0, 2**16),
+       has_r=st.booleans(), has_r_out=st.booleans(), specials=st.booleans(),
+       world=st.sampled_from([1, 2, 3, 4, 8]))
+def test_cast_feedback_matches_reference(n, wire, seed, has_r, has_r_out, specials, world):
+    # n up to past two of the kernel's 16 K blocks, so partial blocks are covered too.
+    x = _vec(seed, n, 1000.0, specials=specials)
+    res = _vec(seed + 1, n, 10.0, specials=specials) if has_r else None
+    got = {}
+    for impl in ("numba", "torch"):
+        r_out = torch.full((n,), 7.0) if has_r_out else None
+        out = torch.full((n,), 3.0).to(wire)
+        assert K.cast_feedback(x, res, 1.0 / world, wire, float(world), out=out, residual_out=r_out,
+                               impl=impl) is out
+        got[impl] = (out, r_out)
+    assert_same_bits(got["numba"][0], got["torch"][0])
+    if has_r_out:
+        assert_same_bits(got["numba"][1], got["torch"][1])
+
+
+def test_cast_feedback_keeps_what_the_wire_rounds_away():
+    """residual_out + upcast(out) * n == x + residual (exactly, for in-range values)."""
+    x, r = _vec(3, 10_000), _vec(4, 10_000) * 0.01
+    out, r_out = torch.empty(10_000, dtype=torch.float16), torch.empty(10_000)
+    K.cast_feedback(x, r, 0.5, torch.float16, 2.0, out=out, residual_out=r_out)
+    torch.testing.assert_close(r_out.double() + out.double() * 2, x.double() + r.double(), rtol=0, atol=1e-6)
+    # the residual may be updated in place
+    r2 = r.clone()
+    K.cast_feedback(x, r2, 0.5, torch.float16, 2.0, out=out, residual_out=r2)
+    assert_same_bits(r2, r_out)
+
+
+@SETTINGS
+@given(n=st.integers(0, 40000), wire=st.sampled_from(WIRES), seed=st.integers(0, 2**16),
+       bad=st.sampled_from([None, "inf", "-inf", "nan"]), scale=st.sampled_from([1.0, 0.5, 3.0]),
+       data=st.data())
+def test_upcast_finite_matches_reference(n, wire, seed, bad, scale, data):
+    x = _vec(seed, n, 100.0).to(wire)
+    if bad is not None and n:
+        x[data.draw(st.integers(0, n - 1))] = float(bad)
+    outs = {}
+    for impl in ("numba", "torch"):
+        out = torch.full((n,), 5.0)
+        outs[impl] = (K.upcast_finite(x, scale, out=out, impl=impl), out)
+    assert outs["numba"][0] is outs["torch"][0] is (bad is None or n == 0)
+    assert_same_bits(outs["numba"][1], outs["torch"][1])
+
+
+def test_upcast_finite_sees_overflow_of_the_scale():
+    x = torch.full((5,), 60000.0, dtype=torch.float16)
+    assert K.upcast_finite(x, 1.0, out=torch.empty(5))
+    assert not K.upcast_finite(x, 1e36, out=torch.empty(5))

@@ -35,6 +35,14 @@ def test_impl_torch_and_numba_agree_and_bad_impl_is_refused():
         (lambda: K.unpack_update(torch.ones(4), None, torch.ones(3), None, torch.tensor([0]), 2,
                                  1.0, 1.0, out=torch.ones(4)), "packed_reduced must have 2"),
         (lambda: K.set_num_threads(0), "set_num_threads"),
+        (lambda: K.cast_feedback(torch.ones(4), torch.ones(3), 0.5, torch.float16, 2.0),
+         "cast_feedback: residual must have 4"),
+        (lambda: K.cast_feedback(torch.ones(4), None, 0.5, torch.float16, 2.0,
+                                 out=torch.empty(4, dtype=torch.bfloat16)), "out must be torch.float16"),
+        (lambda: K.cast_feedback(torch.ones(4), None, 0.5, torch.int8, 2.0), "wire_dtype"),
+        (lambda: K.upcast_finite(torch.ones(4, dtype=torch.int16), 1.0, out=torch.empty(4)),
+         "upcast_finite: x must be one of"),
+        (lambda: K.upcast_finite(torch.ones(4), 1.0, out=torch.empty(3)), "out must have 4"),
     ],
 )
 def test_bad_arguments_are_refused_with_a_sentence(call, match):
