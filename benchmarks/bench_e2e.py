@@ -12,8 +12,12 @@ are run in interleaved rounds, so ratios are measured side by side under the sam
 Variants: the limit (`nocomm`: the same step with no communication), DDP on gloo, DDP with
 PyTorch's fp16_compress_hook, powerSGD_hook rank 2 (one bucket: its chained allreduces race
 across buckets on gloo), and, when gradientflow's backend and hooks import, gradientflow dense,
-FP16 and CSC at 10%, 1%, 0.1%. The gradientflow variants run in a second launch with their own
-DDP and nocomm anchors, so a fault there cannot cost the peers' figures.
+FP16 and CSC at 10%, 1%, 0.1% (DDP hooks), and the DistributedOptimizer with priority scheduling
+(`gf_opt`: Horovod-style, no DDP; `gf_opt_csc1`: the same with CSC 1%). The gradientflow
+variants run in a second launch with their own DDP and nocomm anchors, so a fault there cannot
+cost the peers' figures. Every variant's model is built up front in every rank; when that would
+not fit the machine's available memory (AlexNet's 61 M parameters, 4 ranks), a group is split
+into several launches, each with its own anchors (see `_split_for_memory`).
 
 Reported per model, ranks and tier: median and p95 step time (max over ranks of each step),
 communication time (step minus the no-communication step), bytes each rank sent per step
@@ -39,13 +43,21 @@ from benchmarks.common import (fmt, line_plot, machine_info, machine_line, markd
 
 NAME = "e2e"
 PEERS = ("nocomm", "ddp", "fp16_hook", "powersgd")
-GF_VARIANTS = ("gf_dense", "gf_fp16", "gf_csc10", "gf_csc1", "gf_csc0.1")
+GF_VARIANTS = ("gf_dense", "gf_fp16", "gf_csc10", "gf_csc1", "gf_csc0.1", "gf_opt", "gf_opt_csc1")
 LABELS = {
     "nocomm": "no communication (limit)", "ddp": "DDP gloo", "fp16_hook": "DDP + fp16_compress_hook",
     "powersgd": "DDP + powerSGD_hook r2", "gf_dense": "gradientflow dense",
     "gf_fp16": "gradientflow FP16", "gf_csc10": "gradientflow CSC 10%",
     "gf_csc1": "gradientflow CSC 1%", "gf_csc0.1": "gradientflow CSC 0.1%",
+    "gf_opt": "gradientflow DistributedOptimizer, priority",
+    "gf_opt_csc1": "gradientflow DistributedOptimizer, priority, CSC 1%",
 }
+# Bytes of memory per model parameter each variant holds in a rank (FP32: weights, gradients,
+# DDP's bucket copy, the compressors' residual and its spare, FP16's wire buffer): what decides
+# how many variants one launch can build side by side.
+_BYTES_PER_PARAM = {"nocomm": 8, "ddp": 12, "fp16_hook": 14, "powersgd": 12, "gf_dense": 12,
+                    "gf_fp16": 22, "gf_csc10": 20, "gf_csc1": 20, "gf_csc0.1": 20, "gf_opt": 12,
+                    "gf_opt_csc1": 20}
 # Issue 7's reference figures: ResNet-50, 2 ranks, batch 4 of 64x64, one thread per rank,
 # median step ms measured on an unloaded machine of this kind; CSC rows are target speedups.
 TARGETS = {
@@ -92,7 +104,7 @@ def _gf_config(method: str, density: float):
 
 
 def _make_variant(variant: str, model_name: str, gf_group):
-    """Return (module, on_backward_done) for one variant; raises with a reason to skip it."""
+    """Return the module to train for one variant; raises with a reason to skip it."""
     import torch
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -115,6 +127,8 @@ def _make_variant(variant: str, model_name: str, gf_group):
                                    start_powerSGD_iter=2)
         ddp.register_comm_hook(state, psgd.powerSGD_hook)
         return ddp
+    if variant.startswith("gf_opt"):
+        return model  # averaged by its optimizer (_make_optimizer), not by DDP
     if variant.startswith("gf_"):
         ddp = DDP(model, process_group=gf_group)
         if variant == "gf_dense":
@@ -127,6 +141,22 @@ def _make_variant(variant: str, model_name: str, gf_group):
         gfh.register(ddp, cfg)
         return ddp
     raise ValueError(f"bench_e2e: unknown variant {variant!r}; use one of {list(LABELS)}")
+
+
+def _make_optimizer(variant: str, model, gf_group):
+    """Return the optimizer of one variant: plain SGD, or gradientflow's DistributedOptimizer."""
+    import torch
+
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    if not variant.startswith("gf_opt"):
+        return opt
+    import gradientflow.optim as gfo
+
+    # Priority scheduling on (the default, said explicitly): the partition the next forward
+    # needs first is launched first; the public API only, as a user would call it.
+    compression = _gf_config("csc", 0.01) if variant == "gf_opt_csc1" else None
+    return gfo.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
+                                    compression=compression, process_group=gf_group, priority=True)
 
 
 def worker(rank: int, world_size: int, model: str, batch: int, image: int, variants: list,
@@ -155,7 +185,13 @@ def worker(rank: int, world_size: int, model: str, batch: int, image: int, varia
     x = torch.randn(batch, 3, image, image)
     y = torch.randint(0, 10, (batch,))
     loss_fn = torch.nn.CrossEntropyLoss()
-    opts = {v: torch.optim.SGD(m.parameters(), lr=1e-3) for v, m in runners.items()}
+    opts = {}
+    for v in list(runners):
+        try:
+            opts[v] = _make_optimizer(v, runners[v], gf_group)
+        except Exception as exc:  # noqa: BLE001 - skip the variant, say why
+            skipped[v] = f"{type(exc).__name__}: {exc}"
+            del runners[v]
 
     def step(v):
         m, opt = runners[v], opts[v]
@@ -241,6 +277,54 @@ def _summarise(res, variants, world_size, model, tier_label, shaped, batch):
     return rows
 
 
+def _model_params(model: str) -> int:
+    """Parameter count of a benchmark model, built on the meta device (no memory)."""
+    import torch
+
+    with torch.device("meta"):
+        return sum(p.numel() for p in _build_model(model).parameters())
+
+
+def _available_bytes() -> int | None:
+    """MemAvailable of this machine (None where /proc/meminfo cannot be read)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _split_for_memory(group: list, params: int, world_size: int, available: int | None,
+                      share: float = 0.6) -> list[list]:
+    """Split one launch's variants so that every rank's models fit `share` of the free memory.
+
+    Each part keeps the group's nocomm/ddp anchors (speedups are always against the DDP of the
+    same launch), so splitting costs time, never comparability. Why: AlexNet (61 M parameters)
+    with every gradientflow variant built side by side needs ~7 GB per rank, too much for 4
+    ranks on this 24 GB machine (other work shares it too).
+    """
+    if available is None:
+        return [group]
+    anchors = [v for v in group if v in ("nocomm", "ddp")]
+    rest = [v for v in group if v not in anchors]
+    budget = share * available / world_size
+    base = sum(_BYTES_PER_PARAM.get(v, 20) for v in anchors) * params
+    parts, cur, used = [], [], base
+    for v in rest:
+        need = _BYTES_PER_PARAM.get(v, 20) * params
+        if cur and used + need > budget:
+            parts.append(anchors + cur)
+            cur, used = [], base
+        cur.append(v)
+        used += need
+    if cur or not parts:
+        parts.append(anchors + cur)
+    return parts
+
+
 def run(models, ranks_list, tiers, steps, rounds, warmup, timeout_s, loopback, log=print,
         gradientflow=True, only=None):
     """Measure every (model, ranks, tier); return (rows, tier_rows, single_rank, notes)."""
@@ -282,7 +366,16 @@ def run(models, ranks_list, tiers, steps, rounds, warmup, timeout_s, loopback, l
                     if rate is not None and not cluster.shaped:
                         notes.append(f"{shape.label} not emulated ({cluster.reason}): skipped")
                         continue
-                    for variants in groups:
+                    launches = []
+                    params, avail = _model_params(model), _available_bytes()
+                    for g in groups:
+                        parts = _split_for_memory(g, params, n, avail)
+                        if len(parts) > 1:
+                            notes.append(f"{model} {n} ranks: {g[2:]} ran in {len(parts)} launches "
+                                         f"(each with its own nocomm/DDP anchors) so every rank's "
+                                         f"models fit {avail / 2**30:.1f} GiB of free memory")
+                        launches += parts
+                    for variants in launches:
                         t0 = time.monotonic()
                         res = launch("benchmarks.bench_e2e:worker", n,
                                      {**common, "variants": variants, "ifname": cluster.ifname},

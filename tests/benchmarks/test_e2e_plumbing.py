@@ -1,0 +1,33 @@
+"""Plumbing of bench_e2e's gradientflow side: the DistributedOptimizer variant and the memory split.
+
+Benchmarks are not tests: nothing here checks a speed. The one multi-process run is the quick
+mode (tiny model, loopback), bounded by bench_e2e's own 90 s launch timeout.
+"""
+from __future__ import annotations
+
+import json
+
+from benchmarks import bench_e2e
+
+
+def test_memory_split_keeps_the_anchors_and_fits_the_budget():
+    group = ["nocomm", "ddp", *bench_e2e.GF_VARIANTS]
+    assert bench_e2e._split_for_memory(group, 1000, 2, None) == [group]  # unknown memory: one launch
+    assert bench_e2e._split_for_memory(group, 1000, 2, 2**40) == [group]  # plenty: one launch
+    params, ranks, avail = 61_100_840, 4, 20 * 2**30  # AlexNet, 4 ranks, 20 GiB free
+    parts = bench_e2e._split_for_memory(group, params, ranks, avail)
+    assert len(parts) > 1
+    for part in parts:
+        assert part[:2] == ["nocomm", "ddp"] and len(part) > 2
+        need = sum(bench_e2e._BYTES_PER_PARAM[v] for v in part) * params
+        assert need <= 0.6 * avail / ranks or len(part) == 3  # one variant alone always runs
+    assert sorted(v for p in parts for v in p[2:]) == sorted(bench_e2e.GF_VARIANTS)
+
+
+def test_e2e_quick_runs_the_distributed_optimizer(tmp_path):
+    assert bench_e2e.main(["--quick", "--steps", "2", "--variants", "gf_opt,gf_csc1",
+                           "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "e2e.json").read_text())["rows"]
+    ran = {r["variant"] for r in rows if "median_ms" in r}
+    assert {"nocomm", "ddp", "gf_opt", "gf_csc1"} <= ran, [r.get("skipped") for r in rows]
+    assert "DistributedOptimizer, priority" in (tmp_path / "e2e.md").read_text()
