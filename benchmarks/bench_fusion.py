@@ -54,7 +54,7 @@ def worker(rank: int, world_size: int, models: list[str], thresholds: list[int],
     import torch
     import torch.distributed as dist
 
-    import gradientflow  # noqa: F401
+    from gradientflow.backend.backend import backend_of
 
     torch.set_num_threads(1)
     gloo = dist.group.WORLD
@@ -96,16 +96,28 @@ def worker(rank: int, world_size: int, models: list[str], thresholds: list[int],
         variants = {"gloo per-tensor": lambda: per_tensor(gloo), "gloo 25MB buckets": ddp_buckets}
         for t, g in gf.items():
             variants[f"gf fused {t // MB}MB"] = lambda g=g: per_tensor(g)
+        engines = {f"gf fused {t // MB}MB": backend_of(g).engine for t, g in gf.items()}
         times = {k: [] for k in variants}
+        rounds = {k: [] for k in engines}  # (rounds, round ms, messages) per list
         for i in range(reps + 1):
             for name, fn in variants.items():
+                eng = engines.get(name)
+                c0 = (eng.counters.rounds, eng.counters.round_s, eng.counters.messages) if eng else None
                 dist.barrier(group=gloo)
                 t0 = time.perf_counter()
                 fn()
                 if i:
                     times[name].append(time.perf_counter() - t0)
+                    if eng is not None:
+                        c = eng.counters
+                        rounds[name].append((c.rounds - c0[0], (c.round_s - c0[1]) * 1e3,
+                                             c.messages - c0[2]))
         out[model] = {"tensors": len(grads), "numel": numel,
-                      "ms": {k: median(v) * 1e3 for k, v in times.items()}}
+                      "ms": {k: median(v) * 1e3 for k, v in times.items()},
+                      # The agreement's cost: rounds per list and their time (waiting for the
+                      # slower rank included), medians over reps.
+                      "rounds": {k: [median([r[j] for r in v]) for j in range(3)]
+                                 for k, v in rounds.items()}}
     return out
 
 
@@ -175,12 +187,14 @@ def _row(tier: str, n: int, model: str, r: dict) -> dict:
     ms = r["ms"]
     fused = {k: v for k, v in ms.items() if k.startswith("gf fused")}
     best = min(fused, key=fused.get)
+    n_rounds, round_ms, messages = r["rounds"][best]
     return {"tier": tier, "ranks": n, "model": model, "tensors": r["tensors"],
             "MB": r["numel"] * 4 / MB, "gloo per-tensor ms": ms["gloo per-tensor"],
             "gloo 25MB buckets ms": ms["gloo 25MB buckets"],
             "best fused": best.replace("gf fused ", ""), "fused ms": fused[best],
             "per-tensor / fused": ms["gloo per-tensor"] / fused[best],
             "buckets / fused": ms["gloo 25MB buckets"] / fused[best],
+            "rounds": n_rounds, "round ms": round_ms, "messages": messages,
             **{k.replace("gf fused ", "gf "): v for k, v in fused.items()}}
 
 
