@@ -198,7 +198,8 @@ class GradientFlowBackend(_CBackend):
         self.engine.abort(err)
 
     def _issue(self, name: str, submit: Callable[[], Any], sig: Any, opts: Any,
-               device: torch.device, rop: Any = _UNSET) -> Any:
+               device: torch.device, rop: Any = _UNSET,
+               pair_bytes: Callable[[], tuple[list, list]] | None = None) -> Any:
         """Submit in sequence order, recording the call for the inspector (and checking it
         first under GRADIENTFLOW_DEBUG); a synchronous CPU call is waited on here, in slices."""
         insp = self.inspector
@@ -215,7 +216,7 @@ class GradientFlowBackend(_CBackend):
         engine = self.engine
         if insp._debug_group is not None:
             with self._debug_lock:  # the debug check and the submission in one order
-                insp.debug_check(engine._seq, name, sig, root, rop)
+                insp.debug_check(engine._seq, name, sig, root, rop, pair_bytes)
                 with engine._cv:
                     seq = engine._seq
                     work = submit()
@@ -234,10 +235,12 @@ class GradientFlowBackend(_CBackend):
         return work
 
     def _eager(self, name: str, device: torch.device, call: Callable[[Any], Any],
-               outputs: Any, opts: Any = None, sig: torch.Tensor | None = None) -> Any:
+               outputs: Any, opts: Any = None, sig: torch.Tensor | None = None,
+               pair_bytes: Callable[[], tuple[list, list]] | None = None) -> Any:
         self._seq_for_group += 1
         return self._issue(name, lambda: self.engine.submit_eager(
-            name, lambda: call(self._tp(device)), outputs), sig, opts, device)
+            name, lambda: call(self._tp(device)), outputs), sig, opts, device,
+            pair_bytes=pair_bytes)
 
     # ------------------------------------------------------------------ reductions
     def allreduce(self, tensors, opts=None):
@@ -352,7 +355,9 @@ class GradientFlowBackend(_CBackend):
         dev = V.check_tensors(self._rank, "all_to_all", list(input_tensors) + list(output_tensors))
         return self._eager("all_to_all", dev,
                            lambda tp: tp.alltoall(output_tensors, input_tensors, opts),
-                           output_tensors, opts)
+                           output_tensors, opts,
+                           pair_bytes=lambda: ([_nbytes(t) for t in input_tensors],
+                                               [_nbytes(t) for t in output_tensors]))
 
     def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
         name = "all_to_all_single"
@@ -372,9 +377,18 @@ class GradientFlowBackend(_CBackend):
                              f"pass {label} for uneven splits")
         return self._eager(name, input.device,
                            lambda tp: tp.alltoall_base(output, input, output_split_sizes,
-                                                       input_split_sizes, opts), [output], opts)
+                                                       input_split_sizes, opts), [output], opts,
+                           pair_bytes=lambda: (self._split_bytes(input, input_split_sizes),
+                                               self._split_bytes(output, output_split_sizes)))
 
     all_to_all_single = alltoall_base
+
+    def _split_bytes(self, t: torch.Tensor, splits) -> list[int]:
+        """Bytes of each rank's share of `t` in all_to_all_single (rows, or an even split)."""
+        if not splits:
+            return [_nbytes(t) // self._size] * self._size
+        row = _nbytes(t) // t.shape[0] if t.shape[0] else 0
+        return [n * row for n in splits]
 
     def gather(self, output_tensors, input_tensors, opts):
         t = V.check_single(self._rank, "gather", input_tensors)
@@ -427,6 +441,10 @@ class GradientFlowBackend(_CBackend):
 
 
 _OPT_FIELDS: dict[type, tuple[bool, bool, bool]] = {}
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
 def _allreduce_opts(op) -> AllreduceOptions:

@@ -19,7 +19,21 @@ it happens: the failing rank reads the check-ins and names a dead peer or a mism
 
 With `debug` (GRADIENTFLOW_DEBUG=1) every collective is also checked *before* it reaches the
 transport: a small allgather of (sequence number, fingerprint) on a side group, so a mismatched
-call is refused on every rank with the group still usable.
+call is refused on every rank with the group still usable (all-to-all, whose sizes may differ
+between ranks, gets a second round checking what each rank sends against what its peer
+expects).
+
+Size mismatches on the default path. gloo aborts the process (std::terminate in its I/O
+thread: "Received data size doesn't match expected size") that receives more bytes than it
+posted, for all_reduce, reduce, reduce_scatter(_tensor), all_gather(_into_tensor), gather and
+all_to_all(_single); broadcast and scatter return silently with the receiver's tail untouched
+(the check-ins name the mismatch a couple of intervals later). Preventing that needs each
+rank to know its peers' sizes before gloo posts its buffers: a round per call, which is the
+debug check (measured by benchmarks/soak.py --overhead: about one small collective's time,
+~1.5 ms more per 4 KB synchronous all_reduce on a loaded 2-core machine, doubling it). So it
+stays in debug mode; on the default path the fused allreduces are checked by their agreement
+round, and a survivor's PeerFailureError says how to recognise a size mismatch and to rerun
+with GRADIENTFLOW_DEBUG=1.
 """
 from __future__ import annotations
 
@@ -225,10 +239,44 @@ class Inspector:
 
     # ------------------------------------------------------------------ debug: full check
     def debug_check(self, seq: int, name: str, tensor: torch.Tensor | None, root: Any,
-                    reduce_op: Any) -> None:
-        """GRADIENTFLOW_DEBUG: agree on (sequence number, fingerprint) before the transport."""
+                    reduce_op: Any, pair_bytes: Callable[[], tuple[list, list]] | None = None
+                    ) -> None:
+        """GRADIENTFLOW_DEBUG: agree on (sequence number, fingerprint) before the transport.
+
+        `pair_bytes` (all-to-all, whose sizes may differ between ranks): returns the bytes
+        this rank sends to and expects from each rank, checked pairwise in a second round.
+        """
         if self._debug_group is None:
             return
+        self._debug_fingerprint(seq, name, tensor, root, reduce_op)
+        if pair_bytes is not None:  # the fingerprints agree: every rank runs this round too
+            self._debug_pairs(seq, name, *pair_bytes())
+
+    def _debug_pairs(self, seq: int, name: str, send: list, recv: list) -> None:
+        """All-to-all: what rank i sends to rank j must be what j expects from i (gloo aborts
+        the receiving process otherwise: 'Received data size doesn't match expected size')."""
+        w = self.world_size
+        mine = torch.tensor(list(send) + list(recv), dtype=torch.int64)
+        outs = [torch.zeros(2 * w, dtype=torch.int64) for _ in range(w)]
+        try:
+            self._debug_group.allgather([outs], [mine]).wait()
+        except Exception as exc:  # noqa: BLE001
+            raise self.explain(exc, seq, name) from exc
+        bad = [(i, j, int(outs[i][j]), int(outs[j][w + i])) for i in range(w) for j in range(w)
+               if int(outs[i][j]) != int(outs[j][w + i])]
+        if not bad:
+            return
+        pairs = "; ".join(f"rank {i} sends {sb} bytes to rank {j}, which expects {rb}"
+                          for i, j, sb, rb in bad[:8])
+        raise CollectiveMismatchError(
+            f"gradientflow: rank {self.rank}: collective mismatch at sequence number {seq} on "
+            f"process group {self.name} (GRADIENTFLOW_DEBUG check): {name} sizes disagree "
+            f"between ranks: {pairs}{' ...' if len(bad) > 8 else ''}. Make each rank's input "
+            "split sizes match the output split sizes of the ranks it sends to; the call was "
+            "refused before reaching the transport on every rank.")
+
+    def _debug_fingerprint(self, seq: int, name: str, tensor: torch.Tensor | None, root: Any,
+                           reduce_op: Any) -> None:
         desc = describe(name, (tensor.dtype, tensor.shape) if tensor is not None else None,
                         root, reduce_op)
         fp = int(fingerprint(desc), 16)
@@ -520,16 +568,25 @@ class Inspector:
             if mm is not None:
                 return mm
         dead = [r for r, c in sorted(peers.items()) if c is not None and self._dead(c)]
+        # gloo aborts a process (no Python error) that receives more bytes than it posted:
+        # a size mismatch looks like a death from here. Say how to tell and what to do.
+        desc = next((d for s_, _n, _h, d in self._history() if s_ == seq), None)
+        hint = "" if desc is None or DEFERRED in desc else (  # (fused: the round checks sizes)
+            f" If a dead rank's log ends in gloo's \"Received data size doesn't match expected "
+            f"size\", the ranks issued this collective with different sizes (this rank: "
+            f"{desc}): GRADIENTFLOW_DEBUG=1 refuses such a call on every rank before the "
+            "transport.")
         if dead:
             return PeerFailureError(
                 text + f". Rank(s) {dead} died (their processes are gone): restart the job from "
-                "a checkpoint (torchrun --max-restarts).")
+                "a checkpoint (torchrun --max-restarts)." + hint)
         ranks, notes = self._missing(seq, peers)
         if ranks:
             text += f". Ranks {ranks} had not joined it ({'; '.join(notes)})"
         if not store_ok:
             text += (". The store (hosted by the rank that created it, usually rank 0) is "
-                     "unreachable too: that rank has most likely failed or exited; see its log")
+                     "unreachable too: that rank has most likely failed or exited; see its log.")
+            return EngineError(text + hint)
         return EngineError(text + ".")
 
     def close(self) -> None:
