@@ -143,3 +143,61 @@ def test_small_sync_mismatch_is_named_by_the_round(pools):
         assert "collective mismatch" in msg and "sequence number" in msg, msg
         assert "SUM" in msg and "MAX" in msg, msg
         assert "Got the following error" not in msg, msg
+
+
+# Collectives whose size mismatch makes gloo abort a process ("Received data size doesn't
+# match expected size": std::terminate in gloo's I/O thread, no Python error), or, for
+# broadcast and scatter, silently truncates the receiver's data. n differs by one element.
+FATAL_SIZE_MISMATCH = {
+    "all_reduce": lambda dist, torch, n, w: dist.all_reduce(torch.ones(n)),
+    "reduce": lambda dist, torch, n, w: dist.reduce(torch.ones(n), dst=0),
+    "broadcast": lambda dist, torch, n, w: dist.broadcast(torch.ones(n), src=0),
+    "all_gather": lambda dist, torch, n, w: dist.all_gather(
+        [torch.empty(n) for _ in range(w)], torch.ones(n)),
+    "all_gather_into_tensor": lambda dist, torch, n, w: dist.all_gather_into_tensor(
+        torch.empty(w * n), torch.ones(n)),
+    "gather": lambda dist, torch, n, w: dist.gather(
+        torch.ones(n), [torch.empty(n) for _ in range(w)] if dist.get_rank() == 0 else None, dst=0),
+    "scatter": lambda dist, torch, n, w: dist.scatter(
+        torch.empty(n), [torch.ones(n) for _ in range(w)] if dist.get_rank() == 0 else None, src=0),
+    "reduce_scatter": lambda dist, torch, n, w: dist.reduce_scatter(
+        torch.empty(n), [torch.ones(n) for _ in range(w)]),
+    "reduce_scatter_tensor": lambda dist, torch, n, w: dist.reduce_scatter_tensor(
+        torch.empty(n), torch.ones(w * n)),
+    "all_to_all_single": lambda dist, torch, n, w: dist.all_to_all_single(
+        torch.empty(w * n), torch.ones(w * n)),
+    "all_to_all": lambda dist, torch, n, w: dist.all_to_all(
+        [torch.empty(n) for _ in range(w)], [torch.ones(n) for _ in range(w)]),
+}
+
+
+def debug_size_mismatches(rank, world):
+    """Rank body (GRADIENTFLOW_DEBUG=1): every eager collective above with one element more on
+    rank 1 is refused on every rank before gloo sees it; the group stays usable throughout."""
+    import torch
+    import torch.distributed as dist
+
+    from gradientflow.engine.stall import CollectiveMismatchError
+
+    msgs = {}
+    for name, call in FATAL_SIZE_MISMATCH.items():
+        try:
+            call(dist, torch, 20_000 + rank, world)  # 80 KB: the eager path
+            msgs[name] = "no error"
+        except CollectiveMismatchError as exc:
+            msgs[name] = str(exc)
+        t = torch.ones(20_000)
+        dist.all_reduce(t)
+        assert t[0].item() == world, (name, t[0].item())
+    return msgs
+
+
+def test_debug_refuses_every_fatal_size_mismatch_on_every_rank(pools):
+    results = pools(2).run(debug_size_mismatches, env={"GRADIENTFLOW_DEBUG": "1"},
+                           pg_timeout_s=10, timeout=90)
+    for rank, msgs in enumerate(results):
+        assert msgs.keys() == FATAL_SIZE_MISMATCH.keys()
+        for name, msg in msgs.items():
+            assert "collective mismatch" in msg and "GRADIENTFLOW_DEBUG" in msg, (rank, name, msg)
+            assert name in msg and "rank 0" in msg and "rank 1" in msg, (rank, name, msg)
+            assert "80000" in msg or "(20000,)" in msg, (rank, name, msg)
