@@ -258,15 +258,19 @@ def overhead_worker(rank: int, world: int, port: int, reps: int, out: str) -> No
 
     _init(rank, world, port, 120)
     insp = backend_of().inspector
+    # Started with GRADIENTFLOW_DEBUG=1 so the debug side group exists; only the "debug"
+    # variant uses it (the pre-transport check every call pays in debug mode).
+    debug_group = insp._debug_group
     gloo = dist.new_group(backend="gloo")
     res = {}
     for nbytes, n in ((4096, 100), (2**20, 20)):
         t = torch.ones(nbytes // 4)
-        times = {"on": [], "off": [], "gloo": [], "record": []}
+        times = {"on": [], "off": [], "gloo": [], "record": [], "debug": []}
         for _ in range(reps):
-            for variant in ("on", "off", "gloo", "record"):
-                insp.enabled = variant in ("on", "record")
-                insp.sliced = variant == "on"
+            for variant in ("on", "off", "gloo", "record", "debug"):
+                insp.enabled = variant in ("on", "record", "debug")
+                insp.sliced = variant in ("on", "debug")
+                insp._debug_group = debug_group if variant == "debug" else None
                 group = gloo if variant == "gloo" else None
                 dist.barrier(group=group)
                 t0 = time.perf_counter()
@@ -279,8 +283,11 @@ def overhead_worker(rank: int, world: int, port: int, reps: int, out: str) -> No
         res[str(nbytes)] = {**{f"{k}_us": round(v, 1) for k, v in med.items()},
                             "on_minus_off_us": round(statistics.median(diffs), 2),
                             "record_minus_off_us": round(statistics.median(
-                                [a - b for a, b in zip(times["record"], times["off"])]), 2)}
+                                [a - b for a, b in zip(times["record"], times["off"])]), 2),
+                            "debug_minus_on_us": round(statistics.median(
+                                [a - b for a, b in zip(times["debug"], times["on"])]), 2)}
     insp.enabled = True
+    insp._debug_group = None
     # The CPU cost the checks add to one call, without the transport (whose time on a loaded
     # 2-core machine varies by far more than this): the backend's issue path around an
     # already-completed transport Work, best of several repeats (timeit's convention).
@@ -319,7 +326,7 @@ def overhead(args) -> dict:
     with tempfile.TemporaryDirectory(prefix="gf-ovh-") as work:
         out = os.path.join(work, "ovh.json")
         env = {k: v for k, v in os.environ.items() if not k.startswith("GRADIENTFLOW_")}
-        env.update(PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+        env.update(PYTHONPATH=ROOT, OMP_NUM_THREADS="1", GRADIENTFLOW_DEBUG="1")
         procs = [subprocess.Popen([sys.executable, "-c",
                                    "import sys; sys.path.insert(0, %r); from benchmarks.soak import "
                                    "overhead_worker as w; w(%d, 2, %d, %d, %r)"
@@ -611,13 +618,19 @@ def _markdown(name: str, res: dict) -> str:
                 "with other parameters than the uninterrupted run.\n")
     if name == "overhead":
         rows = "".join(f"| {k} | {v['gloo_us']} | {v['off_us']} | {v['on_us']} | "
-                       f"{v['on_minus_off_us']} |\n" for k, v in res.items() if isinstance(v, dict))
+                       f"{v['on_minus_off_us']} | {v['debug_us']} | {v['debug_minus_on_us']} |\n"
+                       for k, v in res.items() if isinstance(v, dict))
         return ("## Inspector overhead (sync all_reduce, 2 ranks, median us per call)\n\n"
-                "4 KB goes through the engine's deferred path (below sync_fusion_limit), 1 MB "
-                "eagerly. On a shared 2-core machine the transport varies by far more than the "
+                "4 KB and 1 MB both go eagerly (above sync_fusion_limit, 256 B), with no round. "
+                "On a shared 2-core machine the transport varies by far more than the "
                 "check costs; the CPU line below is the check's own cost.\n\n"
-                "| bytes | gloo | gradientflow, inspector off | inspector on | on - off (paired) |\n"
-                f"|---|---|---|---|---|\n{rows}\nCPU added per call by the default check (issue path "
+                "The debug column is GRADIENTFLOW_DEBUG=1's check before the transport (a "
+                "16-byte allgather of sequence number and fingerprint per call on a side "
+                "group): the price of turning every size mismatch gloo aborts on into an "
+                "error on every rank.\n\n"
+                "| bytes | gloo | gradientflow, inspector off | inspector on | on - off (paired) "
+                "| debug check | debug - on (paired) |\n"
+                f"|---|---|---|---|---|---|---|\n{rows}\nCPU added per call by the default check (issue path "
                 f"around a completed Work, best of 7): {res['issue_path_added_us']} us "
                 f"({res['issue_path_off_us']} -> {res['issue_path_on_us']}); record() alone: "
                 f"{res['record_only_us']} us\n")
