@@ -103,10 +103,19 @@ def _gf_config(method: str, density: float):
     return CompressionConfig(**kw)
 
 
-def _make_variant(variant: str, model_name: str, gf_group):
-    """Return the module to train for one variant; raises with a reason to skip it."""
+def _make_variant(variant: str, model_name: str, gf_group, bucket_view: bool = False):
+    """Return the module to train for one variant; raises with a reason to skip it.
+
+    bucket_view: DDP's gradient_as_bucket_view for every DDP variant (peers and ours alike):
+    gradients live in the buckets, which saves DDP's two copies of the gradient per step
+    (into the bucket during backward, and the hook's result back into .grad).
+    """
+    import functools
+
     import torch
-    from torch.nn.parallel import DistributedDataParallel as DDP
+    from torch.nn.parallel import DistributedDataParallel
+
+    DDP = functools.partial(DistributedDataParallel, gradient_as_bucket_view=bucket_view)
 
     torch.manual_seed(0)  # every variant starts from the same weights
     model = _build_model(model_name)
@@ -160,7 +169,7 @@ def _make_optimizer(variant: str, model, gf_group):
 
 
 def worker(rank: int, world_size: int, model: str, batch: int, image: int, variants: list,
-           steps: int, rounds: int, warmup: int, ifname: str) -> dict:
+           steps: int, rounds: int, warmup: int, ifname: str, bucket_view: bool = False) -> dict:
     """One rank: build every variant, run them in interleaved rounds, return per-step times."""
     import torch
     import torch.distributed as dist
@@ -178,7 +187,7 @@ def worker(rank: int, world_size: int, model: str, batch: int, image: int, varia
         if v in skipped:
             continue
         try:
-            runners[v] = _make_variant(v, model, gf_group)
+            runners[v] = _make_variant(v, model, gf_group, bucket_view)
         except Exception as exc:  # noqa: BLE001
             skipped[v] = f"{type(exc).__name__}: {exc}"
     torch.manual_seed(1 + rank)  # each rank its own data shard
@@ -326,7 +335,7 @@ def _split_for_memory(group: list, params: int, world_size: int, available: int 
 
 
 def run(models, ranks_list, tiers, steps, rounds, warmup, timeout_s, loopback, log=print,
-        gradientflow=True, only=None):
+        gradientflow=True, only=None, bucket_view=False):
     """Measure every (model, ranks, tier); return (rows, tier_rows, single_rank, notes)."""
     from benchmarks.launch import launch
     from benchmarks.netem import Cluster, ShapeConfig
@@ -344,7 +353,7 @@ def run(models, ranks_list, tiers, steps, rounds, warmup, timeout_s, loopback, l
     for model in models:
         cfg = MODELS[model]
         common = {"model": model, "batch": cfg["batch"], "image": cfg["image"],
-                  "steps": steps, "rounds": rounds, "warmup": warmup}
+                  "steps": steps, "rounds": rounds, "warmup": warmup, "bucket_view": bucket_view}
         # One rank alone (no contention, no communication): the scaling-efficiency reference.
         res = launch("benchmarks.bench_e2e:worker", 1,
                      {**common, "variants": ["nocomm"], "ifname": "lo"}, timeout_s=timeout_s)
@@ -531,6 +540,9 @@ def main(argv=None) -> int:
     ap.add_argument("--from-json", default=None,
                     help="run nothing: re-render the markdown and plots from an e2e.json")
     ap.add_argument("--no-tier-probe", action="store_true", help="skip measuring the tiers")
+    ap.add_argument("--bucket-view", action="store_true",
+                    help="DDP(gradient_as_bucket_view=True) for every DDP variant: no gradient "
+                         "copies into and out of the buckets (default: DDP's default, False)")
     args = ap.parse_args(argv)
     if args.from_json:
         data = json.loads(Path(args.from_json).read_text())
@@ -568,7 +580,8 @@ def main(argv=None) -> int:
     rows, single, notes = run(models, ranks, tiers, steps, rounds, args.warmup, timeout, loopback,
                               log=lambda s: print(s, flush=True),
                               gradientflow=not args.no_gradientflow,
-                              only=args.variants.split(",") if args.variants else None)
+                              only=args.variants.split(",") if args.variants else None,
+                              bucket_view=args.bucket_view)
     md = _markdown(rows, single, notes, tier_rows, cmd.strip(), q)
     plots = [] if q else _plot(rows, args.out)
     if plots:
