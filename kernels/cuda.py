@@ -16,6 +16,11 @@ target knows CUDA toolkits up to 12.x; a CUDA 13 machine needs the ``numba-cuda`
 
 Chunk norms reduce each chunk in one block with a fixed tree order: deterministic run to run
 (but not bit-identical to torch's sum, like the CPU kernel).
+
+Bit-for-bit agreement with torch needs every multiply that feeds an add rounded on its own:
+NVVM contracts ``a * b + c`` into one fused multiply-add by default (one rounding instead of
+two), where torch runs the multiply and the add as separate kernels. ``_mul`` is libdevice's
+``fmul_rn``, which is never contracted (measured on an H100: see benchmarks/results/gpu.md).
 """
 
 from __future__ import annotations
@@ -23,7 +28,15 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import config, cuda
+
+# numba-cuda 0.30 registers an overload for np.row_stack when it builds its typing context (at
+# the first kernel compile); numpy 2.5 removed that alias of vstack, and every compile then
+# fails with "module 'numpy' has no attribute 'row_stack'" (seen on an H100 with numpy 2.5.2,
+# numba-cuda 0.30.4). Restoring the alias is harmless: it is what numpy < 2.5 had.
+if not hasattr(np, "row_stack"):
+    np.row_stack = np.vstack
+
+from numba import config, cuda  # noqa: E402
 
 from . import half as _half
 from .reference import nchunks_of
@@ -63,6 +76,10 @@ if SIMULATOR:
     def _bits_f32(b):
         return np.uint32(b & 0xFFFFFFFF).view(np.float32)
 
+    @cuda.jit(device=True)
+    def _mul(a, b):
+        return a * b
+
 else:
     from numba.cuda import libdevice
 
@@ -73,6 +90,11 @@ else:
     @cuda.jit(device=True)
     def _bits_f32(b):
         return libdevice.int_as_float(np.int32(b))
+
+    @cuda.jit(device=True)
+    def _mul(a, b):
+        """float32 a * b rounded on its own: never fused into a following add (see above)."""
+        return libdevice.fmul_rn(np.float32(a), np.float32(b))
 
 
 @cuda.jit(device=True)
@@ -115,11 +137,11 @@ def _norms_kernel(g, r, has_r, mom, mom_out, mode, m, chunk, l2, norms):
             if mode == 0:
                 v = x + r[i] if has_r else x
             elif mode == 1:
-                u = mf * mom[i] + x
+                u = _mul(mf, mom[i]) + x
                 mom_out[i] = u
                 v = r[i] + u if has_r else u
             else:
-                u = (mom[i] + x) * mf
+                u = _mul(mom[i] + x, mf)
                 mom_out[i] = u
                 v = (r[i] + u) + x if has_r else u + x
             g[i] = v
@@ -177,7 +199,7 @@ def _unpack_kernel(v, r, has_r, red, red_code, loc, loc_code, has_loc, cmap, chu
             p = j * chunk + (i - c * chunk)
             if has_r:
                 if has_loc:
-                    r[i] = x - _load(loc, p, loc_code) * es
+                    r[i] = x - _mul(_load(loc, p, loc_code), es)
                 else:
                     r[i] = np.float32(0.0)
             out[i] = _load(red, p, red_code) * us
@@ -217,8 +239,21 @@ def _blocks(n: int) -> int:
     return max(1, min(_MAX_BLOCKS, math.ceil(n / TPB)))
 
 
+_DUMMIES: dict = {}
+
+
 def _empty_f32(like):
-    return np.zeros(1, dtype=np.float32) if SIMULATOR else cuda.device_array(1, dtype=np.float32)
+    """A 1-element float32 array standing in for an absent optional argument (never read).
+
+    Cached per device: an allocation per launch cost a cudaMalloc each time.
+    """
+    if SIMULATOR:
+        return np.zeros(1, dtype=np.float32)
+    dev = cuda.get_current_device().id
+    arr = _DUMMIES.get(dev)
+    if arr is None:
+        arr = _DUMMIES[dev] = cuda.device_array(1, dtype=np.float32)
+    return arr
 
 
 def launch_chunk_norms(g, r, mom, mom_out, mode, m, chunk, l2, norms, stream=0):
@@ -268,11 +303,28 @@ def launch_upcast(x, code, scale, out, stream=0):
 
 
 def check_available() -> None:
-    """Raise if numba's CUDA target cannot run kernels here (the dispatch then uses torch)."""
+    """Raise if numba's CUDA target cannot run kernels here (the dispatch then uses torch).
+
+    A driver is not enough: the compiler (NVVM, numba-cuda's typing context) can still fail,
+    so one tiny kernel is compiled here, once, instead of failing every CSC step later.
+    """
     if SIMULATOR:
         raise RuntimeError("the CUDA simulator does not take torch tensors")
     if not cuda.is_available():
         raise RuntimeError("numba.cuda.is_available() is False")
+    try:
+        from numba import types
+
+        _probe_kernel.compile((types.float32[::1], types.float32))
+    except Exception as exc:  # noqa: BLE001 - any compile failure means "not usable"
+        raise RuntimeError(f"numba CUDA cannot compile a kernel here: {type(exc).__name__}: {exc}") from exc
+
+
+@cuda.jit
+def _probe_kernel(x, a):
+    i = cuda.grid(1)
+    if i < x.size:
+        x[i] = _mul(x[i], a) + a
 
 
 def _code(dtype) -> int:
