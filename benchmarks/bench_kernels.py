@@ -12,7 +12,9 @@ GB/s: the bytes each variant must move at the least. The pipeline reads grad and
 writes grad (norms pass), then reads grad and writes residual and grad (unpack pass): 24 bytes
 per element; the copy reads and writes 8. "vs copy" is pipeline GB/s over copy GB/s (1.0 would
 mean the pipeline streams as fast as a copy). Also the dense FP16 path (cast_scaled +
-upcast_scaled) for reference.
+upcast_scaled) for reference, and the FP16 hook's path with error feedback as it runs per bucket
+(``cast_feedback``: residual add + round + rounding error; ``upcast_finite``: upcast + finiteness
+count), numba vs the torch reference.
 
     python -m benchmarks.bench_kernels [--quick] [--out DIR]
 """
@@ -88,7 +90,8 @@ def main(argv=None) -> int:
     for threads in [int(t) for t in args.threads.split(",")]:
         torch.set_num_threads(threads)
         K.set_num_threads(threads)
-        times = {"numba": [], "torch": [], "copy": [], "fp16 numba": [], "fp16 torch": []}
+        times = {"numba": [], "torch": [], "copy": [], "fp16 numba": [], "fp16 torch": [],
+                 "fp16ef numba": [], "fp16ef torch": []}
         stages = {"numba": {}, "torch": {}}
         for rep in range(reps + 1):  # rep 0 warms up (page faults, caches)
             for impl in ("numba", "torch"):
@@ -109,19 +112,30 @@ def main(argv=None) -> int:
                 K.upcast_scaled(half, 2.0, out=up, impl=impl)
                 if rep:
                     times[f"fp16 {impl}"].append(time.perf_counter() - t0)
+                t0 = time.perf_counter()
+                K.cast_feedback(grad0, res0, 0.5, torch.float16, 2.0, out=half, residual_out=res,
+                                impl=impl)
+                K.upcast_finite(half, 1.0, out=up, impl=impl)
+                if rep:
+                    times[f"fp16ef {impl}"].append(time.perf_counter() - t0)
         med = {key: median(v) for key, v in times.items()}
         moved = {"numba": 24 * n, "torch": 24 * n, "copy": 8 * n,
-                 "fp16 numba": 12 * n, "fp16 torch": 12 * n}
+                 "fp16 numba": 12 * n, "fp16 torch": 12 * n,
+                 "fp16ef numba": 18 * n, "fp16ef torch": 18 * n}
         copy_gbps = moved["copy"] / med["copy"] / 1e9
-        for key in ("numba", "torch", "copy", "fp16 numba", "fp16 torch"):
+        for key in ("numba", "torch", "copy", "fp16 numba", "fp16 torch", "fp16ef numba",
+                    "fp16ef torch"):
             gbps = moved[key] / med[key] / 1e9
             label = {"numba": "CSC pipeline, numba", "torch": "CSC pipeline, torch reference",
                      "copy": "copy of the gradient (bound)", "fp16 numba": "dense FP16 cast+upcast, numba",
-                     "fp16 torch": "dense FP16 cast+upcast, torch"}[key]
+                     "fp16 torch": "dense FP16 cast+upcast, torch",
+                     "fp16ef numba": "FP16 hook with error feedback, numba (2 fused passes)",
+                     "fp16ef torch": "FP16 hook with error feedback, torch reference"}[key]
             row = {"threads": threads, "variant": label, "impl": key, "median_ms": med[key] * 1e3,
                    "gbps": gbps, "vs_copy": gbps / copy_gbps,
                    "speedup_vs_torch": (med["torch"] / med[key]) if key in ("numba", "torch")
-                   else (med["fp16 torch"] / med[key]) if key.startswith("fp16") else None}
+                   else (med["fp16 torch"] / med[key]) if key.startswith("fp16 ")
+                   else (med["fp16ef torch"] / med[key]) if key.startswith("fp16ef") else None}
             rows.append(row)
         for impl in ("numba", "torch"):
             srow = {"threads": threads, "impl": impl}
@@ -144,7 +158,8 @@ def main(argv=None) -> int:
         f"to FP16; median of {reps} reps per thread count, variants alternating rep by rep. "
         f"Numba threading layer: {K.threading_layer()}; first compile/cache load "
         f"{fmt(t_compile)} s. GB/s counts the least bytes moved (pipeline 24 B/element, copy 8, "
-        f"dense FP16 12).\n\n{table}\n\nPer stage (median ms):\n\n{stage_table}\n\n"
+        f"dense FP16 12, FP16 with error feedback 18: read grad and residual, write the half "
+        f"buffer and the new residual, then read the half buffer and write the result).\n\n{table}\n\nPer stage (median ms):\n\n{stage_table}\n\n"
         f"{machine_line()}\n"
     )
     print(md)
