@@ -16,6 +16,7 @@ them. Only the backend's thin validation layer is then left out.
 """
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import sys
@@ -42,6 +43,21 @@ def busy(cycles: int) -> None:
         torch.cuda._sleep(cycles)
 RESULTS: list[dict] = []
 CHECKS: list = []
+OUT: dict = {"path": None, "t0": time.perf_counter()}
+# One check on one GPU takes seconds; past this its threads' stacks are dumped and we exit.
+CHECK_TIMEOUT_S = float(os.environ.get("GF_WORLD1_CHECK_TIMEOUT_S", "90"))
+
+
+def _write() -> None:
+    """Write the records so far (after every check: a hang or a kill keeps what ran)."""
+    if not OUT["path"]:
+        return
+    summary = {"mode": MODE["mode"], "torch": torch.__version__,
+               "device": torch.cuda.get_device_name(DEV) if CUDA else "cpu",
+               "seconds": round(time.perf_counter() - OUT["t0"], 1), "checks": RESULTS}
+    with open(OUT["path"] + ".tmp", "w") as f:
+        json.dump(summary, f, indent=1, default=str)
+    os.replace(OUT["path"] + ".tmp", OUT["path"])
 
 
 def check(fn):
@@ -55,12 +71,18 @@ def run_check(fn):
     import gradientflow
 
     t0 = time.perf_counter()
-    rec = {"name": fn.__name__, "ok": False}
+    # Recorded (and written) before it runs: a check that hangs shows as never finished, and
+    # faulthandler then prints every thread's stack and ends the process (see main).
+    rec = {"name": fn.__name__, "ok": False, "error": "did not finish (hung, or the process died)"}
+    RESULTS.append(rec)
+    _write()
+    faulthandler.dump_traceback_later(CHECK_TIMEOUT_S, exit=True)
     ops0 = gradientflow.stats().get("operations", 0)
     try:
         details = fn()
         sync()
         rec["ok"] = True
+        del rec["error"]
         if details is not None:
             rec["details"] = details
         # Operations our engine counted: shows the check went through it (hooks, optimizer).
@@ -68,8 +90,9 @@ def run_check(fn):
     except BaseException as exc:  # noqa: BLE001 - recorded, reported, the run goes on
         rec["error"] = f"{type(exc).__name__}: {exc}"[:2000]
         rec["traceback"] = traceback.format_exc()[-4000:]
+    faulthandler.cancel_dump_traceback_later()
     rec["seconds"] = round(time.perf_counter() - t0, 3)
-    RESULTS.append(rec)
+    _write()
     print(("PASS " if rec["ok"] else "FAIL ") + rec["name"] + ("" if rec["ok"] else ": " + rec["error"]),
           flush=True)
 
@@ -526,13 +549,12 @@ def _init_engine_mode() -> None:
 
 
 def main() -> int:
-    out_path = sys.argv[1] if len(sys.argv) > 1 else None
+    OUT["path"] = sys.argv[1] if len(sys.argv) > 1 else None
     import gradientflow  # noqa: F401 - registers the backend (torch < 2.14 reads no entry point)
 
     if CUDA:
         torch.cuda.set_device(DEV)
     init_file = tempfile.mktemp(prefix="gf-world1-")
-    t0 = time.perf_counter()
     checks = list(CHECKS)
     only = os.environ.get("GF_WORLD1_ONLY")  # a comma-separated subset, for debugging
     if only:
@@ -558,11 +580,7 @@ def main() -> int:
             dist.destroy_process_group()
     except BaseException as exc:  # noqa: BLE001
         RESULTS.append({"name": "destroy_process_group", "ok": False, "error": repr(exc)})
-    summary = {"mode": MODE["mode"], "torch": torch.__version__, "device": torch.cuda.get_device_name(DEV) if CUDA else "cpu",
-               "seconds": round(time.perf_counter() - t0, 1), "checks": RESULTS}
-    if out_path:
-        with open(out_path, "w") as f:
-            json.dump(summary, f, indent=1, default=str)
+    _write()
     failed = [r["name"] for r in RESULTS if not r["ok"]]
     print(f"mode {MODE['mode']}: {len(RESULTS) - len(failed)} passed, {len(failed)} failed: {failed}",
           flush=True)
