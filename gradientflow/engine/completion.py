@@ -157,3 +157,15 @@ def complete_all(items: list[tuple[torch.futures.Future, Any, BaseException | No
     batch = _Batch(items)
     _watchdog.add(batch)
     _get_pool().submit(batch.run)
+
+
+def settle_here(items: list[tuple[torch.futures.Future, Any, BaseException | None]]) -> None:
+    """Settle several futures in order on this thread, which must be a pool thread.
+
+    For work that already runs on the pool (an unpack): it saves a second hop. A blocked
+    callback is handled as in `complete_all` (the watchdog continues on another pool thread).
+    """
+    batch = _Batch(items)
+    if len(items) > 1:
+        _watchdog.add(batch)
+    batch.run()
