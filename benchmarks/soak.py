@@ -124,7 +124,7 @@ def train_worker(rank: int, world: int, port: int, steps: int, timeout_s: float,
         emit(event="done", weights=flat.tolist())
         dist.destroy_process_group()
     except BaseException as exc:  # noqa: BLE001 - reported to the parent
-        emit(event="error", type=type(exc).__name__, msg=str(exc)[:600])
+        emit(event="error", type=type(exc).__name__, msg=str(exc)[:3000])
         os._exit(1)
 
 
@@ -192,6 +192,10 @@ def soak_run(world: int, steps: int, timeout_s: float, fault: bool, rng: random.
                 result["detect_s"] = max(e["t"] for e in errs) - kill_t
                 result["errors"] = sorted({e["msg"][:300] for e in errs})
             result["survivors_raised"] = f"{len(raised)}/{len(survivors)}"
+            # A clear error names the killed rank as dead (the inspector's PeerFailureError).
+            named = {r for r, ev in enumerate(evs) if r != victim and any(
+                e["event"] == "error" and f"Rank(s) [{victim}] died" in e["msg"] for e in ev)}
+            result["named_dead_rank"] = len(named) == len(survivors)
             if len(raised) < len(survivors):
                 result["detect_s"] = None  # counted as undetected unless a hang or wrong
         elif not fault:
@@ -241,6 +245,7 @@ def soak(args) -> dict:
         "runs": len(runs), "faults_injected": len(injected),
         "hangs": sum(r["hang"] for r in runs), "wrong_results": sum(r["wrong"] for r in runs),
         "undetected": sum(1 for r in injected if r["detect_s"] is None and not r["wrong"]),
+        "named_dead_rank": sum(1 for r in injected if r.get("named_dead_rank")),
         "detect_median_s": statistics.median(detect) if detect else None,
         "detect_max_s": max(detect) if detect else None,
         "timeout_s": args.timeout_s, "runs_detail": runs,
@@ -600,10 +605,11 @@ def _mkdir(path: Path) -> Path:
 def _markdown(name: str, res: dict) -> str:
     if name == "soak":
         return ("## Soak: ranks killed at random points of DDP training\n\n"
-                "| runs | faults injected | hangs | wrong results | undetected | detect median (s) "
-                "| detect max (s) | group timeout (s) |\n|---|---|---|---|---|---|---|---|\n"
+                "| runs | faults injected | hangs | wrong results | undetected | every survivor "
+                "named the dead rank | detect median (s) | detect max (s) | group timeout (s) |\n"
+                "|---|---|---|---|---|---|---|---|---|\n"
                 f"| {res['runs']} | {res['faults_injected']} | {res['hangs']} | "
-                f"{res['wrong_results']} | {res['undetected']} | "
+                f"{res['wrong_results']} | {res['undetected']} | {res['named_dead_rank']} | "
                 f"{_f(res['detect_median_s'])} | {_f(res['detect_max_s'])} | {res['timeout_s']} |\n")
     if name == "restart":
         return ("## Restart: torchrun --max-restarts 1, a rank SIGKILLed mid-training, resumed "
