@@ -7,45 +7,49 @@ contributes a 0/1 vector of its locally ready keys (and how much of the launch s
 seen complete), MIN over ranks is what holds everywhere, and the launch order is a pure function
 of that agreed state and the static priorities (TicTac's order: the partition the next forward
 pass needs first goes first). A credit bounds the agreed bytes in flight, so a newly ready
-first-layer partition is not stuck behind many queued late ones (ByteScheduler's credit).
+first-layer partition is not queued behind many late ones (ByteScheduler's credit).
 
-What is decided by the call sequence, and what by local time:
+What the call sequence decides, and what local time decides:
 
-- The launch sequence on the transport (which gloo/NCCL pairs by issue order) is a function of
-  agreed state only: the agreed ready set, the agreed completion count and the priorities. Rounds
-  are numbered alike on every rank, so after round j every rank holds the same agreed state and
-  launches the same partitions in the same order, asynchronously (the transport runs them).
-- WHETHER a round j+1 happens is also decided by agreed state: it happens iff, after round j,
-  some declared key is not agreed yet or agreed partitions wait for credit. Every rank knows
-  this at the same round, so ranks never disagree on the number of rounds.
-- WHEN a rank enters round j+1 is local: once it has something the agreement does not reflect
-  yet (a key ready here but not agreed, or, while partitions wait for credit, more of the launch
-  sequence completed here than agreed). No polling: a rank with nothing new sleeps on a
-  condition until its backward (or step()) marks a key ready or a transfer completes; its peers
-  meanwhile block in round j+1's allreduce, which is exactly the wait for the slowest rank
-  that any agreement needs. Every rank eventually has something new (all keys get submitted
-  every step; a partition in flight eventually completes), so every round is eventually entered
-  by every rank and rounds pair without timers.
+- WHICH rounds happen: a rank issues a round at each of its local events of a step, counted:
+  each partition it submits (ready here) and each of the step's partitions whose transfer
+  completes here (every event, or every k-th when a step has more than `MAX_ROUNDS / 2`
+  partitions, and always the last of each kind). Every rank submits every partition once per
+  step and every launched partition completes once, so every rank issues the same number of
+  rounds per step, numbered alike in issue order, whatever its timing: rounds pair without
+  polling, and a rank never has to answer a round it did not start itself. begin() of the next
+  step waits until the previous step's transfers completed here, so a step's rounds are all
+  issued before the next step's.
+- WHAT each round decides: the launches after round i are a function of round i's result (the
+  keys ready everywhere, the launch-sequence prefix complete everywhere) and of the rounds
+  before it, processed in index order; once every key is agreed, everything left is launched.
+  So the sequence of launches on the transport (which gloo/NCCL pair by issue order) is the
+  same on every rank. Completion rounds carry fresh completion counts, so the credit frees as
+  transfers finish, not only when backward produces the next partition.
+- WHEN: local. A round is issued, asynchronously, by the thread that saw the event (backward's
+  hook thread, or the transport's completion thread), and completes when the slowest rank
+  reached the same count; its result is processed on the thread that completed it. A rank with
+  nothing new does nothing.
 
-Single-stage ops (the dense average: pack, SUM-allreduce, unpack) are primed by submit() on the
-caller's thread (backward's hook thread packs the flat buffer as soon as the partition is complete)
-and launched asynchronously; the transport's completion callback unpacks them. Multi-stage ops
-(compressed or sparse) run their stages back to back on the scheduler thread when launched, so
-their later stages, too, enter the transport at a point of the sequence that is the same on every
-rank.
+Single-stage ops (the dense average: pack, SUM-allreduce, unpack) are packed by submit() on the
+caller's thread and sent asynchronously; the transport's completion unpacks them. Multi-stage ops
+(compressed or sparse) run their stages back to back on the scheduler's executor thread, which
+also takes every launch queued behind one, so their later stages enter the transport at the same
+point of the sequence on every rank.
 
 Why a stream of its own (its own agreement group, its own transport group, its own thread):
-rounds of the sequence engine are positioned by the call sequence (one per batch of deferred
-allreduces), but keyed rounds are positioned by readiness (a rank whose partitions are not ready
-yet must still answer). Sharing one thread would let rank 0 block in a keyed round while rank 1
-blocks in a sequenced collective waiting for rank 0: a deadlock. Two independent ordered
-streams cannot wait on each other, and each is consistent across ranks on its own.
+rounds of the sequence engine are positioned by the call sequence of collectives, keyed rounds by
+readiness counts. Sharing one queue would let rank 0 wait in a keyed round while rank 1 waits in
+a sequenced collective for rank 0: a deadlock. Two independent ordered streams cannot wait on
+each other, and each is consistent across ranks on its own.
 """
 from __future__ import annotations
 
+import collections
+import math
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -58,11 +62,16 @@ from gradientflow.observability.stats import STATS
 from gradientflow.observability.timeline import TIMELINE, now_us
 
 MAX_KEYS = 1024  # most partitions one step may declare (the round carries one slot per key)
-# Ops kept in flight whatever the credit: measured on loopback gloo (2 ranks, 8 x 4 MiB), two in
-# flight took 51 ms, one at a time 81 ms (the transport idles while the next is issued) and all
-# at once 70 ms (they compete for gloo's two worker threads and the cores). With two, the round
-# that frees credit overlaps the other transfer.
-MIN_IN_FLIGHT = 2
+# Most rounds per step: a step with more partitions issues a round every k-th event. Each
+# round costs a small allreduce (~0.1-0.5 ms on loopback, more when the cores are busy).
+MAX_ROUNDS = 128
+# Ops kept in flight whatever the byte credit. Measured on loopback gloo (2 ranks, 8 x 4 MiB
+# sent back to back): two in flight took 51 ms, one at a time 81 ms (the transport idles while
+# the next is issued), all at once 70 ms (they compete for gloo's two worker threads and the
+# cores). One more than two covers the agreement round that frees the next credit: in the
+# overlap benchmark (8 x 4.2 MB partitions) a credit of 3 partitions took 97 ms per iteration
+# and one of 1 partition (+1 forced) 115 ms, on the same loaded machine.
+MIN_IN_FLIGHT = 3
 
 
 @dataclass
@@ -76,8 +85,9 @@ class KeyedOp:
     nbytes: int
     fut: torch.futures.Future
     first: torch.Tensor | None = None  # single-stage ops: the packed tensor, primed at submit
+    step: int = 0  # the step that submitted it
     seq: int = -1  # position in the launch sequence (the same on every rank)
-    t_launch: float = field(default=0.0)
+    t_launch: float = 0.0
 
 
 class KeyedScheduler:
@@ -86,7 +96,7 @@ class KeyedScheduler:
     def __init__(self, rank: int, world_size: int, agree_group: Any,
                  transport_for: Callable[[torch.device], Any], credit_bytes: int,
                  poll_ms: float, timeout_s: float, name: str = "gradientflow") -> None:
-        # poll_ms is accepted for the Config field but unused: rounds are event-driven.
+        # poll_ms is accepted for the Config field but unused: rounds follow readiness counts.
         self.rank = rank
         self.world_size = world_size
         self._agree = agree_group
@@ -94,24 +104,35 @@ class KeyedScheduler:
         self.credit_bytes = credit_bytes
         self.timeout_s = timeout_s
         self._name = name
-        self._cv = threading.Condition()
-        self._num_keys = 0  # declared this step (0: no step open)
-        self._outstanding: set[int] = set()  # declared this step, not launched yet
-        self._ready: dict[int, KeyedOp] = {}  # ready here, not agreed yet
-        self._agreed: set[int] = set()  # agreed this step (launched or in the pool)
+        self._cv = threading.Condition()  # an RLock: a callback may run inline in its issuer
+        # --- this step (reset by begin) ---
+        self._step = 0
+        self._num_keys = 0
+        self._every = 1  # a round every `_every` events of a kind (and at the last)
+        self._count = 0  # partitions submitted here this step
+        self._completed = 0  # partitions of this step whose transfer completed here
+        self._outstanding: set[int] = set()  # declared, not launched yet
+        self._submitted: dict[int, KeyedOp] = {}  # ready here, not agreed yet
+        self._agreed: set[int] = set()
         self._pool: list[KeyedOp] = []  # agreed, not launched (waiting for credit)
-        # Launch sequence (never reset, so in-flight bytes carry across steps): the bytes of
-        # each launched op, whether it completed here, the prefix completed here, and the
-        # prefix agreed complete everywhere.
+        # --- rounds, in issue order (never reset) ---
+        self._issued = 0
+        self._results: dict[int, tuple[torch.Tensor, int, int]] = {}
+        self._next_result = 0
+        # --- launch sequence (never reset: in-flight bytes carry across steps) ---
         self._seq_bytes: list[int] = []
         self._seq_done: list[bool] = []
-        self._done_here = 0
-        self._done_agreed = 0
+        self._done_here = 0  # prefix of the sequence complete here
+        self._done_agreed = 0  # prefix complete on every rank, as of the last round processed
+        # --- executor: launches queued behind a multi-stage op, in sequence order ---
+        self._queue: collections.deque[KeyedOp] = collections.deque()
+        self._busy = False
         self._closing = False
         self._error: BaseException | None = None
-        self.rounds = 0
+        self.rounds = 0  # rounds issued: the same on every rank once a step's futures completed
         self.launch_log: list[int] = []  # keys in launch order (tests, benchmarks); reset by begin
-        self._thread = threading.Thread(target=self._main, name=f"{name}-scheduler", daemon=True)
+        self._thread = threading.Thread(target=self._executor, name=f"{name}-scheduler",
+                                        daemon=True)
         self._thread.start()
 
     # ------------------------------------------------------------------ user side
@@ -128,11 +149,23 @@ class KeyedScheduler:
                     f"while keys {sorted(self._outstanding)[:8]} of the previous step were never "
                     "submitted: every partition must be submitted each step (did a parameter "
                     "get no gradient?)")
+            # The previous step's rounds must all be issued first (they count its completions).
+            deadline = time.monotonic() + self.timeout_s
+            while self._done_here < len(self._seq_done) and self._error is None:
+                if not self._cv.wait(max(0.0, deadline - time.monotonic())):
+                    raise RuntimeError(
+                        f"gradientflow: rank {self.rank}: the previous step's gradient "
+                        f"transfers did not complete within {self.timeout_s:.0f} s; wait for "
+                        "every partition's future before the next step's begin()")
+            self._raise_if_broken()
+            self._step += 1
             self._num_keys = num_keys
+            self._every = math.ceil(2 * num_keys / MAX_ROUNDS)
+            self._count = 0
+            self._completed = 0
             self._outstanding = set(range(num_keys))
             self._agreed = set()
             self.launch_log = []
-            self._cv.notify_all()
 
     def submit(self, key: int, priority: int, gen: StageGen, device: torch.device,
                nbytes: int, single_stage: bool = False) -> torch.futures.Future:
@@ -140,20 +173,21 @@ class KeyedScheduler:
 
         single_stage=True: `gen` yields exactly one tensor; it is primed here, on the caller's
         thread (packing overlaps with the caller's work), and its one allreduce runs
-        asynchronously on the transport. Otherwise every stage runs on the scheduler thread.
+        asynchronously on the transport. Otherwise its stages run on the scheduler's thread.
         """
         fut, public = completion.new_future()
-        first = None
-        if single_stage:
-            first = next(gen)  # pack now, on the caller's (backward's) thread
+        first = next(gen) if single_stage else None  # pack now, on backward's thread
         with self._cv:
             self._raise_if_broken()
-            if key not in self._outstanding or key in self._ready or key in self._agreed:
+            if key not in self._outstanding or key in self._submitted or key in self._agreed:
                 raise RuntimeError(
                     f"gradientflow: rank {self.rank}: partition {key} submitted twice or not "
                     "declared for this step (call begin() once per step, submit each key once)")
-            self._ready[key] = KeyedOp(key, priority, gen, device, nbytes, fut, first)
-            self._cv.notify_all()
+            self._submitted[key] = KeyedOp(key, priority, gen, device, nbytes, fut, first,
+                                           self._step)
+            self._count += 1
+            issued = self._maybe_issue(self._count)
+        self._attach(issued)
         STATS.record_operation()
         return public
 
@@ -182,43 +216,12 @@ class KeyedScheduler:
 
     def _fail_waiting(self, err: BaseException) -> None:
         """Fail every op not launched yet (caller holds the lock)."""
-        for op in list(self._ready.values()) + self._pool:
+        for op in list(self._submitted.values()) + self._pool + list(self._queue):
             completion.complete(op.fut, error=err)
-        self._ready.clear()
+        self._submitted.clear()
         self._pool.clear()
+        self._queue.clear()
         self._outstanding.clear()
-
-    # ------------------------------------------------------------------ scheduler thread
-    def _round_needed(self) -> bool:
-        """Agreed state says another round comes (the same answer on every rank)."""
-        return bool(self._pool) or len(self._agreed) < self._num_keys
-
-    def _something_new(self) -> bool:
-        """This rank knows something the agreement does not reflect yet."""
-        if self._ready:
-            return True
-        return bool(self._pool) and self._done_here > self._done_agreed
-
-    def _main(self) -> None:
-        while True:
-            with self._cv:
-                while not self._closing and not (self._round_needed() and self._something_new()):
-                    self._cv.wait()
-                if self._closing:
-                    return
-                n = self._num_keys
-                vec = torch.zeros(n + 1, dtype=torch.int64)
-                for key in self._ready:
-                    vec[key] = 1
-                for key in self._agreed:
-                    vec[key] = 1
-                vec[n] = self._done_here
-            try:
-                self._round(vec)
-                self._after_round(vec)
-            except BaseException as exc:  # noqa: BLE001 - fail loudly, never hang
-                self._fail(exc)
-                return
 
     def _fail(self, exc: BaseException) -> None:
         with self._cv:
@@ -227,59 +230,124 @@ class KeyedScheduler:
             self._fail_waiting(exc)
             self._cv.notify_all()
 
-    def _round(self, vec: torch.Tensor) -> None:
-        t0 = time.perf_counter()
+    # ------------------------------------------------------------------ rounds
+    def _maybe_issue(self, count: int):
+        """Issue a round if `count` (events of one kind this step) is a threshold (lock held)."""
+        n = self._num_keys
+        if count != n and count % self._every:
+            return None
+        vec = torch.zeros(n + 1, dtype=torch.int64)
+        for k in self._submitted:
+            vec[k] = 1
+        for k in self._agreed:
+            vec[k] = 1
+        vec[n] = self._done_here
+        index = self._issued
+        self._issued += 1
+        self.rounds = self._issued
         opts = AllreduceOptions()
         opts.reduceOp = ReduceOp.MIN
-        self._agree.allreduce([vec], opts).wait()
-        dt = time.perf_counter() - t0
-        self.rounds += 1
-        STATS.record_agreement(dt)
-        if TIMELINE.enabled:
-            TIMELINE.complete(tl.AGREE, tl.CAT_AGREE, now_us() - dt * 1e6, dt * 1e6,
-                              tid="scheduler")
+        # Issued under the lock: rounds enter the agreement group in index order.
+        work = self._agree.allreduce([vec], opts)
+        return work, index, vec, n, self._step, time.perf_counter()
 
-    def _after_round(self, vec: torch.Tensor) -> None:
-        """Move newly agreed keys into the pool and launch within the credit (agreed state only)."""
-        n = self._num_keys
-        agreed = torch.nonzero(vec[:n]).flatten().tolist()
-        with self._cv:
-            self._done_agreed = max(self._done_agreed, int(vec[n]))
-            for key in agreed:
-                if key not in self._agreed:
-                    self._agreed.add(key)
-                    self._pool.append(self._ready.pop(key))
-            self._pool.sort(key=lambda o: (o.priority, o.key))
-            # Bytes launched and not agreed complete: the same number on every rank.
-            in_flight = sum(self._seq_bytes[self._done_agreed:])
-            ops_in_flight = len(self._seq_bytes) - self._done_agreed
-            launch = []
-            while self._pool:
-                op = self._pool[0]
-                if (ops_in_flight >= MIN_IN_FLIGHT
-                        and in_flight + op.nbytes > self.credit_bytes):
-                    break
-                ops_in_flight += 1
-                self._pool.pop(0)
-                self._outstanding.discard(op.key)
-                op.seq = len(self._seq_bytes)
-                self._seq_bytes.append(op.nbytes)
-                self._seq_done.append(False)
-                in_flight += op.nbytes
-                launch.append(op)
-                self.launch_log.append(op.key)
-        for op in launch:
-            if op.first is not None:
-                self._launch_async(op)
-            else:
-                self._run_sync(op)
+    def _attach(self, issued) -> None:
+        """Process the round's result when it completes (outside the lock: it may run inline)."""
+        if issued is not None:
+            work, index, vec, n, step, t0 = issued
+            work.get_future().add_done_callback(
+                lambda f: self._on_round(index, vec, n, step, t0, f))
+
+    def _on_round(self, index: int, vec: torch.Tensor, n: int, step: int, t0: float,
+                  f: torch.futures.Future) -> None:
+        """A round completed (agreement group's thread): decide, in round order, and launch."""
+        try:
+            f.wait()
+            dt = time.perf_counter() - t0
+            STATS.record_agreement(dt)
+            if TIMELINE.enabled:
+                TIMELINE.complete(tl.AGREE, tl.CAT_AGREE, now_us() - dt * 1e6, dt * 1e6,
+                                  tid="scheduler", args={"round": index})
+            with self._cv:
+                self._results[index] = (vec, n, step)
+                while self._next_result in self._results:
+                    self._decide(*self._results.pop(self._next_result))
+                    self._next_result += 1
+                if self._busy or any(op.first is None for op in self._queue):
+                    self._cv.notify_all()  # the executor keeps the sequence
+                else:
+                    # Only single-stage launches and the executor idle: issue them here (a
+                    # thread hand-off less), under the lock, so they keep the sequence order.
+                    while self._queue:
+                        self._launch_async(self._queue.popleft())
+        except BaseException as exc:  # noqa: BLE001 - fail loudly, never hang
+            self._fail(exc)
+
+    def _decide(self, vec: torch.Tensor, n: int, step: int) -> None:
+        """Pool the newly agreed keys; queue launches within the credit (agreed state only)."""
+        self._done_agreed = max(self._done_agreed, int(vec[n]))
+        if step != self._step:
+            return  # a finished step's completion round: only its completion count matters
+        for key in torch.nonzero(vec[:n]).flatten().tolist():
+            if key not in self._agreed:
+                self._agreed.add(key)
+                self._pool.append(self._submitted.pop(key))
+        self._pool.sort(key=lambda o: (o.priority, o.key))
+        # Bytes launched and not agreed complete: the same number on every rank.
+        in_flight = sum(self._seq_bytes[self._done_agreed:])
+        ops_in_flight = len(self._seq_bytes) - self._done_agreed
+        last = len(self._agreed) == n  # nothing can arrive any more: launch all, in order
+        while self._pool:
+            op = self._pool[0]
+            if (not last and ops_in_flight >= MIN_IN_FLIGHT
+                    and in_flight + op.nbytes > self.credit_bytes):
+                break
+            self._pool.pop(0)
+            self._outstanding.discard(op.key)
+            op.seq = len(self._seq_bytes)
+            self._seq_bytes.append(op.nbytes)
+            self._seq_done.append(False)
+            in_flight += op.nbytes
+            ops_in_flight += 1
+            self._queue.append(op)
+            self.launch_log.append(op.key)
+
+    # ------------------------------------------------------------------ launches
+    def _executor(self) -> None:
+        while True:
+            with self._cv:
+                while not self._closing and not self._queue:
+                    self._cv.wait()
+                if self._closing:
+                    return
+                self._busy = True
+                ops = list(self._queue)
+                self._queue.clear()
+            try:
+                for op in ops:
+                    if op.first is not None:
+                        with self._cv:
+                            self._launch_async(op)
+                    else:
+                        self._run_sync(op)
+            except BaseException as exc:  # noqa: BLE001 - fail loudly, never hang
+                self._fail(exc)
+            finally:
+                with self._cv:
+                    self._busy = False
 
     def _mark_done(self, op: KeyedOp) -> None:
+        """Count a completion here and issue its round (before the op's future completes)."""
+        issued = None
         with self._cv:
             self._seq_done[op.seq] = True
             while self._done_here < len(self._seq_done) and self._seq_done[self._done_here]:
                 self._done_here += 1
-            self._cv.notify_all()
+            if op.step == self._step and self._error is None and not self._closing:
+                self._completed += 1
+                issued = self._maybe_issue(self._completed)
+            self._cv.notify_all()  # begin() may wait for the previous step's completions
+        self._attach(issued)
 
     def _record(self, op: KeyedOp, tensor: torch.Tensor, t0: float) -> None:
         dt = time.perf_counter() - t0
@@ -290,33 +358,34 @@ class KeyedScheduler:
                               args={"key": op.key, "priority": op.priority, "seq": op.seq})
 
     def _launch_async(self, op: KeyedOp) -> None:
-        transport = self._transport_for(op.device)
         opts = AllreduceOptions()
         opts.reduceOp = ReduceOp.SUM
         tensor, op.first = op.first, None
         op.t_launch = time.perf_counter()
-        work = transport.allreduce([tensor], opts)
+        work = self._transport_for(op.device).allreduce([tensor], opts)
         work.get_future().add_done_callback(
             lambda f, op=op, tensor=tensor: self._on_complete(op, tensor, f))
 
     def _on_complete(self, op: KeyedOp, tensor: torch.Tensor, f: torch.futures.Future) -> None:
-        """Transport callback of a single-stage op: unpack, complete its future, free credit."""
+        """Transport callback of a single-stage op: unpack, count it, complete its future."""
+        value, error = None, None
         try:
             f.wait()  # raises the transport's error, if any
             self._record(op, tensor, op.t_launch)
             try:
                 op.gen.send(tensor)
             except StopIteration as stop:
-                completion.complete(op.fut, stop.value)
+                value = stop.value
             else:
                 raise RuntimeError(f"gradientflow: rank {self.rank}: partition {op.key} was "
                                    "submitted as single-stage but yielded a second tensor; "
                                    "submit it with single_stage=False")
         except BaseException as exc:  # noqa: BLE001 - delivered through the future
-            completion.complete(op.fut, error=exc)
+            error = exc
             self._fail(exc)
-        finally:
-            self._mark_done(op)
+        # Counted (and its round issued) before the caller can see the future complete.
+        self._mark_done(op)
+        completion.complete(op.fut, value, error)
 
     def _run_sync(self, op: KeyedOp) -> None:
         """Every stage of a multi-stage op, back to back on this thread (the sequence is fixed)."""
@@ -331,9 +400,9 @@ class KeyedScheduler:
                 self._record(op, tensor, t1)
                 tensor = op.gen.send(tensor)
         except StopIteration as stop:
+            self._mark_done(op)
             completion.complete(op.fut, stop.value)
         except BaseException as exc:
+            self._mark_done(op)
             completion.complete(op.fut, error=exc)
             raise
-        finally:
-            self._mark_done(op)
