@@ -11,8 +11,10 @@ computation: both are printed) with:
   the order backward makes them ready;
 - priority: DistributedOptimizer(priority=True): the partition the next forward needs first
   goes first (TicTac's TIC order), among those ready on every rank;
-- priority + next forward: as priority, and step() returns at once; each layer is updated just
-  before the next forward uses it (forward pre-hooks wait per layer).
+- FIFO + next forward / priority + next forward: as FIFO / priority, and step() returns at
+  once; each layer is updated just before the next forward uses it (forward pre-hooks wait per
+  layer). The pair shows what the order buys: the next forward needs the first layer first,
+  and backward makes it ready last.
 
 The variants run in interleaved blocks (A B C D E A B C D E ...) so drift in the machine's load
 spreads over all of them; medians and 95th percentiles are over every timed iteration of rank 0.
@@ -26,7 +28,8 @@ import time
 from benchmarks.common import machine_info, machine_line, markdown_table, median, p95, write_result
 from benchmarks.launch import launch
 
-VARIANTS = ["no overlap", "DDP", "FIFO overlap", "priority", "priority + next forward"]
+VARIANTS = ["no overlap", "DDP", "FIFO overlap", "priority", "FIFO + next forward",
+            "priority + next forward"]
 
 
 def worker(rank: int, world: int, width: int, depth: int, batch: int, blocks: int,
@@ -62,8 +65,8 @@ def worker(rank: int, world: int, width: int, depth: int, batch: int, blocks: in
             return model, torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9)
         return model, gfo.DistributedOptimizer(
             sgd, named_parameters=model.named_parameters(), process_group=gf,
-            partition_bytes=partition_bytes, priority=variant != "FIFO overlap",
-            overlap_next_forward=variant == "priority + next forward")
+            partition_bytes=partition_bytes, priority=not variant.startswith("FIFO"),
+            overlap_next_forward=variant.endswith("next forward"))
 
     setups = {v: make(v) for v in VARIANTS}
 
@@ -112,19 +115,24 @@ def worker(rank: int, world: int, width: int, depth: int, batch: int, blocks: in
         if hasattr(opt, "finish_updates"):
             opt.finish_updates()
     times = {v: [] for v in VARIANTS}
+    rounds = {v: 0 for v in VARIANTS}  # agreement rounds of the keyed scheduler
     for _ in range(blocks):
         for v in VARIANTS:
             dist.barrier(group=gf)
             opt = setups[v][1]
+            sched = getattr(opt, "_sched", None)
+            r0 = sched.rounds if sched is not None else 0
             for i in range(steps_per_block):
                 t0 = time.perf_counter()
                 one_step(v)
                 if i == steps_per_block - 1 and hasattr(opt, "finish_updates"):
                     opt.finish_updates()  # the deferred update of the last step counts too
                 times[v].append(time.perf_counter() - t0)
-    logs = setups["priority"][1].launch_log
-    return {"rank": rank, "times": times, "calib": calib, "nparams": nparams,
-            "partitions": len(setups["priority"][1].plan), "last_priority_log": logs}
+            if sched is not None:
+                rounds[v] += sched.rounds - r0
+    logs = {v: setups[v][1].launch_log for v in VARIANTS if hasattr(setups[v][1], "launch_log")}
+    return {"rank": rank, "times": times, "calib": calib, "nparams": nparams, "rounds": rounds,
+            "partitions": len(setups["priority"][1].plan), "last_launch_logs": logs}
 
 
 def main(argv=None) -> int:
@@ -136,10 +144,10 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=None)
     ap.add_argument("--blocks", type=int, default=None)
     ap.add_argument("--steps-per-block", type=int, default=None)
-    # 4 MiB (the scheduler's default credit): on this 2-core machine each agreement round costs
-    # a context switch or two, so fewer, larger partitions (9 for the default MLP) measured
-    # faster than 1 MiB (35); the optimizer's own default stays 1 MiB for deeper models.
-    ap.add_argument("--partition-bytes", type=int, default=4 << 20)
+    # Default: one layer (weight and bias), so one partition per layer (8 for the default MLP).
+    # At 4 MiB every 4 KiB bias became a partition of its own (16), each a round and a message;
+    # at 1 MiB (the optimizer's default, for deeper models) 40 partitions.
+    ap.add_argument("--partition-bytes", type=int, default=None)
     args = ap.parse_args(argv)
     quick = args.quick
     kw = {"width": args.width or (256 if quick else 1024),
@@ -148,6 +156,8 @@ def main(argv=None) -> int:
           "blocks": args.blocks or (2 if quick else 8),
           "steps_per_block": args.steps_per_block or (3 if quick else 10),
           "partition_bytes": args.partition_bytes}
+    if kw["partition_bytes"] is None:
+        kw["partition_bytes"] = (kw["width"] + 1) * kw["width"] * 4
     res = launch("benchmarks.bench_overlap:worker", world_size=2, kwargs=kw,
                  timeout_s=120 if quick else 900, threads_per_rank=1)
     if not res.ok:
@@ -166,34 +176,49 @@ def main(argv=None) -> int:
     prio = next(r for r in rows if r["variant"] == "priority")
     fifo = next(r for r in rows if r["variant"] == "FIFO overlap")
     nf = next(r for r in rows if r["variant"] == "priority + next forward")
+    fnf = next(r for r in rows if r["variant"] == "FIFO + next forward")
+    ddp = next(r for r in rows if r["variant"] == "DDP")
+    per_iter = r0["rounds"]["priority"] / max(1, len(r0["times"]["priority"]))
+    logs = r0["last_launch_logs"]
     md = f"""## Overlap and priority scheduling (DistributedOptimizer)
 
 `python -m benchmarks.bench_overlap{' --quick' if quick else ''}`: 2 ranks on loopback, one thread
 each; MLP {kw['depth']} x {kw['width']}x{kw['width']} + head ({r0['nparams'] / 1e6:.2f} M
 parameters, {r0['nparams'] * 4 / 1e6:.1f} MB of gradients, {r0['partitions']} partitions of
-<= {kw['partition_bytes'] / 2**20:g} MiB), batch {kw['batch']}. Alone, one forward+backward takes
+<= {kw['partition_bytes'] / 2**20:.3g} MiB), batch {kw['batch']}. Alone, one forward+backward takes
 {cal['compute_ms']:.1f} ms and one allreduce of every gradient {cal['comm_ms']:.1f} ms (rank 0
 medians). {kw['blocks']} interleaved blocks of {kw['steps_per_block']} iterations per variant.
 
 {table}
 
-Priority vs FIFO: p50 {fifo['p50 ms'] / prio['p50 ms']:.2f}x, p95 {fifo['p95 ms'] / prio['p95 ms']:.2f}x
-(> 1: priority faster). Priority + next-forward overlap vs no overlap: {nf['speed-up vs no overlap']:.2f}x.
+Priority vs FIFO (p50 ratio, > 1: priority faster): {fifo['p50 ms'] / prio['p50 ms']:.2f}x when
+step() waits for everything, {fnf['p50 ms'] / nf['p50 ms']:.2f}x with next-forward overlap.
+Priority vs no overlap: {prio['speed-up vs no overlap']:.2f}x; priority + next forward vs no
+overlap: {nf['speed-up vs no overlap']:.2f}x, vs DDP: {ddp['p50 ms'] / nf['p50 ms']:.2f}x.
+{per_iter:.1f} agreement rounds per iteration (priority). Launch order of the last iteration:
+FIFO {logs.get('FIFO overlap')}, priority {logs.get('priority')}, priority + next forward
+{logs.get('priority + next forward')} (partition 0 holds the first layer).
 
-How to read it. Launching during backward (FIFO, priority, DDP) hides communication behind the
-rest of backward; what remains exposed at the end is the last partitions' transfer. Ordering
-alone (priority vs FIFO, both waiting for everything at step()) changes *which* transfer is last,
-not how much is sent, so without next-forward overlap the two should be within noise: TicTac's
-+19.2% training throughput came from GPU workers whose next iteration's first layers could start
-as soon as their parameters arrived, and its 2.3x smaller straggler effect from a *deterministic*
-order on every worker instead of a random one. Here both orders are already deterministic and
-agreed on every rank (the keyed scheduler), so there is no random-order straggling to remove.
-What ordering buys appears with next-forward overlap: the first layer's partition is sent first,
-so the next forward starts while the later layers' partitions are still in flight. On this
+How to read it. Every overlapped variant packs a partition on backward's thread as soon as its
+last gradient arrives and sends it asynchronously once every rank has it ready: one agreement
+round per partition ready and per transfer completed here, each issued by the thread that saw
+the event, so no rank polls. The credit keeps about three partitions in flight and holds the
+rest, so a partition that becomes ready later, with a higher priority, overtakes the held ones.
+When step() waits for every partition (FIFO, priority), the order only decides which transfer
+ends last, not when the last one ends, so the two are within noise of each other. The order pays
+when the next iteration can start before everything has arrived: backward makes the first layer
+ready last, and the next forward needs it first. FIFO sends it last, behind every held later
+layer, so the next forward waits for the whole exchange; priority sends it as soon as credit
+frees, and the first layers' updates and forward run while the later layers are still in flight
+(compare the two next-forward rows). That is the mechanism of TicTac's +19.2% training
+throughput (GPU workers whose next iteration's first layers could start as soon as their
+parameters arrived). TicTac's 2.3x smaller straggler effect came from replacing a random,
+per-worker order by one order on every worker; here both orders are the same on every rank by
+construction (the keyed agreement), so there is no random-order straggling to remove. On this
 machine the two ranks share {machine_info()['nproc']} cores with their communication threads
-(loopback copies and reductions are CPU work, and other jobs load the machine: see the load
-average below), so overlap competes with computation for the same cores and the gains are
-smaller and noisier than on a GPU with a NIC; p95/p50 shows the spread.
+(loopback copies and reductions are CPU work, and other jobs may load the machine: see the load
+average below), so overlap competes with computation for the same cores, and the gains are
+smaller and noisier than on GPUs with a NIC; p95/p50 shows the spread.
 
 {machine_line()}
 """
