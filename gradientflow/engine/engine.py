@@ -204,12 +204,22 @@ class Engine:
             # Wake the engine only when this op changes its decision: a timed wait (the cycle
             # time) re-reads _last_submit when it ends anyway, and a wake-up per op costs the
             # issuing thread a GIL hand-off (a per-tensor loop issues one every few us).
+            thr = self.config.fusion_threshold
+            crossed = self._run_bytes >= thr > self._run_bytes - op.nbytes
             if (len(self._q) == 1 or waited or self._run_len < len(self._q)
-                    or self._run_bytes >= self.config.fusion_threshold):
+                    or self._run_bytes >= thr):
                 self._cv.notify_all()
         STATS.record_operation()
         if TIMELINE.enabled:
             op.queued_us = now_us()
+        if crossed:
+            # A full message is queued: let the engine have the GIL now to agree and send it.
+            # A caller in a tight loop of submissions would otherwise keep the GIL for up to
+            # Python's switch interval (5 ms), and the first message of a list would leave
+            # only when the loop ends (measured: ~6 ms into a 161-tensor list). With the
+            # yield, fused / 25 MB buckets went from 1.27-1.33 to 1.17-1.20 (2 ranks,
+            # ResNet-50 list, busy machine, same runs alternated).
+            time.sleep(0)
         return self._work(public, seq, "allreduce", nudge=True)
 
     def submit_eager(self, name: str, launch: Callable[[], Any], outputs: Any) -> Any:
