@@ -165,6 +165,7 @@ class _DistributedOptimizer:
 
         # --- internal, per step ---
         self._lock = threading.Lock()
+        self._write_lock = threading.Lock()  # held only inside _write: it never calls out
         self._counts = [0] * len(self._params)  # backward passes seen since the last sync
         self._missing = [set(part.params) for part in self._plan]  # not ready yet, per partition
         self._futs: dict[int, torch.futures.Future] = {}  # submitted partitions of this step
@@ -398,6 +399,12 @@ class _DistributedOptimizer:
         return flat
 
     def _write(self, seg, value: torch.Tensor, used: bool) -> None:
+        # Partitions complete on the transport's threads, two at a time: the row blocks of one
+        # parameter must not both find no buffer and each allocate one (a lost block).
+        with self._write_lock:
+            self._write_locked(seg, value, used)
+
+    def _write_locked(self, seg, value: torch.Tensor, used: bool) -> None:
         i = seg.index
         p = self._params[i]
         if self._opts.overlap_next_forward:
