@@ -209,6 +209,7 @@ def worker(rank: int, world_size: int, model: str, batch: int, image: int, varia
         opt.step()
 
     times = {v: [] for v in runners}
+    cpu = {v: [] for v in runners}  # process CPU seconds per step: all of the rank's threads
     tx = {v: 0 for v in runners}
     for v in runners:  # warm-up (powerSGD needs start_powerSGD_iter=2 steps before compressing)
         for _ in range(warmup):
@@ -231,12 +232,13 @@ def worker(rank: int, world_size: int, model: str, batch: int, image: int, varia
             dist.barrier()
             b0 = _nic_tx_bytes(ifname)
             for _ in range(per_round):
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 step(v)
                 times[v].append(time.perf_counter() - t0)
+                cpu[v].append(time.process_time() - c0)
             tx[v] += _nic_tx_bytes(ifname) - b0
     n_params = {v: sum(p.numel() for p in m.parameters()) for v, m in runners.items()}
-    return {"times": times, "tx_bytes": tx, "steps": {v: len(t) for v, t in times.items()},
+    return {"times": times, "cpu": cpu, "tx_bytes": tx, "steps": {v: len(t) for v, t in times.items()},
             "skipped": skipped, "params": n_params, "probe_busbw_gbps": busbw}
 
 
@@ -270,6 +272,11 @@ def _summarise(res, variants, world_size, model, tier_label, shaped, batch):
                      "label": LABELS[v], "link_gbps": r0.get("probe_busbw_gbps"),
                      "median_ms": median(step_times) * 1e3,
                      "p95_ms": p95(step_times) * 1e3, "n_steps": len(step_times),
+                     # CPU the rank's process spent per step (median over steps, mean over
+                     # ranks): the work a variant costs, which other load inflates far less
+                     # than wall time (it still pays for cache misses and spinning threads).
+                     "cpu_ms": (sum(median(r["cpu"][v]) for r in res.results) / len(res.results)
+                                * 1e3 if all("cpu" in r for r in res.results) else None),
                      # On loopback every rank shares `lo`: its counter holds all ranks' bytes.
                      "wire_MB_per_step": (median(tx) if shaped else median(tx) / world_size) / 1e6,
                      "params": r0["params"][v], "batch": batch})
@@ -278,6 +285,8 @@ def _summarise(res, variants, world_size, model, tier_label, shaped, batch):
     for r in rows:
         if "median_ms" not in r:
             continue
+        if limit and r.get("cpu_ms") is not None and limit.get("cpu_ms") is not None:
+            r["extra_cpu_ms"] = r["cpu_ms"] - limit["cpu_ms"]
         if limit:
             r["comm_ms"] = max(r["median_ms"] - limit["median_ms"], 0.0)
             r["comm_to_comp"] = r["comm_ms"] / limit["median_ms"]
@@ -418,7 +427,11 @@ def _markdown(rows, single, notes, tier_rows, cmd, quick, machine=None):
            "Median step time over interleaved rounds (each step: the slowest rank); comm = step "
            "minus the no-communication step of the same run; wire = bytes each rank's NIC sent "
            "per step; speedup over DDP on gloo measured in the same launch; scaling efficiency = "
-           "throughput at n ranks / (n x throughput of one rank alone). One thread per rank. "
+           "throughput at n ranks / (n x throughput of one rank alone). CPU ms over nocomm = "
+           "the process CPU time per step of a rank (all its threads) minus the "
+           "no-communication step's: what the variant's communication costs the rank's core "
+           "(compression, DDP's copies, the transport), which other load inflates far less than "
+           "wall time. One thread per rank. "
            "Load avg = the machine's 1-minute load average after the launch: above the core "
            "count, other work shared the cores and slowed every variant of that launch alike.", ""]
     nproc = (machine or machine_info())["nproc"] or 1
@@ -456,10 +469,10 @@ def _markdown(rows, single, notes, tier_rows, cmd, quick, machine=None):
                             f"{r['tier']} {fmt(r.get('comm_to_comp'))}x "
                             f"({fmt(r.get('link_gbps'))} Gbit/s)" for r in ratio), ""]
             out += [markdown_table(
-                ["tier", "label", "median_ms", "p95_ms", "comm_ms", "wire_MB_per_step",
-                 "speedup_vs_ddp", "scaling_eff", "load1", "skipped"], sub,
-                ["tier", "variant", "median ms", "p95 ms", "comm ms", "wire MB/step/rank",
-                 "speedup vs DDP", "scaling eff.", "load avg", "note"]), ""]
+                ["tier", "label", "median_ms", "p95_ms", "comm_ms", "extra_cpu_ms",
+                 "wire_MB_per_step", "speedup_vs_ddp", "scaling_eff", "load1", "skipped"], sub,
+                ["tier", "variant", "median ms", "p95 ms", "comm ms", "CPU ms over nocomm",
+                 "wire MB/step/rank", "speedup vs DDP", "scaling eff.", "load avg", "note"]), ""]
     out += _targets_section(rows)
     if notes:
         out += ["Notes:", ""] + [f"- {n}" for n in notes] + [""]
