@@ -116,6 +116,7 @@ def worker(rank: int, world: int, width: int, depth: int, batch: int, blocks: in
             opt.finish_updates()
     times = {v: [] for v in VARIANTS}
     rounds = {v: 0 for v in VARIANTS}  # agreement rounds of the keyed scheduler
+    logs: dict[str, list[int]] = {}  # launch order of each variant's last timed iteration
     for _ in range(blocks):
         for v in VARIANTS:
             dist.barrier(group=gf)
@@ -130,7 +131,7 @@ def worker(rank: int, world: int, width: int, depth: int, batch: int, blocks: in
                 times[v].append(time.perf_counter() - t0)
             if sched is not None:
                 rounds[v] += sched.rounds - r0
-    logs = {v: setups[v][1].launch_log for v in VARIANTS if hasattr(setups[v][1], "launch_log")}
+                logs[v] = list(opt.launch_log)  # the group's scheduler is shared: copy it now
     return {"rank": rank, "times": times, "calib": calib, "nparams": nparams, "rounds": rounds,
             "partitions": len(setups["priority"][1].plan), "last_launch_logs": logs}
 
@@ -196,8 +197,9 @@ step() waits for everything, {fnf['p50 ms'] / nf['p50 ms']:.2f}x with next-forwa
 Priority vs no overlap: {prio['speed-up vs no overlap']:.2f}x; priority + next forward vs no
 overlap: {nf['speed-up vs no overlap']:.2f}x, vs DDP: {ddp['p50 ms'] / nf['p50 ms']:.2f}x.
 {per_iter:.1f} agreement rounds per iteration (priority). Launch order of the last iteration:
-FIFO {logs.get('FIFO overlap')}, priority {logs.get('priority')}, priority + next forward
-{logs.get('priority + next forward')} (partition 0 holds the first layer).
+FIFO {logs.get('FIFO overlap')}, priority {logs.get('priority')}, FIFO + next forward
+{logs.get('FIFO + next forward')}, priority + next forward {logs.get('priority + next forward')}
+(partition 0 holds the first layer).
 
 How to read it. Every overlapped variant packs a partition on backward's thread as soon as its
 last gradient arrives and sends it asynchronously once every rank has it ready: one agreement
