@@ -9,7 +9,10 @@
 
 How a step flows (on a gradientflow process group):
 1. backward: each parameter's post-accumulate-grad hook marks it ready; a partition (see plan.py)
-   whose parameters are all ready is submitted to the group's keyed scheduler at once.
+   whose parameters are all ready is submitted to the group's keyed scheduler at once; a dense
+   one is packed into its persistent flat buffer there, on the hook's thread (already divided
+   by the world size for Average, as DDP does), and later sent as one asynchronous allreduce
+   whose result the gradients then point into (no copy back).
 2. the scheduler launches, among the partitions ready on EVERY rank, the one the next forward
    needs first (priority = position of its first parameter in registration order, our proxy for
    forward order; TicTac's TIC for a chain), within a byte credit; so the launch order is the same
@@ -73,9 +76,11 @@ class OptimizerOptions:
     op: ReduceOp = ReduceOp.Average
     gradient_predivide_factor: float = 1.0
     priority: bool = True  # TicTac order; False: FIFO (the order backward makes them ready)
-    # 1 MiB: a quarter of the scheduler's default credit (4 MB), so one agreement round can launch
-    # several small partitions, while a 25 M-parameter model is ~100 partitions (~100 rounds of
-    # ~0.1 ms on loopback: small beside its transfer time).
+    # 1 MiB: a quarter of the scheduler's default credit (4 MB), so several small partitions fit
+    # in flight, while a 25 M-parameter model is ~100 partitions. The scheduler runs one round
+    # per partition ready and per transfer completed, at most 128 per step (~0.1-0.5 ms each on
+    # loopback, more on busy cores); a wide model benefits from larger partitions (the overlap
+    # benchmark uses one per layer).
     partition_bytes: int = 1 << 20
     overlap_next_forward: bool = False
     sparse_as_dense: bool = False
