@@ -393,7 +393,8 @@ class Engine:
             completion.complete(self._q.popleft().fut, error=err)
         self._run_len = self._run_bytes = 0
 
-    def _fail(self, exc: BaseException) -> None:
+    def _fail(self, exc: BaseException) -> BaseException:
+        """Fail the group with `exc` (explained) unless it failed already; return its error."""
         if self._error is None and self.explain is not None:
             try:
                 exc = self.explain(exc)
@@ -409,6 +410,7 @@ class Engine:
             self._fail_queued(err)
             self._busy = False
             self._cv.notify_all()
+        return err
 
     def _round(self, candidates: list[FusableOp]) -> tuple[int, torch.Tensor]:
         """One agreement round: the batch end every rank has reached, plus fingerprints.
@@ -582,13 +584,15 @@ class Engine:
             with self._cv:
                 self._inflight -= 1
                 self._cv.notify_all()
+        if error is not None:
+            # Fail the group first, so these Works carry its explained error (which rank died,
+            # what differed) like every later call, not the transport's raw one.
+            error = self._fail(error)
         items = [(op.fut, [op.tensor], error) for op in msg.ops]
         if buf.device.type == "cpu":
             completion.settle_here(items)  # already on a pool thread: no second hop
         else:
             completion.complete_all(items)
-        if error is not None:
-            self._fail(error)
 
     def _run_eager(self, op: EagerOp) -> None:
         work = op.launch()
@@ -597,8 +601,8 @@ class Engine:
             try:
                 f.value()
                 completion.complete(op.fut, op.outputs)
-            except BaseException as exc:  # noqa: BLE001
-                completion.complete(op.fut, error=exc)
+            except BaseException as exc:  # noqa: BLE001 - a transport failure: the group is broken
+                completion.complete(op.fut, error=self._fail(exc))
 
         work.get_future().then(done)
 
@@ -630,7 +634,7 @@ class Engine:
             self._stage_event(codec_name, tl.CAT_CODEC, t0, t1, lane)
             completion.complete(op.fut, stop.value)
         except BaseException as exc:
-            completion.complete(op.fut, error=exc)
+            completion.complete(op.fut, error=self._fail(exc))
             raise
 
     @staticmethod
