@@ -93,11 +93,11 @@ class Config:
     # another collective starts it at once). 0 sends whatever is queued as soon as the transport
     # falls idle, which in practice sends most tensors alone. 1 ms is Horovod's default.
     cycle_time_ms: float = 1.0
-    # Priority scheduling (DistributedOptimizer): bytes launched per agreement round before
-    # re-deciding (ByteScheduler's credit), and how often a rank with no new ready partition
-    # still joins the others' rounds.
+    # Priority scheduling (DistributedOptimizer): ByteScheduler's credit, the bytes in flight,
+    # as agreed by the rounds at each ready partition and each completed transfer (at least 3
+    # transfers are always allowed: 2 in flight beat 1 and all at once, a 3rd covers the round
+    # that frees the credit).
     schedule_credit: int = 4 * 10**6
-    schedule_poll_ms: float = 2.0
     # Threads of the numba compression kernels per rank; 0: the cores divided among the ranks
     # of this host (torchrun's LOCAL_WORLD_SIZE, else the group's size), at least 1: ranks that
     # share cores must not oversubscribe them.
@@ -125,7 +125,6 @@ class Config:
             "fusion_segments": lambda v, n: _parse_int(v, n, 1, 8),
             "cycle_time_ms": lambda v, n: _parse_float(v, n, 0.0, 1000.0),
             "schedule_credit": lambda v, n: parse_size(v, n),
-            "schedule_poll_ms": lambda v, n: _parse_float(v, n, 0.05, 1000.0),
             "kernel_threads": lambda v, n: _parse_int(v, n, 0, 1024),
             "local_world_size": lambda v, n: _parse_int(v, n, 0, 1 << 20),
             "debug": _parse_bool,

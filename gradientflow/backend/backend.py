@@ -166,7 +166,7 @@ class GradientFlowBackend(_CBackend):
                                                     prefix="gradientflow/sched-")
                 self._scheduler = KeyedScheduler(
                     rank, size, self._sched_agree, self._sched_transports.get,
-                    self.config.schedule_credit, self.config.schedule_poll_ms,
+                    self.config.schedule_credit,
                     timeout.total_seconds(), name=self.group_name or "gradientflow")
             return self._scheduler
 

@@ -95,8 +95,7 @@ class KeyedScheduler:
 
     def __init__(self, rank: int, world_size: int, agree_group: Any,
                  transport_for: Callable[[torch.device], Any], credit_bytes: int,
-                 poll_ms: float, timeout_s: float, name: str = "gradientflow") -> None:
-        # poll_ms is accepted for the Config field but unused: rounds follow readiness counts.
+                 timeout_s: float, name: str = "gradientflow") -> None:
         self.rank = rank
         self.world_size = world_size
         self._agree = agree_group

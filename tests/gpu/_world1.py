@@ -126,7 +126,7 @@ class _EngineShim:
             self._sched_transports = Transports(store, rank, size, timeout, prefix="gradientflow/sched-")
             self._scheduler = KeyedScheduler(
                 rank, size, _make_gloo(store, rank, size, timeout, "gradientflow/sched-agree/"),
-                self._sched_transports.get, cfg.schedule_credit, cfg.schedule_poll_ms,
+                self._sched_transports.get, cfg.schedule_credit,
                 timeout.total_seconds(), name="gpu-check")
         return self._scheduler
 
