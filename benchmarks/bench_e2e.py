@@ -494,7 +494,8 @@ def _targets_section(rows) -> list[str]:
                 "target_ms": None if is_speedup else float(target),
                 "target_x": float(target) if is_speedup else base / target,
                 "median_ms": got and got["median_ms"], "speedup_vs_ddp": got and
-                got.get("speedup_vs_ddp"), "load1": got and got.get("load1")})
+                got.get("speedup_vs_ddp"), "load1": got and got.get("load1"),
+                "why": _why_missed(rows, got, float(target)) if is_speedup and got else ""})
     if not any(t["median_ms"] for t in table):
         return []
     return ["### Against issue 7's targets (ResNet-50, 2 ranks)", "",
@@ -502,9 +503,32 @@ def _targets_section(rows) -> list[str]:
             "the core count, every variant ran slower and computation-bound, so compare "
             "speedups (measured side by side) rather than milliseconds.", "",
             markdown_table(["tier", "label", "target_ms", "target_x", "median_ms",
-                            "speedup_vs_ddp", "load1"], table,
+                            "speedup_vs_ddp", "load1", "why"], table,
                            ["tier", "variant", "target ms", "target speedup", "measured ms",
-                            "measured speedup", "load avg"]), ""]
+                            "measured speedup", "load avg", "where a target is missed: why"]),
+            ""]
+
+
+def _why_missed(rows, got: dict, target: float) -> str:
+    """Why a speedup target was missed, from the same launch's anchors: compute-bound (the
+    no-communication step itself is below the target) or the variant's own cost over it."""
+    if got.get("speedup_vs_ddp") is None or got["speedup_vs_ddp"] >= target:
+        return ""
+    same = [r for r in rows if r["model"] == got["model"] and r["ranks"] == got["ranks"]
+            and r.get("rate_gbps") == got.get("rate_gbps") and r.get("group") == got.get("group")
+            and "median_ms" in r]
+    nocomm = next((r for r in same if r["variant"] == "nocomm"), None)
+    ddp = next((r for r in same if r["variant"] == "ddp"), None)
+    if nocomm is None or ddp is None:
+        return ""
+    limit = ddp["median_ms"] / nocomm["median_ms"]
+    cost = (f"the variant costs {fmt(got['median_ms'] - nocomm['median_ms'])} ms over the "
+            f"no-communication step ({fmt(got.get('extra_cpu_ms'))} ms of it CPU: compression "
+            "kernels, engine, TCP)")
+    if limit < target:
+        return (f"compute-bound: one step computes in {fmt(nocomm['median_ms'])} ms here, so even "
+                f"no communication at all is only {fmt(limit)}x over DDP; and {cost}")
+    return f"kernel/CPU cost: the limit is {fmt(limit)}x, but {cost}"
 
 
 def _plotted(row) -> bool:
