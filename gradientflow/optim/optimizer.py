@@ -76,12 +76,14 @@ class OptimizerOptions:
     op: ReduceOp = ReduceOp.Average
     gradient_predivide_factor: float = 1.0
     priority: bool = True  # TicTac order; False: FIFO (the order backward makes them ready)
-    # 1 MiB: a quarter of the scheduler's default credit (4 MB), so several small partitions fit
-    # in flight, while a 25 M-parameter model is ~100 partitions. The scheduler runs one round
-    # per partition ready and per transfer completed, at most 128 per step (~0.1-0.5 ms each on
-    # loopback, more on busy cores); a wide model benefits from larger partitions (the overlap
-    # benchmark uses one per layer).
-    partition_bytes: int = 1 << 20
+    # 25 MiB, DDP's bucket size. The scheduler runs one round per partition ready and per
+    # transfer completed (at most 128 per step, 0.1-0.5 ms each on loopback, more on busy
+    # cores), so many small partitions cost more than ordering buys: ResNet-50 on 2 ranks at an
+    # emulated 10 Gbps stepped in 1089 ms with 1 MiB partitions (136 of them), 639 ms with
+    # 8 MiB (18), 571 ms with 25 MiB (5), DDP 489-541 ms (bench_e2e, gf_opt, same runs). A
+    # model with few large layers wants smaller partitions for priority to reorder anything
+    # (the overlap benchmark uses one per layer).
+    partition_bytes: int = 25 << 20
     overlap_next_forward: bool = False
     sparse_as_dense: bool = False
 
@@ -665,7 +667,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                          compression=None, backward_passes_per_step: int = 1,
                          op: ReduceOp = Average, gradient_predivide_factor: float = 1.0,
                          process_group=None, priority: bool = True,
-                         partition_bytes: int = 1 << 20, overlap_next_forward: bool = False,
+                         partition_bytes: int = 25 << 20, overlap_next_forward: bool = False,
                          sparse_as_dense: bool = False) -> torch.optim.Optimizer:
     """Wrap `optimizer` so that step() applies gradients averaged over every rank (Horovod's API).
 
