@@ -14,23 +14,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from bits import assert_same_bits
 from gradientflow import kernels as K
-
-
-
-def assert_same_bits(ours: torch.Tensor, ref: torch.Tensor) -> None:
-    """Assert two tensors are bit-identical (any NaN matches any NaN), naming the first miss."""
-    assert ours.dtype == ref.dtype and ours.shape == ref.shape, (ours.dtype, ref.dtype)
-    view = {torch.float32: torch.int32, torch.float16: torch.int16,
-            torch.bfloat16: torch.int16}[ours.dtype]
-    a, b = ours.contiguous(), ref.contiguous()
-    same = (a.view(view) == b.view(view)) | (torch.isnan(a.float()) & torch.isnan(b.float()))
-    if not bool(same.all()):
-        i = int((~same).nonzero()[0])
-        raise AssertionError(
-            f"{int((~same).sum())} of {a.numel()} elements differ; first at {i}: "
-            f"ours {a[i].item()!r} (bits {a.view(view)[i].item():#x}) vs "
-            f"ref {b[i].item()!r} (bits {b.view(view)[i].item():#x})")
 
 DEV = "cuda"
 WIRES = (torch.float32, torch.float16, torch.bfloat16)

@@ -1,18 +1,3 @@
 """Shared helpers of the kernel tests."""
 
-import torch
-
-
-def assert_same_bits(ours: torch.Tensor, ref: torch.Tensor) -> None:
-    """Assert two tensors are bit-identical, any NaN matching any NaN."""
-    assert ours.dtype == ref.dtype and ours.shape == ref.shape, (ours.dtype, ref.dtype, ours.shape, ref.shape)
-    a, b = ours.contiguous(), ref.contiguous()
-    view = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}[a.dtype]
-    same = (a.view(view) == b.view(view)) | (torch.isnan(a.float()) & torch.isnan(b.float()))
-    if not bool(same.all()):
-        i = int((~same).nonzero()[0])
-        raise AssertionError(
-            f"{int((~same).sum())} of {a.numel()} elements differ; first at {i}: "
-            f"ours {a[i].item()!r} (bits {a.view(view)[i].item():#x}) vs "
-            f"ref {b[i].item()!r} (bits {b.view(view)[i].item():#x})"
-        )
+from bits import assert_same_bits  # noqa: F401 - re-exported for `from .conftest import ...`
