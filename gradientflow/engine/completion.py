@@ -151,12 +151,7 @@ def complete_all(items: list[tuple[torch.futures.Future, Any, BaseException | No
     items: (future, value, error) triples. A callback that blocks delays the rest by at most
     about `_HANDOFF_S` (the watchdog continues the batch on another pool thread).
     """
-    if len(items) == 1:
-        complete(*items[0])
-        return
-    batch = _Batch(items)
-    _watchdog.add(batch)
-    _get_pool().submit(batch.run)
+    _get_pool().submit(settle_here, items)
 
 
 def settle_here(items: list[tuple[torch.futures.Future, Any, BaseException | None]]) -> None:

@@ -134,13 +134,16 @@ class Engine:
     def describe(self, seq: int, name: str) -> str:
         return f"rank {self.rank}: {name} (sequence number {seq}) on process group {self._name}"
 
-    def check_not_engine_thread(self, what: str) -> None:
-        """Refuse a blocking wait on the engine's own thread: it would wait on itself forever."""
+    def check_not_engine_thread(self, describe: Callable[[], str]) -> None:
+        """Refuse a blocking wait on the engine's own thread: it would wait on itself forever.
+
+        `describe` names the op; it is called only for the error (every wait() passes here).
+        """
         if threading.current_thread() is self._thread:
             raise RuntimeError(
-                f"gradientflow: {what}: wait() called on the engine thread, which is the thread "
-                "that must complete it (a deadlock). Chain work with Future.then() instead of "
-                "waiting inside a stage."
+                f"gradientflow: {describe()}: wait() called on the engine thread, which is the "
+                "thread that must complete it (a deadlock). Chain work with Future.then() "
+                "instead of waiting inside a stage."
             )
 
     def _check_usable(self, what: str) -> None:

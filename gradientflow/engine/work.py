@@ -36,7 +36,7 @@ class FutureWork(Work):
 
     def __init__(self, fut: torch.futures.Future, describe: Callable[[], str],
                  timeout_s: float, nudge: Callable[[], None] | None = None,
-                 check_thread: Callable[[str], None] | None = None) -> None:
+                 check_thread: Callable[[Callable[[], str]], None] | None = None) -> None:
         super().__init__()
         self._fut = fut
         self._describe = describe
@@ -51,7 +51,7 @@ class FutureWork(Work):
     def wait(self, timeout: datetime.timedelta | None = None) -> bool:  # noqa: D401
         """Block until the operation finished; raise its error, or a timeout naming the op."""
         if self._check_thread is not None:
-            self._check_thread(self._describe())
+            self._check_thread(self._describe)
         if self._nudge is not None and not self._fut.done():
             self._nudge()
         limit = self._timeout_s
