@@ -240,11 +240,24 @@ def dies_with_fused_allreduces(rank, world, out_dir, case):
     store.wait([f"seen/{1 - rank}"])
     tensors = [torch.full((1000,), float(rank)) for _ in range(40)]  # 4 KB each: deferred
     if rank == 1:
-        if case == "in_flight":  # agree the batch with rank 0, send one message of ten, die
+        if case == "in_flight":
+            # Agree the batch with rank 0, send its first message of ten, and die at the
+            # second's launch, after agreeing it: rank 0's second message is then in flight
+            # with no partner, whatever the timing (waiting for "one message sent" from out
+            # here raced: all ten could finish first, and rank 0 saw no error).
+            engine = backend_of().engine
+            launch = engine._launch_message
+
+            def launch_then_die(msg, seg, buf):
+                if engine.counters.messages >= 1:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                launch(msg, seg, buf)
+
+            engine._launch_message = launch_then_die
             for t in tensors:
                 dist.all_reduce(t, async_op=True)
             backend_of().flush()
-            assert _wait_for(lambda: backend_of().engine.counters.messages >= 1, 20)
+            _wait_for(lambda: False, 20)  # the engine thread kills this process
         os.kill(os.getpid(), signal.SIGKILL)
     t0 = time.monotonic()
     errors, works = [], []
@@ -273,7 +286,7 @@ def test_dead_peer_is_named_by_fused_allreduces(pools, tmp_path, case):
     assert "rank 1: died" in str(info.value) and "rank 0" not in str(info.value), str(info.value)
     with open(tmp_path / "rank0.json") as f:
         r0 = json.load(f)
-    # In flight, the last messages may have completed before rank 1 died; the rest must fail.
+    # In flight, the first message completed before rank 1 died; the other nine must fail.
     assert r0["errors"], r0
     assert r0["took"] < 8.0, r0  # within the 10 s group timeout
     for msg in r0["errors"]:
