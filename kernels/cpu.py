@@ -1,10 +1,15 @@
 """numba CPU kernels of CSC: each fuses what the torch reference does in several passes.
 
-- ``chunk_norms``: residual-add (and DGC momentum) written back into the gradient and each
-  chunk's norm, in one read of the gradient (the norm loop reruns over the chunk just written,
-  which is still in L1 cache).
+- ``chunk_norms``: residual-add (and DGC momentum) written back into the gradient, or into a
+  buffer of its own with the gradient zeroed in the same loop, and each chunk's norm, in one
+  read of the gradient (the norm loop reruns over the chunk just written, still in L1 cache).
+- ``select_chunks``: top-k by a partition, O(n), no sort.
 - ``pack_chunks``: gather + scale + round to the wire type, straight into the send buffer.
 - ``unpack_update``: scatter back + residual update + zeroing of the unsent chunks, one pass.
+- ``unpack_sent``: the same for the k sent chunks only, when v already sits in the residual and
+  the gradient is zero (``chunk_norms(..., v_out=, zero_grad=True)``): CSC with error feedback
+  then makes one full pass over the bucket per step instead of two.
+- ``all_finite``: counts inf/NaN exponents in the raw bits (no mask tensor).
 - ``cast_feedback`` / ``upcast_finite``: the dense FP16 wire with error feedback in one pass
   before the allreduce (add, round, rounding error) and one after (upcast + finiteness count).
 
@@ -30,6 +35,9 @@ __all__ = [
     "chunk_norms",
     "pack_chunks",
     "unpack_update",
+    "unpack_sent",
+    "select_chunks",
+    "all_finite",
     "cast_scaled",
     "upcast_scaled",
     "cast_feedback",
@@ -68,12 +76,39 @@ def _chunk_sum(g, l2):
     return acc
 
 
+@njit(inline="never", cache=True, nogil=True, fastmath={"reassoc"})
+def _add_zero_sum(g, r, v, l2):
+    """v = g + r, g = 0 and the sum of |v| (or v*v), in one loop over one chunk.
+
+    The error-feedback case of CSC in a single vectorised loop: writing v, zeroing g and then
+    summing v in separate loops over the (L1-resident) chunk measured 6-7.3 ms per 7.5 M
+    elements against 4.3-4.6 ms for this one. Only the reduction is reassociated, as in
+    ``_chunk_sum``; v itself is the exact float32 sum.
+    """
+    acc = np.float32(0.0)
+    if l2:
+        for i in range(g.size):
+            x = g[i] + r[i]
+            v[i] = x
+            g[i] = np.float32(0.0)
+            acc += x * x
+    else:
+        for i in range(g.size):
+            x = g[i] + r[i]
+            v[i] = x
+            g[i] = np.float32(0.0)
+            acc += abs(x)
+    return acc
+
+
 @njit(**_PAR)
-def _norms_kernel(g, r, has_r, mom, mom_out, mode, m, chunk, l2, norms):
-    """v = grad (+ momentum) + residual into g, u into mom_out, and each chunk's norm.
+def _norms_kernel(g, r, has_r, mom, mom_out, mode, m, chunk, l2, norms, vout, sep, zero_g):
+    """v = grad (+ momentum) + residual into vout, u into mom_out, and each chunk's norm.
 
     mode 0: no momentum; 1: u = m*mom + g, v = r + u; 2 (Nesterov): u = (mom + g)*m,
     v = r + u + g. The additions are in the reference's order, so v is bit-identical.
+    ``vout`` is g itself unless ``sep``; ``zero_g`` then zeroes g's chunk while it is in cache,
+    so the caller needs no second full pass over g to clear what is not sent.
     """
     n = g.size
     mf = np.float32(m)
@@ -81,11 +116,18 @@ def _norms_kernel(g, r, has_r, mom, mom_out, mode, m, chunk, l2, norms):
         lo = c * chunk
         hi = min(lo + chunk, n)
         gg = g[lo:hi]
+        vo = vout[lo:hi]
+        if mode == 0 and has_r and sep and zero_g:
+            norms[c] = _add_zero_sum(gg, r[lo:hi], vo, l2)
+            continue
         if mode == 0:
             if has_r:
                 rr = r[lo:hi]
                 for i in range(gg.size):
-                    gg[i] = gg[i] + rr[i]
+                    vo[i] = gg[i] + rr[i]
+            elif sep:
+                for i in range(gg.size):
+                    vo[i] = gg[i]
         else:
             mm = mom[lo:hi]
             mo = mom_out[lo:hi]
@@ -95,12 +137,12 @@ def _norms_kernel(g, r, has_r, mom, mom_out, mode, m, chunk, l2, norms):
                     for i in range(gg.size):
                         u = mf * mm[i] + gg[i]
                         mo[i] = u
-                        gg[i] = rr[i] + u
+                        vo[i] = rr[i] + u
                 else:
                     for i in range(gg.size):
                         u = mf * mm[i] + gg[i]
                         mo[i] = u
-                        gg[i] = u
+                        vo[i] = u
             else:
                 if has_r:
                     rr = r[lo:hi]
@@ -108,14 +150,17 @@ def _norms_kernel(g, r, has_r, mom, mom_out, mode, m, chunk, l2, norms):
                         x = gg[i]
                         u = (mm[i] + x) * mf
                         mo[i] = u
-                        gg[i] = (rr[i] + u) + x
+                        vo[i] = (rr[i] + u) + x
                 else:
                     for i in range(gg.size):
                         x = gg[i]
                         u = (mm[i] + x) * mf
                         mo[i] = u
-                        gg[i] = u + x
-        norms[c] = _chunk_sum(gg, l2)
+                        vo[i] = u + x
+        if zero_g:
+            for i in range(gg.size):
+                gg[i] = np.float32(0.0)
+        norms[c] = _chunk_sum(vo, l2)
 
 
 @njit(**_PAR)
@@ -203,6 +248,76 @@ def _unpack_kernel(v, r, has_r, red, red_code, loc, loc_code, has_loc, cmap, chu
             if not (has_r and has_loc):
                 for i in range(oo.size):
                     oo[i] = _load(pr, i, red_code) * us
+
+
+@njit(**_PAR)
+def _unpack_sent_kernel(out, r, has_r, red, red_code, loc, loc_code, has_loc, idx, chunk,
+                        unscale, err_scale):
+    """Sent chunks only: out = reduced * unscale; r = r - local * err_scale (0 without local)."""
+    n = out.size
+    us = np.float32(unscale)
+    es = np.float32(err_scale)
+    for j in prange(idx.size):
+        lo = idx[j] * chunk
+        hi = min(lo + chunk, n)
+        oo = out[lo:hi]
+        pr = red[j * chunk:j * chunk + oo.size]
+        for i in range(oo.size):
+            oo[i] = _load(pr, i, red_code) * us
+        if has_r:
+            rr = r[lo:hi]
+            if has_loc:
+                pl = loc[j * chunk:j * chunk + oo.size]
+                for i in range(rr.size):
+                    rr[i] = rr[i] - _load(pl, i, loc_code) * es
+            else:
+                for i in range(rr.size):
+                    rr[i] = np.float32(0.0)
+
+
+@njit(nogil=True, cache=True)
+def _count_masked_kernel(bits, mask):
+    """How many elements have every bit of ``mask`` set (mask = the exponent: inf or NaN)."""
+    cnt = 0
+    for i in range(bits.size):
+        cnt += (bits[i] & mask) == mask
+    return cnt
+
+
+@njit(nogil=True, cache=True)
+def _select_kernel(norms, k, out):
+    """out = the k largest of norms (NaN as +inf), ties to the lower index, in index order.
+
+    The k-th largest key is found by a partition (O(n)); every key above it is taken, and as
+    many keys equal to it as are still needed, in index order: what a stable descending sort
+    followed by an ascending sort of the first k gives, without sorting.
+    """
+    n = norms.size
+    key = np.empty(n, dtype=np.float32)
+    for i in range(n):
+        x = norms[i]
+        key[i] = np.inf if np.isnan(x) else x
+    if k == 0:
+        return
+    if k == n:
+        for i in range(n):
+            out[i] = i
+        return
+    t = np.partition(key, n - k)[n - k]
+    above = 0
+    for i in range(n):
+        above += key[i] > t
+    ties = k - above
+    j = 0
+    for i in range(n):
+        x = key[i]
+        if x > t:
+            out[j] = i
+            j += 1
+        elif x == t and ties > 0:
+            out[j] = i
+            j += 1
+            ties -= 1
 
 
 @njit(**_PAR)
@@ -353,23 +468,47 @@ def _indices(op: str, indices: torch.Tensor, nch: int) -> np.ndarray:
 
 
 def chunk_norms(grad, residual, chunk_size, norm="l1", *, momentum=None, momentum_out=None,
-                m=0.9, nesterov=False):
+                m=0.9, nesterov=False, v_out=None, zero_grad=False):
     """numba version of ``reference.chunk_norms`` (see the dispatch module for the contract)."""
     nch = nchunks_of(grad.numel(), chunk_size)
     norms = torch.empty(nch, dtype=torch.float32)
     if nch == 0:
         return norms
     mode = 0 if momentum is None else (2 if nesterov else 1)
+    g = _f32(grad)
     with _threads.launch():
         _norms_kernel(
-            _f32(grad),
+            g,
             _EMPTY if residual is None else _f32(residual),
             residual is not None,
             _EMPTY if momentum is None else _f32(momentum),
             _EMPTY if momentum_out is None else _f32(momentum_out),
             mode, m, chunk_size, norm == "l2", norms.numpy(),
+            g if v_out is None else _f32(v_out), v_out is not None, bool(zero_grad),
         )
     return norms
+
+
+def select_chunks(norms, k):
+    """numba version of ``reference.select_chunks`` without forced chunks."""
+    key = norms.detach()
+    if key.dtype != torch.float32:
+        key = key.to(torch.float32)
+    out = torch.empty(k, dtype=torch.int64)
+    _select_kernel(key.numpy(), k, out.numpy())
+    return out
+
+
+_FINITE_MASK = {torch.float32: (torch.int32, np.uint32, 0x7F800000),
+                torch.float16: (torch.int16, np.uint16, 0x7C00),
+                torch.bfloat16: (torch.int16, np.uint16, 0x7F80)}
+
+
+def all_finite(x):
+    """numba version of ``reference.all_finite`` (float32, float16, bfloat16)."""
+    ity, npty, mask = _FINITE_MASK[x.dtype]
+    bits = x.detach().view(ity).numpy().view(npty)
+    return _count_masked_kernel(bits, npty(mask)) == 0
 
 
 def pack_chunks(v, indices, chunk_size, scale, wire_dtype, *, out):
@@ -405,6 +544,29 @@ def unpack_update(v, residual, packed_reduced, packed_local, indices, chunk_size
             red, _CODE[packed_reduced.dtype],
             loc, loc_code, packed_local is not None,
             cmap, chunk_size, unscale, err_scale, _f32(out),
+        )
+    return out
+
+
+def unpack_sent(out, residual, packed_reduced, packed_local, indices, chunk_size, unscale, err_scale):
+    """numba version of ``reference.unpack_sent``."""
+    nch = nchunks_of(out.numel(), chunk_size)
+    idx = _indices("unpack_sent", indices, nch)
+    if idx.size > 1 and not bool((idx[1:] > idx[:-1]).all()):
+        raise ValueError(
+            "unpack_sent: chunk indices must be strictly increasing (as select_chunks returns them); "
+            "a repeated chunk would take its rounding error off the residual twice"
+        )
+    if idx.size == 0:
+        return out
+    red = _wire(packed_reduced)
+    loc = red if packed_local is None else _wire(packed_local)
+    loc_code = _CODE[packed_reduced.dtype if packed_local is None else packed_local.dtype]
+    with _threads.launch():
+        _unpack_sent_kernel(
+            _f32(out), _EMPTY if residual is None else _f32(residual), residual is not None,
+            red, _CODE[packed_reduced.dtype], loc, loc_code, packed_local is not None,
+            idx, chunk_size, unscale, err_scale,
         )
     return out
 
@@ -465,12 +627,19 @@ def warm_up() -> None:
         for mo in (None, mom):
             for l2 in ("l1", "l2"):
                 chunk_norms(g, res, 2, l2, momentum=mo, momentum_out=mo, nesterov=mo is not None)
+                chunk_norms(g, res, 2, l2, momentum=mo, momentum_out=mo, nesterov=mo is not None,
+                            v_out=torch.empty(5), zero_grad=True)
     idx = torch.tensor([0, 2])
+    select_chunks(torch.ones(5), 2)
+    for dt in (torch.float32, torch.float16, torch.bfloat16):
+        all_finite(torch.ones(3, dtype=dt))
     for wd in (torch.float32, torch.float16, torch.bfloat16):
         p = torch.empty(4, dtype=wd)
         pack_chunks(g, idx, 2, 1.0, wd, out=p)
         unpack_update(g, r, p, p, idx, 2, 1.0, 1.0, out=torch.empty(5))
         unpack_update(g, None, p, None, idx, 2, 1.0, 1.0, out=g)
+        unpack_sent(g, r, p, p, idx, 2, 1.0, 1.0)
+        unpack_sent(g, None, p, None, idx, 2, 1.0, 1.0)
         c = torch.empty(5, dtype=wd)
         cast_scaled(g, 1.0, wd, out=c)
         upcast_scaled(c, 1.0, out=torch.empty(5))

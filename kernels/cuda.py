@@ -120,8 +120,9 @@ def _round16(x, code):
 
 
 @cuda.jit
-def _norms_kernel(g, r, has_r, mom, mom_out, mode, m, chunk, l2, norms):
-    """One block per chunk (grid-strided): fold residual/momentum into g, reduce the norm."""
+def _norms_kernel(g, r, has_r, mom, mom_out, mode, m, chunk, l2, norms, vout, zero_g):
+    """One block per chunk (grid-strided): fold residual/momentum into vout (g itself, or a
+    buffer of its own, then g may be zeroed), reduce the norm."""
     n = g.size
     tid = cuda.threadIdx.x
     buf = cuda.shared.array(TPB, np.float32)
@@ -144,7 +145,9 @@ def _norms_kernel(g, r, has_r, mom, mom_out, mode, m, chunk, l2, norms):
                 u = _mul(mom[i] + x, mf)
                 mom_out[i] = u
                 v = (r[i] + u) + x if has_r else u + x
-            g[i] = v
+            vout[i] = v
+            if zero_g:
+                g[i] = np.float32(0.0)
             acc += v * v if l2 else abs(v)
             i += TPB
         buf[tid] = acc
@@ -256,8 +259,9 @@ def _empty_f32(like):
     return arr
 
 
-def launch_chunk_norms(g, r, mom, mom_out, mode, m, chunk, l2, norms, stream=0):
-    """Launch the norms kernel; r/mom/mom_out may be None; mode 0 plain, 1 momentum, 2 Nesterov."""
+def launch_chunk_norms(g, r, mom, mom_out, mode, m, chunk, l2, norms, stream=0, vout=None,
+                       zero_g=False):
+    """Launch the norms kernel; r/mom/mom_out/vout may be None; mode 0 plain, 1 momentum, 2 Nesterov."""
     dummy = _empty_f32(g)
     nch = norms.shape[0]
     if nch == 0:
@@ -265,7 +269,7 @@ def launch_chunk_norms(g, r, mom, mom_out, mode, m, chunk, l2, norms, stream=0):
     _norms_kernel[min(nch, _MAX_BLOCKS), TPB, stream](
         g, dummy if r is None else r, r is not None,
         dummy if mom is None else mom, dummy if mom_out is None else mom_out,
-        mode, float(m), chunk, bool(l2), norms,
+        mode, float(m), chunk, bool(l2), norms, g if vout is None else vout, bool(zero_g),
     )
 
 
@@ -349,7 +353,7 @@ def _stream(t):
 
 
 def chunk_norms(grad, residual, chunk_size, norm="l1", *, momentum=None, momentum_out=None,
-                m=0.9, nesterov=False):
+                m=0.9, nesterov=False, v_out=None, zero_grad=False):
     """CUDA version of ``reference.chunk_norms``."""
     import torch
 
@@ -361,7 +365,7 @@ def chunk_norms(grad, residual, chunk_size, norm="l1", *, momentum=None, momentu
             None if momentum is None else _arr(momentum),
             None if momentum_out is None else _arr(momentum_out),
             0 if momentum is None else (2 if nesterov else 1), m, chunk_size, norm == "l2",
-            _arr(norms), _stream(grad),
+            _arr(norms), _stream(grad), None if v_out is None else _arr(v_out), zero_grad,
         )
     return norms
 

@@ -17,6 +17,8 @@ __all__ = [
     "select_chunks",
     "pack_chunks",
     "unpack_update",
+    "unpack_sent",
+    "all_finite",
     "cast_scaled",
     "upcast_scaled",
     "cast_feedback",
@@ -42,8 +44,10 @@ def chunk_norms(
     momentum_out: torch.Tensor | None = None,
     m: float = 0.9,
     nesterov: bool = False,
+    v_out: torch.Tensor | None = None,
+    zero_grad: bool = False,
 ) -> torch.Tensor:
-    """Add the residual (and momentum) into ``grad`` in place and return each chunk's norm.
+    """Add the residual (and momentum) into ``grad`` (or ``v_out``) and return each chunk's norm.
 
     See ``gradientflow.kernels.chunk_norms`` for the contract. "l2" returns the *squared* L2
     norm (sum of v*v): the ranking is the same and the square root is not needed.
@@ -59,15 +63,18 @@ def chunk_norms(
         momentum_out.copy_(u)
     else:
         v = grad if residual is None else grad + residual
-    if v is not grad:
-        grad.copy_(v)
+    dst = grad if v_out is None else v_out
+    if v is not dst:
+        dst.copy_(v)
+    if zero_grad:
+        grad.zero_()
     n = grad.numel()
     full = n // chunk_size
     out = grad.new_empty(nchunks_of(n, chunk_size))
     # Full chunks through a view and the partial tail on its own: no padded copy of the gradient.
-    parts = [(grad[: full * chunk_size].view(full, chunk_size), out[:full])]
+    parts = [(dst[: full * chunk_size].view(full, chunk_size), out[:full])]
     if full * chunk_size < n:
-        parts.append((grad[full * chunk_size :].view(1, -1), out[full:]))
+        parts.append((dst[full * chunk_size :].view(1, -1), out[full:]))
     for mat, dst in parts:
         if norm == "l1":
             torch.sum(mat.abs(), dim=1, out=dst)
@@ -159,6 +166,42 @@ def unpack_update(
         red = red * torch.tensor(unscale, dtype=torch.float32)
         _scatter_rows(out, idx, red, chunk_size)
     return out
+
+
+def unpack_sent(
+    out: torch.Tensor,
+    residual: torch.Tensor | None,
+    packed_reduced: torch.Tensor,
+    packed_local: torch.Tensor | None,
+    indices: torch.Tensor,
+    chunk_size: int,
+    unscale: float,
+    err_scale: float,
+) -> torch.Tensor:
+    """Write the reduced chunks into ``out`` and the rounding error into ``residual``, sent chunks only.
+
+    In sent chunk j: ``out = upcast(reduced_j) * unscale`` and ``residual = residual -
+    upcast(local_j) * err_scale`` (0 without ``packed_local``). Nothing else is touched.
+    """
+    k = indices.numel()
+    if k == 0:
+        return out
+    idx = indices.to(device=out.device, dtype=torch.int64)
+    if residual is not None:
+        if packed_local is None:
+            mat = torch.zeros(k, chunk_size, dtype=torch.float32, device=out.device)
+        else:
+            loc = packed_local.view(k, chunk_size).to(torch.float32)
+            mat = _gather_rows(residual, idx, chunk_size) - loc * torch.tensor(err_scale, dtype=torch.float32)
+        _scatter_rows(residual, idx, mat, chunk_size)
+    red = packed_reduced.view(k, chunk_size).to(torch.float32) * torch.tensor(unscale, dtype=torch.float32)
+    _scatter_rows(out, idx, red, chunk_size)
+    return out
+
+
+def all_finite(x: torch.Tensor) -> bool:
+    """Return whether no element of x is inf or NaN."""
+    return bool(torch.isfinite(x).all())
 
 
 def _gather_rows(x: torch.Tensor, idx: torch.Tensor, chunk_size: int) -> torch.Tensor:

@@ -3,12 +3,18 @@
 Per flat buffer (one bucket), on every rank::
 
     v = grad + residual                     (momentum correction: u = m*u + grad; v = residual + u)
+                                            into the spare residual buffer; grad zeroed, same pass
     norms = per-chunk L1 (or squared L2) of v, with the dense parameters' elements left out
     stage 1: SUM-allreduce [norms | dense part if its wire dtype is fp32]
     idx = top ceil(density * nchunks) chunks of the reduced norms (ties to the lower index)
     stage 2: SUM-allreduce [packed chunks of v/n | dense part of v/n if in the wire dtype]
     out = the reduced chunks in place, zeros elsewhere, the dense part everywhere it belongs
     residual = v where not sent; the wire rounding error (v - upcast(local)*n) where sent
+
+Cost: with error feedback the bucket is read and written once per step (v goes to the spare
+residual while the bucket is zeroed, and after the collectives only the k sent chunks are
+written: `kernels.unpack_sent`), not twice (v back into the bucket, then a full scatter pass);
+ResNet-50 on one thread: 38 -> 22 ms of CPU per step (`bench_compression --budget-only`).
 
 Dense parameters inside a mixed bucket (dim <= 1 or numel < min_numel: biases, BN) are gathered
 by one precomputed index into a small tail appended to a stage that already runs: no extra
@@ -135,11 +141,19 @@ class CSCCompressor(Compressor):
         if mc:
             mom_kw = dict(momentum=mem["momentum"], momentum_out=mem["_momentum_spare"],
                           m=cfg.momentum, nesterov=cfg.nesterov)
-        norms = kernels.chunk_norms(flat, residual, c, cfg.norm, **mom_kw)
+        if ef:
+            # v goes straight into the spare residual (the new residual wherever nothing is sent)
+            # and the bucket is zeroed while it is in cache: after the collectives only the k sent
+            # chunks are written (unpack_sent), not a second full pass over the bucket.
+            v = new_residual
+            norms = kernels.chunk_norms(flat, residual, c, cfg.norm, v_out=v, zero_grad=True, **mom_kw)
+        else:
+            v = flat
+            norms = kernels.chunk_norms(flat, residual, c, cfg.norm, **mom_kw)
         dense_v = None
         if d:
-            dense_v = flat.index_select(0, plan.dense_idx)
-            vals = flat.index_select(0, plan.mixed_pos).view(-1, c)
+            dense_v = v.index_select(0, plan.dense_idx)
+            vals = v.index_select(0, plan.mixed_pos).view(-1, c)
             vals = vals.abs() if cfg.norm == "l1" else vals * vals
             norms[plan.mixed_chunks] = torch.where(plan.mixed_keep, vals, vals.new_zeros(())).sum(dim=1)
 
@@ -155,14 +169,14 @@ class CSCCompressor(Compressor):
         reduced1 = yield from self._stage(stage1)
         self.stats.add_bucket(numel=numel, chunks_sent=k, chunks_total=nch, elements_sent_dense=d,
                               density=density, warmup=self.in_warmup())
-        if not bool(torch.isfinite(reduced1).all()):
+        if not kernels.all_finite(reduced1):
             return self._non_finite(flat, plan, reduced1[:nch], None, None, reduced1[nch:] if dense_in_1 else None)
         reduced_norms = reduced1[:nch]
 
         # --- stage 2: the chosen chunks, pre-scaled by 1/n (+ the dense part in the wire dtype) ---
         idx = kernels.select_chunks(reduced_norms, k)
         send = torch.empty(k * c + (d if dense_in_2 else 0), dtype=wire_dtype, device=flat.device)
-        kernels.pack_chunks(flat, idx, c, 1.0 / n, wire_dtype, out=send[: k * c])
+        kernels.pack_chunks(v, idx, c, 1.0 / n, wire_dtype, out=send[: k * c])
         if dense_in_2:
             kernels.cast_scaled(dense_v, 1.0 / n, wire_dtype, out=send[k * c:])
         # The local copy gives the exact rounding error (of the cast and of the 1/n pre-scale).
@@ -179,12 +193,15 @@ class CSCCompressor(Compressor):
             third = kernels.cast_scaled(dense_v, 1.0 / n, dense_dtype)
             dense_local = third.clone()
             dense_reduced = yield from self._stage(third)
-        if not bool(torch.isfinite(reduced2).all()) or (dense_reduced is not None and not bool(torch.isfinite(dense_reduced).all())):
+        if not kernels.all_finite(reduced2) or (dense_reduced is not None and not kernels.all_finite(dense_reduced)):
             return self._non_finite(flat, plan, reduced_norms, idx, reduced2[: k * c], dense_reduced)
 
         # --- commit: out (in place over v) and the new residual in one pass, then the dense part ---
-        local_chunks = local[: k * c] if ef else None
-        kernels.unpack_update(flat, new_residual, reduced2[: k * c], local_chunks, idx, c, 1.0, float(n), out=flat)
+        if ef:
+            # flat is zero and new_residual holds v: only the sent chunks change.
+            kernels.unpack_sent(flat, new_residual, reduced2[: k * c], local[: k * c], idx, c, 1.0, float(n))
+        else:
+            kernels.unpack_update(flat, None, reduced2[: k * c], None, idx, c, 1.0, float(n), out=flat)
         if d:
             out_dense = kernels.upcast_scaled(dense_reduced, 1.0, out=torch.empty_like(dense_v))
             flat.index_copy_(0, plan.dense_idx, out_dense)

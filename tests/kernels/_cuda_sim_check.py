@@ -73,6 +73,21 @@ def main():
                     if mode:
                         same_bits(torch.from_numpy(mom_out), tmo)
                     torch.testing.assert_close(torch.from_numpy(norms), ref, rtol=1e-5, atol=1e-5)
+                    # v into a buffer of its own, the gradient zeroed in the same pass
+                    g2 = np.ascontiguousarray(rng.standard_normal(n).astype(np.float32))
+                    tg2, tv2 = torch.from_numpy(g2.copy()), torch.empty(n)
+                    ref2 = R.chunk_norms(tg2, None if r is None else torch.from_numpy(r), c,
+                                         "l2" if l2 else "l1",
+                                         momentum=None if mom is None else torch.from_numpy(mom),
+                                         momentum_out=torch.empty(n) if mode else None, m=0.9,
+                                         nesterov=mode == 2, v_out=tv2, zero_grad=True)
+                    vout = np.empty(n, np.float32)
+                    norms2 = np.empty(nch, np.float32)
+                    K.launch_chunk_norms(g2, r, mom, np.empty(n, np.float32) if mode else None, mode,
+                                         0.9, c, l2, norms2, vout=vout, zero_g=True)
+                    same_bits(torch.from_numpy(vout), tv2)
+                    same_bits(torch.from_numpy(g2), tg2)
+                    torch.testing.assert_close(torch.from_numpy(norms2), ref2, rtol=1e-5, atol=1e-5)
                     cases += 1
         for wd in (torch.float32, torch.float16, torch.bfloat16):
             v = rng.standard_normal(n).astype(np.float32) * 100

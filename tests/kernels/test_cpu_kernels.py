@@ -70,6 +70,42 @@ def test_chunk_norms_matches_reference(lay, norm, has_r, mom, alias, seed):
     torch.testing.assert_close(outs["numba"][2], outs["torch"][2], rtol=2e-5, atol=1e-5)
 
 
+@SETTINGS
+@given(lay=layouts(), norm=st.sampled_from(["l1", "l2"]), has_r=st.booleans(),
+       mom=st.sampled_from([None, "plain", "nesterov"]), zero=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_chunk_norms_into_v_out_matches_reference(lay, norm, has_r, mom, zero, seed):
+    """v written into a buffer of its own (grad zeroed or left) is the in-place v, bit for bit."""
+    n, c = lay
+    grad = _vec(seed, n)
+    res = _vec(seed + 1, n) if has_r else None
+    momentum = _vec(seed + 2, n) if mom else None
+    kw = dict(m=0.9, nesterov=mom == "nesterov")
+    in_place = grad.clone()
+    m_ref = torch.empty(n) if mom else None
+    norms_ref = K.chunk_norms(in_place, res, c, norm, momentum=momentum, momentum_out=m_ref,
+                              impl="torch", **kw)
+    for impl in ("numba", "torch"):
+        g = grad.clone()
+        v = torch.full((n,), 5.0)
+        m_out = torch.empty(n) if mom else None
+        norms = K.chunk_norms(g, res, c, norm, momentum=momentum, momentum_out=m_out,
+                              v_out=v, zero_grad=zero, impl=impl, **kw)
+        assert_same_bits(v, in_place)
+        assert_same_bits(g, torch.zeros(n) if zero else grad)
+        if mom:
+            assert_same_bits(m_out, m_ref)
+        torch.testing.assert_close(norms, norms_ref, rtol=2e-5, atol=1e-5)
+
+
+def test_chunk_norms_refuses_an_aliased_v_out_and_zero_grad_alone():
+    g, r = torch.ones(8), torch.ones(8)
+    with pytest.raises(ValueError, match="v_out must be a buffer of its own"):
+        K.chunk_norms(g, r, 4, v_out=r)
+    with pytest.raises(ValueError, match="zero_grad=True needs a v_out"):
+        K.chunk_norms(g, r, 4, zero_grad=True)
+
+
 def test_chunk_norms_propagates_non_finite():
     g = torch.ones(10)
     g[3] = float("nan")
@@ -116,6 +152,46 @@ def test_unpack_update_matches_reference(lay, wire, seed, has_r, has_loc, alias,
     assert_same_bits(results["numba"][0], results["torch"][0])
     if has_r:
         assert_same_bits(results["numba"][1], results["torch"][1])
+
+
+@SETTINGS
+@given(lay=layouts(), wire=st.sampled_from(WIRES), seed=st.integers(0, 2**16),
+       has_r=st.booleans(), has_loc=st.booleans(), data=st.data())
+def test_unpack_sent_matches_reference_and_unpack_update(lay, wire, seed, has_r, has_loc, data):
+    """norms into v_out + zero_grad, then unpack_sent == unpack_update on the same v, bit for bit."""
+    n, c = lay
+    v = _vec(seed, n, 10.0, specials=True)
+    idx = data.draw(chosen(R.nchunks_of(n, c)))
+    local = K.pack_chunks(v, idx, c, 0.5, wire, impl="torch")
+    reduced = (local.float() * 2).to(wire)  # as if two ranks had sent the same
+    loc = local if has_loc else None
+    # The full pass: out over v, residual from v.
+    full_out, full_r = v.clone(), (torch.full((n,), 9.0) if has_r else None)
+    K.unpack_update(full_out, full_r, reduced, loc, idx, c, 0.5, 2.0, out=full_out, impl="torch")
+    for impl in ("numba", "torch"):
+        out = torch.zeros(n)  # what chunk_norms(..., zero_grad=True) leaves in the gradient
+        r = v.clone() if has_r else None  # ... and v, in the spare residual
+        assert K.unpack_sent(out, r, reduced, loc, idx, c, 0.5, 2.0, impl=impl) is out
+        assert_same_bits(out, full_out)
+        if has_r:
+            assert_same_bits(r, full_r)
+
+
+def test_unpack_sent_refuses_unsorted_or_repeated_chunks():
+    out, r = torch.zeros(8), torch.zeros(8)
+    p = torch.zeros(8, dtype=torch.float16)
+    with pytest.raises(ValueError, match="strictly increasing"):
+        K.unpack_sent(out, r, p, p, torch.tensor([1, 1]), 4, 1.0, 1.0, impl="numba")
+
+
+@SETTINGS
+@given(n=st.integers(0, 3000), wire=st.sampled_from(WIRES), seed=st.integers(0, 2**16),
+       bad=st.sampled_from([None, "inf", "-inf", "nan"]), data=st.data())
+def test_all_finite_matches_reference(n, wire, seed, bad, data):
+    x = _vec(seed, n, 100.0, specials=True).to(wire)  # specials: some overflow to inf in 16 bits
+    if bad is not None and n:
+        x[data.draw(st.integers(0, n - 1))] = float(bad)
+    assert K.all_finite(x, impl="numba") is K.all_finite(x, impl="torch") is bool(torch.isfinite(x).all())
 
 
 @SETTINGS

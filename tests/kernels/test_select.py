@@ -44,6 +44,16 @@ def test_forced_chunks_are_added_and_not_counted(norms, data):
     assert sorted(top + torch.nonzero(forced).flatten().tolist()) == idx.tolist()
 
 
+@settings(max_examples=200, deadline=None)
+@given(norms=st.lists(norm_values | st.sampled_from([-0.0, -1.0, float("-inf")]), min_size=0, max_size=300),
+       data=st.data())
+def test_numba_selection_equals_the_reference(norms, data):
+    """The O(n) partition kernel picks exactly what the stable sort picks, ties and NaN included."""
+    t = torch.tensor(norms, dtype=torch.float32)
+    k = data.draw(st.integers(0, len(norms)))
+    assert torch.equal(K.select_chunks(t, k, impl="numba"), K.select_chunks(t, k, impl="torch"))
+
+
 def test_invalid_k_is_refused():
     with pytest.raises(ValueError, match="k must be"):
         K.select_chunks(torch.ones(3), 4)
