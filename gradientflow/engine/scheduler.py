@@ -46,7 +46,6 @@ each other, and each is consistent across ranks on its own.
 from __future__ import annotations
 
 import collections
-import math
 import threading
 import time
 from dataclasses import dataclass
@@ -62,9 +61,6 @@ from gradientflow.observability.stats import STATS
 from gradientflow.observability.timeline import TIMELINE, now_us
 
 MAX_KEYS = 1024  # most partitions one step may declare (the round carries one slot per key)
-# Most rounds per step: a step with more partitions issues a round every k-th event. Each
-# round costs a small allreduce (~0.1-0.5 ms on loopback, more when the cores are busy).
-MAX_ROUNDS = 128
 # Ops kept in flight whatever the byte credit. Measured on loopback gloo (2 ranks, 8 x 4 MiB
 # sent back to back): two in flight took 51 ms, one at a time 81 ms (the transport idles while
 # the next is issued), all at once 70 ms (they compete for gloo's two worker threads and the
@@ -80,7 +76,7 @@ class KeyedOp:
 
     key: int
     priority: int
-    gen: StageGen
+    gen: StageGen | None  # None: submit_tensor (one allreduce, no generator)
     device: torch.device
     nbytes: int
     fut: torch.futures.Future
@@ -104,18 +100,20 @@ class KeyedScheduler:
         self.timeout_s = timeout_s
         self._name = name
         self._cv = threading.Condition()  # an RLock: a callback may run inline in its issuer
+        # The executor waits on a condition of its own (same lock): a completion notifies
+        # begin()'s waiters, and waking the idle executor for it cost a GIL hand-off each.
+        self._exec_cv = threading.Condition(self._cv)
         # --- this step (reset by begin) ---
         self._step = 0
         self._num_keys = 0
-        self._every = 1  # a round every `_every` events of a kind (and at the last)
-        self._count = 0  # partitions submitted here this step
-        self._completed = 0  # partitions of this step whose transfer completed here
+        self._need = False  # agreed: this step's keys are not all agreed ready yet
         self._outstanding: set[int] = set()  # declared, not launched yet
         self._submitted: dict[int, KeyedOp] = {}  # ready here, not agreed yet
         self._agreed: set[int] = set()
         self._pool: list[KeyedOp] = []  # agreed, not launched (waiting for credit)
         # --- rounds, in issue order (never reset) ---
         self._issued = 0
+        self._round_out = False  # our latest round is not processed yet (at most one is)
         self._results: dict[int, tuple[torch.Tensor, int, int]] = {}
         self._next_result = 0
         # --- launch sequence (never reset: in-flight bytes carry across steps) ---
@@ -159,9 +157,7 @@ class KeyedScheduler:
             self._raise_if_broken()
             self._step += 1
             self._num_keys = num_keys
-            self._every = math.ceil(2 * num_keys / MAX_ROUNDS)
-            self._count = 0
-            self._completed = 0
+            self._need = True
             self._outstanding = set(range(num_keys))
             self._agreed = set()
             self.launch_log = []
@@ -184,11 +180,35 @@ class KeyedScheduler:
                     "declared for this step (call begin() once per step, submit each key once)")
             self._submitted[key] = KeyedOp(key, priority, gen, device, nbytes, fut, first,
                                            self._step)
-            self._count += 1
-            issued = self._maybe_issue(self._count)
+            issued = self._maybe_issue()
         self._attach(issued)
         STATS.record_operation()
         return public
+
+    def submit_tensor(self, key: int, priority: int, tensor: torch.Tensor,
+                      nbytes: int | None = None) -> torch.futures.Future:
+        """Mark `key` ready locally with one tensor to SUM-allreduce in place (already packed).
+
+        The lightest path, for the DistributedOptimizer's dense partitions: the returned future
+        is completed with `tensor` (summed over ranks) on the transport's thread, with no
+        generator to resume there and no hand-off to a completion pool, so whatever follows
+        (unpacking) runs on the thread that waits. Its callbacks therefore run on the
+        transport's thread and must not block; wait() on it is the intended use.
+        """
+        fut = torch.futures.Future()
+        nbytes = tensor.numel() * tensor.element_size() if nbytes is None else nbytes
+        with self._cv:
+            self._raise_if_broken()
+            if key not in self._outstanding or key in self._submitted or key in self._agreed:
+                raise RuntimeError(
+                    f"gradientflow: rank {self.rank}: partition {key} submitted twice or not "
+                    "declared for this step (call begin() once per step, submit each key once)")
+            self._submitted[key] = KeyedOp(key, priority, None, tensor.device, nbytes, fut,
+                                           tensor, self._step)
+            issued = self._maybe_issue()
+        self._attach(issued)
+        STATS.record_operation()
+        return fut
 
     def pending(self) -> int:
         """Keys declared this step and not launched yet."""
@@ -203,6 +223,7 @@ class KeyedScheduler:
                                "destroyed while gradient partitions were still scheduled")
             self._fail_waiting(err)
             self._cv.notify_all()
+            self._exec_cv.notify_all()
         self._thread.join(5.0)
 
     def _raise_if_broken(self) -> None:
@@ -230,20 +251,33 @@ class KeyedScheduler:
             self._cv.notify_all()
 
     # ------------------------------------------------------------------ rounds
-    def _maybe_issue(self, count: int):
-        """Issue a round if `count` (events of one kind this step) is a threshold (lock held)."""
-        n = self._num_keys
-        if count != n and count % self._every:
+    def _news(self) -> bool:
+        """Whether this rank knows something the last processed round did not agree (lock held):
+        a key ready here but not everywhere, or a completion that could free held credit."""
+        return bool(self._submitted) or (bool(self._pool)
+                                         and self._done_here > self._done_agreed)
+
+    def _maybe_issue(self):
+        """Issue the step's next round if it is due and this rank has news for it (lock held).
+
+        A round is due while the agreed state says this step's keys are not all agreed ready
+        (`_need`, the same on every rank after the same rounds), and only once this rank has
+        processed its previous round. Every rank therefore issues the same rounds: each issues
+        round i+1 iff round i left keys unagreed, and does so as soon as it has news (at the
+        latest when its last key is submitted), whatever its timing.
+        """
+        if (self._round_out or not self._need or self._closing or self._error is not None
+                or not self._news()):
             return None
+        n = self._num_keys
         vec = torch.zeros(n + 1, dtype=torch.int64)
-        for k in self._submitted:
-            vec[k] = 1
-        for k in self._agreed:
-            vec[k] = 1
+        keys = list(self._submitted) + list(self._agreed)
+        vec[keys] = 1
         vec[n] = self._done_here
         index = self._issued
         self._issued += 1
         self.rounds = self._issued
+        self._round_out = True
         opts = AllreduceOptions()
         opts.reduceOp = ReduceOp.MIN
         # Issued under the lock: rounds enter the agreement group in index order.
@@ -272,13 +306,17 @@ class KeyedScheduler:
                 while self._next_result in self._results:
                     self._decide(*self._results.pop(self._next_result))
                     self._next_result += 1
+                self._round_out = False
+                # Whatever became ready here while this round was in flight goes into the next.
+                issued = self._maybe_issue()
                 if self._busy or any(op.first is None for op in self._queue):
-                    self._cv.notify_all()  # the executor keeps the sequence
+                    self._exec_cv.notify()  # the executor keeps the sequence
                 else:
                     # Only single-stage launches and the executor idle: issue them here (a
                     # thread hand-off less), under the lock, so they keep the sequence order.
                     while self._queue:
                         self._launch_async(self._queue.popleft())
+            self._attach(issued)
         except BaseException as exc:  # noqa: BLE001 - fail loudly, never hang
             self._fail(exc)
 
@@ -296,6 +334,7 @@ class KeyedScheduler:
         in_flight = sum(self._seq_bytes[self._done_agreed:])
         ops_in_flight = len(self._seq_bytes) - self._done_agreed
         last = len(self._agreed) == n  # nothing can arrive any more: launch all, in order
+        self._need = not last  # the same on every rank: the step's last round is this one
         while self._pool:
             op = self._pool[0]
             if (not last and ops_in_flight >= MIN_IN_FLIGHT
@@ -316,7 +355,7 @@ class KeyedScheduler:
         while True:
             with self._cv:
                 while not self._closing and not self._queue:
-                    self._cv.wait()
+                    self._exec_cv.wait()
                 if self._closing:
                     return
                 self._busy = True
@@ -342,9 +381,8 @@ class KeyedScheduler:
             self._seq_done[op.seq] = True
             while self._done_here < len(self._seq_done) and self._seq_done[self._done_here]:
                 self._done_here += 1
-            if op.step == self._step and self._error is None and not self._closing:
-                self._completed += 1
-                issued = self._maybe_issue(self._completed)
+            if op.step == self._step:
+                issued = self._maybe_issue()  # only while held credit waits for this news
             self._cv.notify_all()  # begin() may wait for the previous step's completions
         self._attach(issued)
 
@@ -368,6 +406,22 @@ class KeyedScheduler:
     def _on_complete(self, op: KeyedOp, tensor: torch.Tensor, f: torch.futures.Future) -> None:
         """Transport callback of a single-stage op: unpack, count it, complete its future."""
         value, error = None, None
+        if op.gen is None:  # submit_tensor: nothing to run here, complete inline
+            try:
+                f.value()  # raises the transport's error, if any
+                self._record(op, tensor, op.t_launch)
+            except BaseException as exc:  # noqa: BLE001 - delivered through the future
+                error = exc
+                self._fail(exc)
+            self._mark_done(op)
+            try:
+                if error is not None:
+                    op.fut.set_exception(error)
+                else:
+                    op.fut.set_result(tensor)
+            except RuntimeError:
+                pass  # already failed by close() or an earlier error
+            return
         try:
             f.wait()  # raises the transport's error, if any
             self._record(op, tensor, op.t_launch)

@@ -189,6 +189,9 @@ class _DistributedOptimizer:
         self._pending_futs: dict[int, torch.futures.Future] = {}
         self._sparse = [False] * len(self._params)  # sticky: a sparse gradient was seen
         self._buffers: dict[int, torch.Tensor] = {}  # partition key -> its flat buffer
+        # Dense partitions in flight: key -> the StageGen that unpacks its summed buffer, run
+        # by whoever waits for its future (_settle), on the waiting thread.
+        self._unpack: dict[int, Any] = {}
         self._step_open = False  # compressor step not closed yet
         self._hooks = [p.register_post_accumulate_grad_hook(functools.partial(_on_grad_hook,
                                                                               weakref.ref(self), i))
@@ -309,12 +312,17 @@ class _DistributedOptimizer:
             self._begun = True
         dense, sparse = self._grad_inputs(part)
         gen = self._stages(part, dense, sparse)
-        if self._sched is not None:
+        if self._sched is not None and self._compressor is None and not sparse:
             # The dense average is one allreduce: packed here (the hook's thread) and sent
-            # asynchronously; compressed and sparse partitions run their stages in sequence.
-            single = self._compressor is None and not sparse
-            fut = self._sched.submit(k, self._priority[k], gen, part.device, part.nbytes,
-                                     single_stage=single)
+            # asynchronously; its result is unpacked by the thread that waits for it (step(),
+            # or the next forward's pre-hook), not on the transport's thread, where the Python
+            # work of every partition competed with backward for the GIL.
+            flat = next(gen)
+            fut = self._sched.submit_tensor(k, self._priority[k], flat, part.nbytes)
+            self._unpack[k] = gen
+        elif self._sched is not None:
+            # Compressed and sparse partitions run their stages in sequence, on the scheduler.
+            fut = self._sched.submit(k, self._priority[k], gen, part.device, part.nbytes)
         else:
             fut = submit_stages(self._pg, ("optim", id(self), k), gen, part.device,
                                 name="optim", dense_bytes=part.nbytes)
@@ -451,12 +459,25 @@ class _DistributedOptimizer:
                 if k not in self._futs:
                     self._submit(k)
 
+    def _settle(self, k: int, fut: torch.futures.Future) -> None:
+        """Wait for partition k's future; unpack a dense partition's result (this thread)."""
+        gen = self._unpack.pop(k, None)
+        value = fut.wait()
+        if gen is not None:
+            try:
+                gen.send(value)
+            except StopIteration:
+                pass
+            else:
+                raise RuntimeError(f"{_PREFIX}: partition {k}: the dense average asked for a "
+                                   "second allreduce")
+
     def _wait_all(self) -> None:
         futs, self._futs = self._futs, {}
         errors = []
         for k in sorted(futs):
             try:
-                futs[k].wait()
+                self._settle(k, futs[k])
             except Exception as exc:  # noqa: BLE001 - the first one is raised below
                 errors.append((k, exc))
         if errors:
@@ -556,7 +577,7 @@ class _DistributedOptimizer:
             fut = self._pending_futs.pop(k, None)
             if fut is not None:
                 try:
-                    fut.wait()
+                    self._settle(k, fut)
                 except Exception as exc:
                     self._pending.clear()
                     raise RuntimeError(f"{_PREFIX}: rank {self._rank}: partition {k} failed: "
@@ -590,8 +611,8 @@ class _DistributedOptimizer:
                 if any(id(self._params[i]) in self._pending for i in self._ugroups[u][1]):
                     self._apply(u)
         if self._pending_futs:
-            for fut in self._pending_futs.values():
-                fut.wait()
+            for k, fut in list(self._pending_futs.items()):
+                self._settle(k, fut)
             self._pending_futs.clear()
         if not self._futs:
             self._close_compressor_step()

@@ -13,6 +13,7 @@ keeps the parameter's trailing dimensions, so a compressor still sees a matrix, 
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Sequence
@@ -71,15 +72,16 @@ class Partition:
     dtype: torch.dtype
     device: torch.device
 
-    @property
+    # Cached: read on backward's thread for every partition submitted (the plan is immutable).
+    @functools.cached_property
     def numel(self) -> int:
         return sum(s.numel for s in self.segments)
 
-    @property
+    @functools.cached_property
     def nbytes(self) -> int:
         return self.numel * torch.empty((), dtype=self.dtype).element_size()
 
-    @property
+    @functools.cached_property
     def params(self) -> tuple[int, ...]:
         """Indices of the parameters this partition touches (in order, each once)."""
         return tuple(dict.fromkeys(s.index for s in self.segments))
