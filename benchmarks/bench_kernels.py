@@ -1,16 +1,21 @@
 """CSC kernels on ResNet-50's flat gradient: fused numba CPU pipeline vs the torch reference vs a copy.
 
 One CSC step without the network, on a 25,557,032-element float32 gradient (torchvision
-resnet50's parameter count) with a residual: ``chunk_norms`` (residual-add + L1 norms of
-1024-element chunks), ``select_chunks`` (1% of the chunks), ``pack_chunks`` (scaled to FP16),
-``unpack_update`` (scatter back into the gradient + residual update, the packed buffer standing
-in for the reduced one). The same calls run with ``impl="numba"`` and ``impl="torch"``, and a
-plain ``copy_`` of the gradient's bytes is the memory-bandwidth bound; all three alternate rep by
-rep at each thread count (torch and numba set to the same count), medians reported.
+resnet50's parameter count) with a residual, as the CSC compressor runs it with error feedback:
+``chunk_norms`` (residual-add + L1 norms of 1024-element chunks, v written into the spare
+residual and the gradient zeroed in the same pass), ``select_chunks`` (1% of the chunks),
+``pack_chunks`` (scaled to FP16), ``unpack_sent`` (the sent chunks written into the gradient and
+their rounding error into the residual, the packed buffer standing in for the reduced one). The
+same calls run with ``impl="numba"`` and ``impl="torch"``; the two-pass pipeline the compressor
+used before (v back into the gradient, then ``unpack_update`` over every element) runs beside
+them; and a plain ``copy_`` of the gradient's bytes is the memory-bandwidth bound; all alternate
+rep by rep at each thread count (torch and numba set to the same count), medians reported.
 
-GB/s: the bytes each variant must move at the least. The pipeline reads grad and residual and
-writes grad (norms pass), then reads grad and writes residual and grad (unpack pass): 24 bytes
-per element; the copy reads and writes 8. "vs copy" is pipeline GB/s over copy GB/s (1.0 would
+GB/s: the bytes each variant must move at the least. The one-pass pipeline reads grad and
+residual and writes the spare residual and grad: 16 bytes per element (plus k chunks); the
+two-pass one reads grad and residual and writes grad (norms pass), then reads grad and writes
+residual and grad (unpack pass): 24 bytes per element; the copy reads and writes 8. "vs copy" is
+pipeline GB/s over copy GB/s (1.0 would
 mean the pipeline streams as fast as a copy). Also the dense FP16 path (cast_scaled +
 upcast_scaled) for reference, and the FP16 hook's path with error feedback as it runs per bucket
 (``cast_feedback``: residual add + round + rounding error; ``upcast_finite``: upcast + finiteness
@@ -37,19 +42,31 @@ CHUNK = 1024
 DENSITY = 0.01
 
 
-def pipeline(grad, res, send, k, impl, stages=None):
-    """One CSC step on (grad, res); fills `stages` with per-stage seconds when given."""
+def pipeline(grad, res, spare, send, k, impl, stages=None, one_pass=True):
+    """One CSC step on (grad, res); fills `stages` with per-stage seconds when given.
+
+    one_pass: v into `spare` with grad zeroed, then only the sent chunks written (the
+    compressor's path); otherwise v back into grad and a full unpack_update pass (the old path).
+    """
     import time
 
     t0 = time.perf_counter()
-    norms = K.chunk_norms(grad, res, CHUNK, "l1", impl=impl)
+    if one_pass:
+        norms = K.chunk_norms(grad, res, CHUNK, "l1", v_out=spare, zero_grad=True, impl=impl)
+        v = spare
+    else:
+        norms = K.chunk_norms(grad, res, CHUNK, "l1", impl=impl)
+        v = grad
     t1 = time.perf_counter()
-    idx = K.select_chunks(norms, k)
+    idx = K.select_chunks(norms, k, impl=impl)
     t2 = time.perf_counter()
-    packed = K.pack_chunks(grad, idx, CHUNK, 0.5, torch.float16, out=send[: k * CHUNK], impl=impl)
+    packed = K.pack_chunks(v, idx, CHUNK, 0.5, torch.float16, out=send[: k * CHUNK], impl=impl)
     local = packed.clone()  # kept for the rounding error while `packed` is reduced in place
     t3 = time.perf_counter()
-    K.unpack_update(grad, res, packed, local, idx, CHUNK, 1.0, 2.0, out=grad, impl=impl)
+    if one_pass:
+        K.unpack_sent(grad, spare, packed, local, idx, CHUNK, 1.0, 2.0, impl=impl)
+    else:
+        K.unpack_update(grad, res, packed, local, idx, CHUNK, 1.0, 2.0, out=grad, impl=impl)
     t4 = time.perf_counter()
     if stages is not None:
         for name, dt in (("norms", t1 - t0), ("select", t2 - t1), ("pack", t3 - t2),
@@ -74,7 +91,7 @@ def main(argv=None) -> int:
     gen = torch.Generator().manual_seed(0)
     grad0 = torch.randn(n, generator=gen)
     res0 = torch.randn(n, generator=gen) * 0.1
-    grad, res = torch.empty(n), torch.empty(n)
+    grad, res, spare = torch.empty(n), torch.empty(n), torch.empty(n)
     dst = torch.empty(n)
     send = torch.empty(k * CHUNK, dtype=torch.float16)
     half = torch.empty(n, dtype=torch.float16)
@@ -90,18 +107,19 @@ def main(argv=None) -> int:
     for threads in [int(t) for t in args.threads.split(",")]:
         torch.set_num_threads(threads)
         K.set_num_threads(threads)
-        times = {"numba": [], "torch": [], "copy": [], "fp16 numba": [], "fp16 torch": [],
-                 "fp16ef numba": [], "fp16ef torch": []}
-        stages = {"numba": {}, "torch": {}}
+        times = {"numba": [], "torch": [], "numba 2-pass": [], "copy": [], "fp16 numba": [],
+                 "fp16 torch": [], "fp16ef numba": [], "fp16ef torch": []}
+        stages = {"numba": {}, "torch": {}, "numba 2-pass": {}}
         for rep in range(reps + 1):  # rep 0 warms up (page faults, caches)
-            for impl in ("numba", "torch"):
+            for key in ("numba", "torch", "numba 2-pass"):
+                impl = key.split()[0]
                 grad.copy_(grad0)
                 res.copy_(res0)
-                st = {} if rep == 0 else stages[impl]
+                st = {} if rep == 0 else stages[key]
                 t0 = time.perf_counter()
-                pipeline(grad, res, send, k, impl, st)
+                pipeline(grad, res, spare, send, k, impl, st, one_pass=key != "numba 2-pass")
                 if rep:
-                    times[impl].append(time.perf_counter() - t0)
+                    times[key].append(time.perf_counter() - t0)
             t0 = time.perf_counter()
             dst.copy_(grad0)
             if rep:
@@ -119,45 +137,48 @@ def main(argv=None) -> int:
                 if rep:
                     times[f"fp16ef {impl}"].append(time.perf_counter() - t0)
         med = {key: median(v) for key, v in times.items()}
-        moved = {"numba": 24 * n, "torch": 24 * n, "copy": 8 * n,
+        moved = {"numba": 16 * n, "torch": 16 * n, "numba 2-pass": 24 * n, "copy": 8 * n,
                  "fp16 numba": 12 * n, "fp16 torch": 12 * n,
                  "fp16ef numba": 18 * n, "fp16ef torch": 18 * n}
         copy_gbps = moved["copy"] / med["copy"] / 1e9
-        for key in ("numba", "torch", "copy", "fp16 numba", "fp16 torch", "fp16ef numba",
-                    "fp16ef torch"):
+        for key in ("numba", "torch", "numba 2-pass", "copy", "fp16 numba", "fp16 torch",
+                    "fp16ef numba", "fp16ef torch"):
             gbps = moved[key] / med[key] / 1e9
             label = {"numba": "CSC pipeline, numba", "torch": "CSC pipeline, torch reference",
+                     "numba 2-pass": "CSC pipeline, numba, two full passes (before)",
                      "copy": "copy of the gradient (bound)", "fp16 numba": "dense FP16 cast+upcast, numba",
                      "fp16 torch": "dense FP16 cast+upcast, torch",
                      "fp16ef numba": "FP16 hook with error feedback, numba (2 fused passes)",
                      "fp16ef torch": "FP16 hook with error feedback, torch reference"}[key]
             row = {"threads": threads, "variant": label, "impl": key, "median_ms": med[key] * 1e3,
                    "gbps": gbps, "vs_copy": gbps / copy_gbps,
-                   "speedup_vs_torch": (med["torch"] / med[key]) if key in ("numba", "torch")
+                   "speedup_vs_torch": (med["torch"] / med[key]) if key in ("numba", "torch", "numba 2-pass")
                    else (med["fp16 torch"] / med[key]) if key.startswith("fp16 ")
                    else (med["fp16ef torch"] / med[key]) if key.startswith("fp16ef") else None}
             rows.append(row)
-        for impl in ("numba", "torch"):
+        for impl in ("numba", "torch", "numba 2-pass"):
             srow = {"threads": threads, "impl": impl}
             for name, v in stages[impl].items():
                 srow[name] = median(v) * 1e3
             stage_rows.append(srow)
         results.append({"threads": threads, "median_s": med, "stage_ms": stages})
         print(f"threads={threads}: numba {med['numba']*1e3:.1f} ms, torch {med['torch']*1e3:.1f} ms "
-              f"({med['torch']/med['numba']:.2f}x), copy {med['copy']*1e3:.1f} ms", flush=True)
+              f"({med['torch']/med['numba']:.2f}x), numba two-pass {med['numba 2-pass']*1e3:.1f} ms, "
+              f"copy {med['copy']*1e3:.1f} ms", flush=True)
 
     table = markdown_table(
         ["threads", "variant", "median_ms", "gbps", "vs_copy", "speedup_vs_torch"], rows,
         ["threads", "variant", "median ms", "GB/s", "GB/s vs copy", "speedup vs torch"])
     stage_table = markdown_table(
         ["threads", "impl", "norms", "select", "pack", "unpack"], stage_rows,
-        ["threads", "impl", "chunk_norms ms", "select_chunks ms", "pack_chunks ms", "unpack_update ms"])
+        ["threads", "impl", "chunk_norms ms", "select_chunks ms", "pack_chunks ms",
+         "unpack_sent (2-pass: unpack_update) ms"])
     md = (
         "## CSC kernels (numba CPU vs torch reference)\n\n"
         f"{n:,} float32 elements with a residual, chunk {CHUNK}, {k} of {nch} chunks (1%) packed "
         f"to FP16; median of {reps} reps per thread count, variants alternating rep by rep. "
         f"Numba threading layer: {K.threading_layer()}; first compile/cache load "
-        f"{fmt(t_compile)} s. GB/s counts the least bytes moved (pipeline 24 B/element, copy 8, "
+        f"{fmt(t_compile)} s. GB/s counts the least bytes moved (pipeline 16 B/element, the two-pass one 24, copy 8, "
         f"dense FP16 12, FP16 with error feedback 18: read grad and residual, write the half "
         f"buffer and the new residual, then read the half buffer and write the result).\n\n{table}\n\nPer stage (median ms):\n\n{stage_table}\n\n"
         f"{machine_line()}\n"
