@@ -46,6 +46,7 @@ each other, and each is consistent across ranks on its own.
 from __future__ import annotations
 
 import collections
+import math
 import threading
 import time
 from dataclasses import dataclass
@@ -107,6 +108,7 @@ class KeyedScheduler:
         self._step = 0
         self._num_keys = 0
         self._need = False  # agreed: this step's keys are not all agreed ready yet
+        self._priorities: list[int] | None = None  # per key, declared by begin() (optional)
         self._outstanding: set[int] = set()  # declared, not launched yet
         self._submitted: dict[int, KeyedOp] = {}  # ready here, not agreed yet
         self._agreed: set[int] = set()
@@ -133,11 +135,20 @@ class KeyedScheduler:
         self._thread.start()
 
     # ------------------------------------------------------------------ user side
-    def begin(self, num_keys: int) -> None:
-        """Declare this step's keys 0..num_keys-1 (the same on every rank)."""
+    def begin(self, num_keys: int, priorities: list[int] | None = None) -> None:
+        """Declare this step's keys 0..num_keys-1 (the same on every rank).
+
+        priorities: each key's priority (lower goes first), when known in advance (the same on
+        every rank). Then the credit holds an agreed op back only while a key that is not agreed
+        yet has a better priority (it could still overtake); without them, whenever the credit
+        is spent. In FIFO order no later key can overtake, so nothing is ever held.
+        """
         if not 0 < num_keys <= MAX_KEYS:
             raise ValueError(f"gradientflow scheduler: {num_keys} partitions declared; "
                              f"valid range [1, {MAX_KEYS}]: use larger partitions")
+        if priorities is not None and len(priorities) != num_keys:
+            raise ValueError(f"gradientflow scheduler: {len(priorities)} priorities for "
+                             f"{num_keys} partitions; give one per partition (or None)")
         with self._cv:
             self._raise_if_broken()
             if self._outstanding:
@@ -157,6 +168,7 @@ class KeyedScheduler:
             self._raise_if_broken()
             self._step += 1
             self._num_keys = num_keys
+            self._priorities = None if priorities is None else list(priorities)
             self._need = True
             self._outstanding = set(range(num_keys))
             self._agreed = set()
@@ -335,10 +347,18 @@ class KeyedScheduler:
         ops_in_flight = len(self._seq_bytes) - self._done_agreed
         last = len(self._agreed) == n  # nothing can arrive any more: launch all, in order
         self._need = not last  # the same on every rank: the step's last round is this one
+        # The best priority that may still arrive (a key not agreed yet): holding an op back
+        # for credit only helps if such a key could overtake it. Agreed state and static
+        # priorities only, so the same on every rank.
+        if self._priorities is None or last:
+            best_unagreed = -math.inf
+        else:
+            best_unagreed = min(self._priorities[k] for k in range(n) if k not in self._agreed)
         while self._pool:
             op = self._pool[0]
             if (not last and ops_in_flight >= MIN_IN_FLIGHT
-                    and in_flight + op.nbytes > self.credit_bytes):
+                    and in_flight + op.nbytes > self.credit_bytes
+                    and best_unagreed < op.priority):
                 break
             self._pool.pop(0)
             self._outstanding.discard(op.key)

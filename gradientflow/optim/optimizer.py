@@ -308,7 +308,7 @@ class _DistributedOptimizer:
         """Submit partition k (its gradients as they are now: None means no gradient here)."""
         part = self._plan[k]
         if self._sched is not None and not self._begun:
-            self._sched.begin(len(self._plan))
+            self._sched.begin(len(self._plan), self._priority)
             self._begun = True
         dense, sparse = self._grad_inputs(part)
         gen = self._stages(part, dense, sparse)
