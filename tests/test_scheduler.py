@@ -88,3 +88,52 @@ def test_no_rounds_while_idle_and_a_late_rank_still_pairs(pools):
         assert vals == [0.0, 2.0, 4.0]
         assert log == [0, 1, 2]
     assert res[0][3] == res[1][3]
+
+
+def chain_and_tensor_path(rank, world, steps, fifo):
+    """Rank body: submit_tensor ops with static priorities declared in begin()."""
+    import random
+    import time
+
+    import torch
+
+    from gradientflow.engine import scheduler_of
+
+    sched = scheduler_of()
+    sched.credit_bytes = 1  # spent at once: only the priority rule decides what is held
+    n = 10
+    logs, per_step = [], []
+    for step in range(steps):
+        prios = [n - 1 - k for k in range(n)] if fifo else list(range(n))
+        r0 = sched.rounds
+        sched.begin(n, prios)
+        order = list(range(n - 1, -1, -1))  # backward order: the last key is ready first
+        if not fifo:
+            random.Random(step * 10 + rank).shuffle(order)  # readiness differs per rank
+        futs = {}
+        for i, key in enumerate(order):
+            if rank == 1 and i % 3 == 0:
+                time.sleep(0.002)  # a slow rank: readiness really interleaves with rounds
+            futs[key] = sched.submit_tensor(key, prios[key], torch.full((100 * (1 + key),),
+                                                                        float(rank + key)))
+        for key, fut in futs.items():
+            val = fut.wait()
+            assert torch.all(val == sum(r + key for r in range(world))), (key, val[:3])
+        logs.append(list(sched.launch_log))
+        per_step.append(sched.rounds - r0)
+    return logs, per_step
+
+
+@pytest.mark.parametrize("fifo", [True, False])
+def test_round_chain_and_submit_tensor(pools, fifo):
+    res = pools(2).run(chain_and_tensor_path, 4, fifo, timeout=120)
+    (logs0, rounds0), (logs1, rounds1) = res
+    assert logs0 == logs1, (logs0, logs1)
+    assert rounds0 == rounds1  # the same rounds on every rank, step by step
+    for log, rounds in zip(logs0, rounds0):
+        assert sorted(log) == list(range(10))
+        if fifo:
+            # Nothing can overtake in FIFO order: nothing is held for credit, no completion
+            # round is due, at most one readiness round per key (fewer when batched).
+            assert 1 <= rounds <= 10
+            assert log == list(range(9, -1, -1))
