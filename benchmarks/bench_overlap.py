@@ -28,8 +28,11 @@ import time
 from benchmarks.common import machine_info, machine_line, markdown_table, median, p95, write_result
 from benchmarks.launch import launch
 
+# The last variant is "priority" with one layer per partition (twice as many partitions): what
+# finer partitions cost here (one more agreement round and one more message each).
+FINE = "priority, 1 layer/partition"
 VARIANTS = ["no overlap", "DDP", "FIFO overlap", "priority", "FIFO + next forward",
-            "priority + next forward"]
+            "priority + next forward", FINE]
 
 
 def worker(rank: int, world: int, width: int, depth: int, batch: int, blocks: int,
@@ -63,9 +66,11 @@ def worker(rank: int, world: int, width: int, depth: int, batch: int, blocks: in
         if variant == "DDP":
             model = DDP(model, process_group=gf)
             return model, torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9)
+        layer_bytes = (width + 1) * width * 4
         return model, gfo.DistributedOptimizer(
             sgd, named_parameters=model.named_parameters(), process_group=gf,
-            partition_bytes=partition_bytes, priority=not variant.startswith("FIFO"),
+            partition_bytes=layer_bytes if variant == FINE else partition_bytes,
+            priority=not variant.startswith("FIFO"),
             overlap_next_forward=variant.endswith("next forward"))
 
     setups = {v: make(v) for v in VARIANTS}
@@ -133,7 +138,8 @@ def worker(rank: int, world: int, width: int, depth: int, batch: int, blocks: in
                 rounds[v] += sched.rounds - r0
                 logs[v] = list(opt.launch_log)  # the group's scheduler is shared: copy it now
     return {"rank": rank, "times": times, "calib": calib, "nparams": nparams, "rounds": rounds,
-            "partitions": len(setups["priority"][1].plan), "last_launch_logs": logs}
+            "partitions": len(setups["priority"][1].plan),
+            "fine_partitions": len(setups[FINE][1].plan), "last_launch_logs": logs}
 
 
 def main(argv=None) -> int:
@@ -145,9 +151,11 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=None)
     ap.add_argument("--blocks", type=int, default=None)
     ap.add_argument("--steps-per-block", type=int, default=None)
-    # Default: one layer (weight and bias), so one partition per layer (8 for the default MLP).
-    # At 4 MiB every 4 KiB bias became a partition of its own (16), each a round and a message;
-    # at 1 MiB (the optimizer's default, for deeper models) 40 partitions.
+    # Default: two layers (weights and biases) and a little room, so the 4 KB head joins the
+    # last pair: 4 partitions for the default MLP, which priority can still reorder. One layer
+    # per partition (9) is the FINE variant: each partition costs an agreement round and a
+    # message, which on two shared cores cost more than ordering buys (see the results). At
+    # 4 MiB every 4 KiB bias became a partition of its own (16).
     ap.add_argument("--partition-bytes", type=int, default=None)
     args = ap.parse_args(argv)
     quick = args.quick
@@ -158,7 +166,7 @@ def main(argv=None) -> int:
           "steps_per_block": args.steps_per_block or (3 if quick else 10),
           "partition_bytes": args.partition_bytes}
     if kw["partition_bytes"] is None:
-        kw["partition_bytes"] = (kw["width"] + 1) * kw["width"] * 4
+        kw["partition_bytes"] = 2 * (kw["width"] + 1) * kw["width"] * 4 + (64 << 10)
     res = launch("benchmarks.bench_overlap:worker", world_size=2, kwargs=kw,
                  timeout_s=120 if quick else 900, threads_per_rank=1)
     if not res.ok:
@@ -179,14 +187,16 @@ def main(argv=None) -> int:
     nf = next(r for r in rows if r["variant"] == "priority + next forward")
     fnf = next(r for r in rows if r["variant"] == "FIFO + next forward")
     ddp = next(r for r in rows if r["variant"] == "DDP")
-    per_iter = r0["rounds"]["priority"] / max(1, len(r0["times"]["priority"]))
+    per_iter = {v: r0["rounds"][v] / max(1, len(r0["times"][v])) for v in VARIANTS}
+    fine = next(r for r in rows if r["variant"] == FINE)
     logs = r0["last_launch_logs"]
     md = f"""## Overlap and priority scheduling (DistributedOptimizer)
 
 `python -m benchmarks.bench_overlap{' --quick' if quick else ''}`: 2 ranks on loopback, one thread
 each; MLP {kw['depth']} x {kw['width']}x{kw['width']} + head ({r0['nparams'] / 1e6:.2f} M
 parameters, {r0['nparams'] * 4 / 1e6:.1f} MB of gradients, {r0['partitions']} partitions of
-<= {kw['partition_bytes'] / 2**20:.3g} MiB), batch {kw['batch']}. Alone, one forward+backward takes
+<= {kw['partition_bytes'] / 2**20:.3g} MiB; the last row: {r0.get('fine_partitions', '?')} partitions,
+one layer each), batch {kw['batch']}. Alone, one forward+backward takes
 {cal['compute_ms']:.1f} ms and one allreduce of every gradient {cal['comm_ms']:.1f} ms (rank 0
 medians). {kw['blocks']} interleaved blocks of {kw['steps_per_block']} iterations per variant.
 
@@ -194,23 +204,36 @@ medians). {kw['blocks']} interleaved blocks of {kw['steps_per_block']} iteration
 
 Priority vs FIFO (p50 ratio, > 1: priority faster): {fifo['p50 ms'] / prio['p50 ms']:.2f}x when
 step() waits for everything, {fnf['p50 ms'] / nf['p50 ms']:.2f}x with next-forward overlap.
-Priority vs no overlap: {prio['speed-up vs no overlap']:.2f}x; priority + next forward vs no
-overlap: {nf['speed-up vs no overlap']:.2f}x, vs DDP: {ddp['p50 ms'] / nf['p50 ms']:.2f}x.
-{per_iter:.1f} agreement rounds per iteration (priority). Launch order of the last iteration:
-FIFO {logs.get('FIFO overlap')}, priority {logs.get('priority')}, FIFO + next forward
-{logs.get('FIFO + next forward')}, priority + next forward {logs.get('priority + next forward')}
+FIFO vs no overlap: {fifo['speed-up vs no overlap']:.2f}x; priority vs no overlap:
+{prio['speed-up vs no overlap']:.2f}x, vs DDP: {ddp['p50 ms'] / prio['p50 ms']:.2f}x; priority +
+next forward vs no overlap: {nf['speed-up vs no overlap']:.2f}x, vs DDP:
+{ddp['p50 ms'] / nf['p50 ms']:.2f}x. Priority with one layer per partition vs two:
+{prio['p50 ms'] / fine['p50 ms']:.2f}x (> 1: the finer plan faster).
+Agreement rounds per iteration: FIFO {per_iter['FIFO overlap']:.1f}, priority
+{per_iter['priority']:.1f}, priority with one layer per partition {per_iter[FINE]:.1f}.
+Launch order of the last iteration: FIFO {logs.get('FIFO overlap')}, priority
+{logs.get('priority')}, FIFO + next forward {logs.get('FIFO + next forward')}, priority + next
+forward {logs.get('priority + next forward')}, one layer per partition {logs.get(FINE)}
 (partition 0 holds the first layer).
 
 How to read it. Every overlapped variant packs a partition on backward's thread as soon as its
-last gradient arrives and sends it asynchronously once every rank has it ready: one agreement
-round per partition ready and per transfer completed here, each issued by the thread that saw
-the event, so no rank polls. The credit keeps about three partitions in flight and holds the
-rest, so a partition that becomes ready later, with a higher priority, overtakes the held ones.
-When step() waits for every partition (FIFO, priority), the order only decides which transfer
-ends last, not when the last one ends, so the two are within noise of each other. The order pays
-when the next iteration can start before everything has arrived: backward makes the first layer
-ready last, and the next forward needs it first. FIFO sends it last, behind every held later
-layer, so the next forward waits for the whole exchange; priority sends it as soon as credit
+last gradient arrives (divided by the world size as it is copied) and sends it as one
+asynchronous allreduce once every rank has it ready; the transport completes it without running
+Python, and the thread that waits for it (step(), or the next forward's pre-hook) unpacks it.
+Readiness is agreed in one chain of rounds per step: a round is due while some partition is not
+agreed ready everywhere, and a rank issues it once it has seen the previous round's result and
+has something new (a partition ready here, or a completion that frees held credit), so
+partitions that become ready during a round travel together in the next one and no rank polls.
+A round costs each rank about 0.3-0.7 ms of CPU on these cores, and each partition also costs a
+message, so on this machine fewer, larger partitions pay: compare the last row. The credit
+(about three partitions in flight) holds an agreed partition back only while a partition not
+agreed yet has a better priority, so in FIFO order (where nothing can overtake) nothing is ever
+held, and in priority order a partition that becomes ready later, with a higher priority,
+overtakes the held ones. When step() waits for every partition (FIFO, priority), the order only
+decides which transfer ends last, not when the last one ends, so the two are within noise of
+each other. The order pays when the next iteration can start before everything has arrived:
+backward makes the first layer ready last, and the next forward needs it first. FIFO sends it
+last, so the next forward waits for the whole exchange; priority sends it as soon as credit
 frees, and the first layers' updates and forward run while the later layers are still in flight
 (compare the two next-forward rows). That is the mechanism of TicTac's +19.2% training
 throughput (GPU workers whose next iteration's first layers could start as soon as their
