@@ -12,7 +12,9 @@ How a step flows (on a gradientflow process group):
    whose parameters are all ready is submitted to the group's keyed scheduler at once; a dense
    one is packed into its persistent flat buffer there, on the hook's thread (already divided
    by the world size for Average, as DDP does), and later sent as one asynchronous allreduce
-   whose result the gradients then point into (no copy back).
+   whose result the gradients then point into (no copy back). The transport only completes its
+   future; the thread that waits for it (step(), or the next forward's pre-hook) unpacks it, so
+   no Python runs on the transport's threads competing with backward for the GIL.
 2. the scheduler launches, among the partitions ready on EVERY rank, the one the next forward
    needs first (priority = position of its first parameter in registration order, our proxy for
    forward order; TicTac's TIC for a chain), within a byte credit; so the launch order is the same
@@ -76,9 +78,10 @@ class OptimizerOptions:
     op: ReduceOp = ReduceOp.Average
     gradient_predivide_factor: float = 1.0
     priority: bool = True  # TicTac order; False: FIFO (the order backward makes them ready)
-    # 25 MiB, DDP's bucket size. The scheduler runs one round per partition ready and per
-    # transfer completed (at most 128 per step, 0.1-0.5 ms each on loopback, more on busy
-    # cores), so many small partitions cost more than ordering buys: ResNet-50 on 2 ranks at an
+    # 25 MiB, DDP's bucket size. Each partition costs a message and up to one agreement round
+    # (the scheduler batches what becomes ready while a round is in flight; a round costs each
+    # rank 0.3-0.7 ms of CPU on two busy cores), so many small partitions cost more than ordering
+    # buys (measured with one round per partition ready and per transfer completed): ResNet-50 on 2 ranks at an
     # emulated 10 Gbps stepped in 1089 ms with 1 MiB partitions (136 of them), 639 ms with
     # 8 MiB (18), 571 ms with 25 MiB (5), DDP 489-541 ms (bench_e2e, gf_opt, same runs). A
     # model with few large layers wants smaller partitions for priority to reorder anything
