@@ -224,12 +224,15 @@ Readiness is agreed in one chain of rounds per step: a round is due while some p
 agreed ready everywhere, and a rank issues it once it has seen the previous round's result and
 has something new (a partition ready here, or a completion that frees held credit), so
 partitions that become ready during a round travel together in the next one and no rank polls.
-A round costs each rank about 0.3-0.7 ms of CPU on these cores, and each partition also costs a
-message, so on this machine fewer, larger partitions pay: compare the last row. The credit
-(about three partitions in flight) holds an agreed partition back only while a partition not
-agreed yet has a better priority, so in FIFO order (where nothing can overtake) nothing is ever
-held, and in priority order a partition that becomes ready later, with a higher priority,
-overtakes the held ones. When step() waits for every partition (FIFO, priority), the order only
+A round costs each rank about 0.3-0.7 ms of CPU on these cores (measured alone), and each
+partition also costs a message: the last row measures what twice as many partitions cost here.
+The credit keeps at least three partitions in flight and holds an agreed partition back only
+while a partition not agreed yet has a better priority, so in FIFO order (where nothing can
+overtake) nothing is ever held, and in priority order a partition that becomes ready later, with
+a higher priority, overtakes the held ones. With four partitions, three of which are launched
+before the first layer's is ready, priority can only put the first layer's partition ahead of
+the second's (when both are waiting), so priority and FIFO launch nearly alike; the one-layer
+plan gives it more room. When step() waits for every partition (FIFO, priority), the order only
 decides which transfer ends last, not when the last one ends, so the two are within noise of
 each other. The order pays when the next iteration can start before everything has arrived:
 backward makes the first layer ready last, and the next forward needs it first. FIFO sends it

@@ -108,6 +108,7 @@ class KeyedScheduler:
         self._agree = agree_group
         self._transport_for = transport_for
         self.credit_bytes = credit_bytes
+        self.min_in_flight = MIN_IN_FLIGHT  # ops launched whatever the credit (benchmarks vary it)
         self.timeout_s = timeout_s
         self._name = name
         self._cv = threading.Condition()  # an RLock: a callback may run inline in its issuer
@@ -366,7 +367,7 @@ class KeyedScheduler:
             best_unagreed = min(self._priorities[k] for k in range(n) if k not in self._agreed)
         while self._pool:
             op = self._pool[0]
-            if (not last and ops_in_flight >= MIN_IN_FLIGHT
+            if (not last and ops_in_flight >= self.min_in_flight
                     and in_flight + op.nbytes > self.credit_bytes
                     and best_unagreed < op.priority):
                 break
