@@ -218,7 +218,10 @@ class KeyedScheduler:
         (unpacking) runs on the thread that waits. Its callbacks therefore run on the
         transport's thread and must not block; wait() on it is the intended use.
         """
-        fut = torch.futures.Future()
+        # On CUDA the future records the transport's stream at completion and wait() makes the
+        # waiter's current stream wait for it (the unpack runs on the waiter's stream).
+        fut = (torch.futures.Future(devices=[tensor.device]) if tensor.device.type == "cuda"
+               else torch.futures.Future())
         nbytes = tensor.numel() * tensor.element_size() if nbytes is None else nbytes
         with self._cv:
             self._raise_if_broken()
