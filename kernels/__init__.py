@@ -64,6 +64,8 @@ __all__ = [
     "pack_chunks",
     "unpack_update",
     "unpack_sent",
+    "masked_chunk_norms",
+    "dense_scatter",
     "all_finite",
     "cast_scaled",
     "upcast_scaled",
@@ -463,6 +465,92 @@ def unpack_sent(
         mod = reference
     return mod.unpack_sent(out, residual, packed_reduced, packed_local, indices, chunk_size,
                            float(unscale), float(err_scale))
+
+
+def masked_chunk_norms(
+    v: torch.Tensor,
+    chunks: torch.Tensor,
+    keep: torch.Tensor,
+    chunk_size: int,
+    norm: str = "l1",
+    *,
+    out: torch.Tensor,
+    impl: str = "auto",
+) -> torch.Tensor:
+    """Overwrite ``out[chunks[m]]`` with the norm of chunk ``chunks[m]`` of v over the elements ``keep[m]`` marks.
+
+    Why: a CSC bucket's dense parameters (biases, BN) travel on their own, so the few chunks
+    that also hold some of them are ranked by their sparse elements only; one call instead of a
+    gather, abs, where, sum and scatter in torch. Elements past the end of v count as zero
+    whatever ``keep`` says. The norm is computed as ``chunk_norms`` computes it, over the chunk
+    with the other elements zeroed (so a chunk whose ``keep`` row is all True gets the same
+    bits), and agrees with the torch reference within float accumulation error.
+
+    Args:
+        v: float32, N elements. chunks: int64 chunk indices (M). keep: bool (M, chunk_size).
+        out: float32, one entry per chunk of v (only ``out[chunks]`` is written).
+    """
+    op = "masked_chunk_norms"
+    _check_flat(op, "v", v)
+    n, dev = v.numel(), v.device
+    _check_chunk(op, chunk_size)
+    nch = nchunks_of(n, chunk_size)
+    _check_indices(op, chunks, nch, dev)
+    if norm not in _NORMS:
+        raise ValueError(f"{op}: norm must be one of {_NORMS}, got {norm!r}")
+    if keep.dtype != torch.bool or tuple(keep.shape) != (chunks.numel(), chunk_size) or not keep.is_contiguous():
+        raise ValueError(
+            f"{op}: keep must be a contiguous bool tensor of shape ({chunks.numel()}, {chunk_size}), "
+            f"got {keep.dtype} {tuple(keep.shape)}"
+        )
+    _check_flat(op, "out", out, numel=nch, device=dev)
+    mod = _backend(op, impl, dev)
+    if not hasattr(mod, "masked_chunk_norms"):
+        mod = reference
+    return mod.masked_chunk_norms(v, chunks, keep, chunk_size, norm, out=out)
+
+
+def dense_scatter(
+    out: torch.Tensor,
+    residual: torch.Tensor | None,
+    idx: torch.Tensor,
+    reduced: torch.Tensor,
+    local: torch.Tensor | None,
+    v: torch.Tensor,
+    unscale: float,
+    err_scale: float,
+    *,
+    impl: str = "auto",
+) -> torch.Tensor:
+    """Write reduced dense elements to their positions in ``out`` and their rounding error into ``residual``.
+
+    ``out[idx[i]] = upcast(reduced[i]) * unscale`` and, unless ``residual`` is None,
+    ``residual[idx[i]] = v[i] - upcast(local[i]) * err_scale`` (v: the values that were cast
+    into ``local`` and sent). Bit-identical to the torch reference. Why: the dense tail of a CSC
+    bucket took six torch ops (upcast, two index_copy_, a cast, a multiply, a subtraction).
+
+    Returns:
+        ``out``.
+    """
+    op = "dense_scatter"
+    _check_flat(op, "out", out)
+    dev = out.device
+    if not isinstance(idx, torch.Tensor) or idx.dim() != 1 or idx.dtype != torch.int64 or idx.device != dev:
+        raise ValueError(f"{op}: idx must be a 1-D torch.int64 tensor on {dev}")
+    d = idx.numel()
+    if reduced.dtype not in WIRE_DTYPES:
+        raise ValueError(f"{op}: reduced must be one of {WIRE_DTYPES}, got {reduced.dtype}")
+    _check_flat(op, "reduced", reduced, dtype=None, numel=d, device=dev)
+    if residual is not None:
+        _check_flat(op, "residual", residual, numel=out.numel(), device=dev)
+        if local is None or local.dtype not in WIRE_DTYPES:
+            raise ValueError(f"{op}: with a residual, local must be the sent wire buffer (one of {WIRE_DTYPES})")
+        _check_flat(op, "local", local, dtype=None, numel=d, device=dev)
+        _check_flat(op, "v", v, numel=d, device=dev)
+    mod = _backend(op, impl, dev)
+    if not hasattr(mod, "dense_scatter"):
+        mod = reference
+    return mod.dense_scatter(out, residual, idx, reduced, local, v, float(unscale), float(err_scale))
 
 
 def all_finite(x: torch.Tensor, *, impl: str = "auto") -> bool:

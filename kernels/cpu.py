@@ -10,6 +10,8 @@
   the gradient is zero (``chunk_norms(..., v_out=, zero_grad=True)``): CSC with error feedback
   then makes one full pass over the bucket per step instead of two.
 - ``all_finite``: counts inf/NaN exponents in the raw bits (no mask tensor).
+- ``masked_chunk_norms`` / ``dense_scatter``: the few chunks that hold dense parameters, and the
+  dense parameters' results and rounding errors, each in one call instead of 5-6 torch ops.
 - ``cast_feedback`` / ``upcast_finite``: the dense FP16 wire with error feedback in one pass
   before the allreduce (add, round, rounding error) and one after (upcast + finiteness count).
 
@@ -36,6 +38,8 @@ __all__ = [
     "pack_chunks",
     "unpack_update",
     "unpack_sent",
+    "masked_chunk_norms",
+    "dense_scatter",
     "select_chunks",
     "all_finite",
     "cast_scaled",
@@ -273,6 +277,38 @@ def _unpack_sent_kernel(out, r, has_r, red, red_code, loc, loc_code, has_loc, id
             else:
                 for i in range(rr.size):
                     rr[i] = np.float32(0.0)
+
+
+@njit(nogil=True, cache=True)
+def _masked_norms_kernel(v, chunks, keep, chunk, l2, norms):
+    """norms[chunks[m]] = _chunk_sum of chunk chunks[m] with the elements not in keep[m] zeroed.
+
+    Serial: a bucket has a few dozen such chunks, and a parallel launch cost more than the work
+    (180 us per call against 24 us hot, measured between the norms passes of a ResNet-50 step).
+    """
+    n = v.size
+    buf = np.zeros(chunk, dtype=np.float32)
+    for m in range(chunks.size):
+        lo = chunks[m] * chunk
+        hi = min(lo + chunk, n)
+        vv = v[lo:hi]
+        kk = keep[m]
+        bb = buf[: vv.size]
+        for i in range(vv.size):
+            bb[i] = vv[i] if kk[i] else np.float32(0.0)
+        norms[chunks[m]] = _chunk_sum(bb, l2)
+
+
+@njit(nogil=True, cache=True)
+def _dense_scatter_kernel(out, r, has_r, idx, red, red_code, loc, loc_code, v, unscale, err_scale):
+    """out[idx[i]] = red[i] * unscale; r[idx[i]] = v[i] - loc[i] * err_scale (if has_r)."""
+    us = np.float32(unscale)
+    es = np.float32(err_scale)
+    for i in range(idx.size):
+        out[idx[i]] = _load(red, i, red_code) * us
+    if has_r:
+        for i in range(idx.size):
+            r[idx[i]] = v[i] - _load(loc, i, loc_code) * es
 
 
 @njit(nogil=True, cache=True)
@@ -571,6 +607,31 @@ def unpack_sent(out, residual, packed_reduced, packed_local, indices, chunk_size
     return out
 
 
+def masked_chunk_norms(v, chunks, keep, chunk_size, norm, *, out):
+    """numba version of ``reference.masked_chunk_norms``."""
+    ch = _indices("masked_chunk_norms", chunks, nchunks_of(v.numel(), chunk_size))
+    if ch.size == 0:
+        return out
+    _masked_norms_kernel(_f32(v), ch, keep.detach().numpy(), chunk_size, norm == "l2", out.numpy())
+    return out
+
+
+def dense_scatter(out, residual, idx, reduced, local, v, unscale, err_scale):
+    """numba version of ``reference.dense_scatter``."""
+    i = idx.detach().numpy()
+    if i.size == 0:
+        return out
+    n = out.numel()
+    if i.min() < 0 or i.max() >= n:
+        raise ValueError(f"dense_scatter: positions must lie in [0, {n}), got min {i.min()} max {i.max()}")
+    red = _wire(reduced)
+    loc = red if local is None else _wire(local)
+    _dense_scatter_kernel(_f32(out), _EMPTY if residual is None else _f32(residual), residual is not None,
+                          i, red, _CODE[reduced.dtype], loc, _CODE[(local if local is not None else reduced).dtype],
+                          _f32(v), unscale, err_scale)
+    return out
+
+
 def cast_scaled(x, scale, wire_dtype, *, out):
     """numba version of ``reference.cast_scaled``."""
     if x.numel() == 0:
@@ -640,6 +701,10 @@ def warm_up() -> None:
         unpack_update(g, None, p, None, idx, 2, 1.0, 1.0, out=g)
         unpack_sent(g, r, p, p, idx, 2, 1.0, 1.0)
         unpack_sent(g, None, p, None, idx, 2, 1.0, 1.0)
+        dense_scatter(g, r, idx, p[:2], p[:2], g[:2], 1.0, 1.0)
+        dense_scatter(g, None, idx, p[:2], None, g[:2], 1.0, 1.0)
+    for l2 in ("l1", "l2"):
+        masked_chunk_norms(g, idx, torch.ones(2, 2, dtype=torch.bool), 2, l2, out=torch.empty(3))
         c = torch.empty(5, dtype=wd)
         cast_scaled(g, 1.0, wd, out=c)
         upcast_scaled(c, 1.0, out=torch.empty(5))

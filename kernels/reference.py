@@ -18,6 +18,8 @@ __all__ = [
     "pack_chunks",
     "unpack_update",
     "unpack_sent",
+    "masked_chunk_norms",
+    "dense_scatter",
     "all_finite",
     "cast_scaled",
     "upcast_scaled",
@@ -196,6 +198,42 @@ def unpack_sent(
         _scatter_rows(residual, idx, mat, chunk_size)
     red = packed_reduced.view(k, chunk_size).to(torch.float32) * torch.tensor(unscale, dtype=torch.float32)
     _scatter_rows(out, idx, red, chunk_size)
+    return out
+
+
+def masked_chunk_norms(
+    v: torch.Tensor, chunks: torch.Tensor, keep: torch.Tensor, chunk_size: int, norm: str, *, out: torch.Tensor
+) -> torch.Tensor:
+    """out[chunks[m]] = the norm of chunk chunks[m] of v counting only the elements where keep[m]."""
+    m = chunks.numel()
+    if m == 0:
+        return out
+    n = v.numel()
+    pos = (chunks.to(torch.int64)[:, None] * chunk_size + torch.arange(chunk_size, device=v.device)[None, :])
+    inside = pos < n
+    vals = v.index_select(0, pos.clamp(max=n - 1).reshape(-1)).view(m, chunk_size)
+    vals = vals.abs() if norm == "l1" else vals * vals
+    out[chunks] = torch.where(keep & inside, vals, vals.new_zeros(())).sum(dim=1)
+    return out
+
+
+def dense_scatter(
+    out: torch.Tensor,
+    residual: torch.Tensor | None,
+    idx: torch.Tensor,
+    reduced: torch.Tensor,
+    local: torch.Tensor | None,
+    v: torch.Tensor,
+    unscale: float,
+    err_scale: float,
+) -> torch.Tensor:
+    """out[idx] = upcast(reduced) * unscale; residual[idx] = v - upcast(local) * err_scale."""
+    if idx.numel() == 0:
+        return out
+    out.index_copy_(0, idx, reduced.to(torch.float32) * torch.tensor(unscale, dtype=torch.float32))
+    if residual is not None:
+        err = v - local.to(torch.float32) * torch.tensor(err_scale, dtype=torch.float32)
+        residual.index_copy_(0, idx, err)
     return out
 
 

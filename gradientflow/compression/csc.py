@@ -51,8 +51,7 @@ class _Plan:
 
     dense_idx: torch.Tensor | None  # positions of the dense parameters' elements (int64, D)
     mixed_chunks: torch.Tensor | None  # chunks holding any dense element (int64)
-    mixed_pos: torch.Tensor | None  # their element positions, clamped to the buffer (int64, M*C)
-    mixed_keep: torch.Tensor | None  # True where that position is a sparse element (bool, M x C)
+    mixed_keep: torch.Tensor | None  # True where that chunk's element is a sparse one (bool, M x C)
 
     @property
     def dense_numel(self) -> int:
@@ -63,7 +62,7 @@ def _build_plan(layout: Layout, config, device: torch.device) -> _Plan:
     dense = [(s, e) for (name, s, e), shape in zip(layout.slices(), layout.shapes) if config.is_dense_param(shape)]
     dense = [(s, e) for s, e in dense if e > s]
     if not dense:
-        return _Plan(None, None, None, None)
+        return _Plan(None, None, None)
     c, n = config.chunk_size, layout.numel
     dense_idx = torch.cat([torch.arange(s, e, dtype=torch.int64) for s, e in dense])
     is_dense = torch.zeros(n, dtype=torch.bool)
@@ -73,7 +72,7 @@ def _build_plan(layout: Layout, config, device: torch.device) -> _Plan:
     inside = pos < n
     pos = pos.clamp(max=n - 1)
     keep = (inside & ~is_dense[pos]).view(-1, c)
-    return _Plan(dense_idx.to(device), mixed.to(device), pos.to(device), keep.to(device))
+    return _Plan(dense_idx.to(device), mixed.to(device), keep.contiguous().to(device))
 
 
 def _chunk_rows(t: torch.Tensor, chunk_size: int) -> tuple[torch.Tensor, int]:
@@ -153,9 +152,7 @@ class CSCCompressor(Compressor):
         dense_v = None
         if d:
             dense_v = v.index_select(0, plan.dense_idx)
-            vals = v.index_select(0, plan.mixed_pos).view(-1, c)
-            vals = vals.abs() if cfg.norm == "l1" else vals * vals
-            norms[plan.mixed_chunks] = torch.where(plan.mixed_keep, vals, vals.new_zeros(())).sum(dim=1)
+            kernels.masked_chunk_norms(v, plan.mixed_chunks, plan.mixed_keep, c, cfg.norm, out=norms)
 
         # --- stage 1: norms (+ the dense part when it travels in fp32, like the norms) ------------
         dense_in_1 = d > 0 and dense_dtype == torch.float32
@@ -203,11 +200,8 @@ class CSCCompressor(Compressor):
         else:
             kernels.unpack_update(flat, None, reduced2[: k * c], None, idx, c, 1.0, float(n), out=flat)
         if d:
-            out_dense = kernels.upcast_scaled(dense_reduced, 1.0, out=torch.empty_like(dense_v))
-            flat.index_copy_(0, plan.dense_idx, out_dense)
-            if ef:
-                err = dense_v - dense_local.to(torch.float32) * float(n)
-                new_residual.index_copy_(0, plan.dense_idx, err)
+            kernels.dense_scatter(flat, new_residual if ef else None, plan.dense_idx, dense_reduced,
+                                  dense_local, dense_v, 1.0, float(n))
         if mc:
             u = mem["_momentum_spare"]
             # Factor masking (DGC): the velocity of what was sent starts again from zero; dense

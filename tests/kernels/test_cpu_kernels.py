@@ -185,6 +185,50 @@ def test_unpack_sent_refuses_unsorted_or_repeated_chunks():
 
 
 @SETTINGS
+@given(lay=layouts(), norm=st.sampled_from(["l1", "l2"]), seed=st.integers(0, 2**16), data=st.data())
+def test_masked_chunk_norms_matches_reference(lay, norm, seed, data):
+    n, c = lay
+    nch = R.nchunks_of(n, c)
+    v = _vec(seed, n)
+    chunks = data.draw(chosen(nch))
+    g = torch.Generator().manual_seed(seed)
+    keep = torch.rand(chunks.numel(), c, generator=g) < 0.6
+    got = {}
+    for impl in ("numba", "torch"):
+        out = torch.full((nch,), 5.0)
+        assert K.masked_chunk_norms(v, chunks, keep, c, norm, out=out, impl=impl) is out
+        got[impl] = out
+    untouched = torch.ones(nch, dtype=torch.bool)
+    untouched[chunks] = False
+    assert bool((got["numba"][untouched] == 5.0).all())
+    torch.testing.assert_close(got["numba"], got["torch"], rtol=2e-5, atol=1e-5)
+    # keep all: exactly chunk_norms' bits for those chunks (one definition of a chunk's norm)
+    full = K.masked_chunk_norms(v, chunks, torch.ones(chunks.numel(), c, dtype=torch.bool), c, norm,
+                                out=torch.zeros(nch), impl="numba")
+    plain = K.chunk_norms(v.clone(), None, c, norm, impl="numba")
+    assert_same_bits(full[chunks], plain[chunks])
+
+
+@SETTINGS
+@given(n=st.integers(1, 3000), wire=st.sampled_from(WIRES), seed=st.integers(0, 2**16),
+       has_r=st.booleans(), data=st.data())
+def test_dense_scatter_matches_reference(n, wire, seed, has_r, data):
+    d = data.draw(st.integers(0, n))
+    idx = torch.randperm(n, generator=torch.Generator().manual_seed(seed))[:d]
+    v = _vec(seed, d, 100.0, specials=True)
+    local = K.cast_scaled(v, 0.5, wire, impl="torch")
+    reduced = (local.float() * 2).to(wire)
+    got = {}
+    for impl in ("numba", "torch"):
+        out, r = torch.full((n,), 3.0), (torch.full((n,), 4.0) if has_r else None)
+        assert K.dense_scatter(out, r, idx, reduced, local, v, 0.5, 2.0, impl=impl) is out
+        got[impl] = (out, r)
+    assert_same_bits(got["numba"][0], got["torch"][0])
+    if has_r:
+        assert_same_bits(got["numba"][1], got["torch"][1])
+
+
+@SETTINGS
 @given(n=st.integers(0, 3000), wire=st.sampled_from(WIRES), seed=st.integers(0, 2**16),
        bad=st.sampled_from([None, "inf", "-inf", "nan"]), data=st.data())
 def test_all_finite_matches_reference(n, wire, seed, bad, data):
