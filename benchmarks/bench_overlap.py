@@ -28,11 +28,12 @@ import time
 from benchmarks.common import machine_info, machine_line, markdown_table, median, p95, write_result
 from benchmarks.launch import launch
 
-# The last variant is "priority" with one layer per partition (twice as many partitions): what
-# finer partitions cost here (one more agreement round and one more message each).
-FINE = "priority, 1 layer/partition"
+# The last variant is "priority" with two layers per partition (4 partitions instead of 9): what
+# coarser partitions save here (fewer agreement rounds and messages) and what they cost (a larger
+# last transfer after backward, less for priority to reorder).
+COARSE = "priority, 2 layers/partition"
 VARIANTS = ["no overlap", "DDP", "FIFO overlap", "priority", "FIFO + next forward",
-            "priority + next forward", FINE]
+            "priority + next forward", COARSE]
 
 
 def worker(rank: int, world: int, width: int, depth: int, batch: int, blocks: int,
@@ -66,10 +67,11 @@ def worker(rank: int, world: int, width: int, depth: int, batch: int, blocks: in
         if variant == "DDP":
             model = DDP(model, process_group=gf)
             return model, torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9)
-        layer_bytes = (width + 1) * width * 4
+        # Two layers and a little room, so the 4 KB head joins the last pair.
+        coarse_bytes = 2 * (width + 1) * width * 4 + (64 << 10)
         return model, gfo.DistributedOptimizer(
             sgd, named_parameters=model.named_parameters(), process_group=gf,
-            partition_bytes=layer_bytes if variant == FINE else partition_bytes,
+            partition_bytes=coarse_bytes if variant == COARSE else partition_bytes,
             priority=not variant.startswith("FIFO"),
             overlap_next_forward=variant.endswith("next forward"))
 
@@ -120,6 +122,7 @@ def worker(rank: int, world: int, width: int, depth: int, batch: int, blocks: in
         if hasattr(opt, "finish_updates"):
             opt.finish_updates()
     times = {v: [] for v in VARIANTS}
+    cpu = {v: [] for v in VARIANTS}  # process CPU time (every thread of this rank)
     rounds = {v: 0 for v in VARIANTS}  # agreement rounds of the keyed scheduler
     logs: dict[str, list[int]] = {}  # launch order of each variant's last timed iteration
     for _ in range(blocks):
@@ -129,17 +132,18 @@ def worker(rank: int, world: int, width: int, depth: int, batch: int, blocks: in
             sched = getattr(opt, "_sched", None)
             r0 = sched.rounds if sched is not None else 0
             for i in range(steps_per_block):
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 one_step(v)
                 if i == steps_per_block - 1 and hasattr(opt, "finish_updates"):
                     opt.finish_updates()  # the deferred update of the last step counts too
                 times[v].append(time.perf_counter() - t0)
+                cpu[v].append(time.process_time() - c0)
             if sched is not None:
                 rounds[v] += sched.rounds - r0
                 logs[v] = list(opt.launch_log)  # the group's scheduler is shared: copy it now
-    return {"rank": rank, "times": times, "calib": calib, "nparams": nparams, "rounds": rounds,
+    return {"rank": rank, "times": times, "cpu": cpu, "calib": calib, "nparams": nparams, "rounds": rounds,
             "partitions": len(setups["priority"][1].plan),
-            "fine_partitions": len(setups[FINE][1].plan), "last_launch_logs": logs}
+            "coarse_partitions": len(setups[COARSE][1].plan), "last_launch_logs": logs}
 
 
 def main(argv=None) -> int:
@@ -151,11 +155,10 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=None)
     ap.add_argument("--blocks", type=int, default=None)
     ap.add_argument("--steps-per-block", type=int, default=None)
-    # Default: two layers (weights and biases) and a little room, so the 4 KB head joins the
-    # last pair: 4 partitions for the default MLP, which priority can still reorder. One layer
-    # per partition (9) is the FINE variant: each partition costs an agreement round and a
-    # message, which on two shared cores cost more than ordering buys (see the results). At
-    # 4 MiB every 4 KiB bias became a partition of its own (16).
+    # Default: one layer (weight and bias), so one partition per layer (9 for the default MLP,
+    # the head included), enough for priority to reorder. The COARSE variant has two layers per
+    # partition (4). At 4 MiB every 4 KiB bias became a partition of its own (16), each a round
+    # and a message.
     ap.add_argument("--partition-bytes", type=int, default=None)
     args = ap.parse_args(argv)
     quick = args.quick
@@ -166,7 +169,7 @@ def main(argv=None) -> int:
           "steps_per_block": args.steps_per_block or (3 if quick else 10),
           "partition_bytes": args.partition_bytes}
     if kw["partition_bytes"] is None:
-        kw["partition_bytes"] = 2 * (kw["width"] + 1) * kw["width"] * 4 + (64 << 10)
+        kw["partition_bytes"] = (kw["width"] + 1) * kw["width"] * 4
     res = launch("benchmarks.bench_overlap:worker", world_size=2, kwargs=kw,
                  timeout_s=120 if quick else 900, threads_per_rank=1)
     if not res.ok:
@@ -179,7 +182,8 @@ def main(argv=None) -> int:
         ts = r0["times"][v]
         rows.append({"variant": v, "p50 ms": median(ts) * 1e3, "p95 ms": p95(ts) * 1e3,
                      "p95/p50": p95(ts) / median(ts),
-                     "speed-up vs no overlap": base_p50 / median(ts), "iterations": len(ts)})
+                     "speed-up vs no overlap": base_p50 / median(ts),
+                     "CPU ms/it": median(r0["cpu"][v]) * 1e3, "iterations": len(ts)})
     cal = r0["calib"]
     table = markdown_table(list(rows[0]), rows)
     prio = next(r for r in rows if r["variant"] == "priority")
@@ -188,15 +192,15 @@ def main(argv=None) -> int:
     fnf = next(r for r in rows if r["variant"] == "FIFO + next forward")
     ddp = next(r for r in rows if r["variant"] == "DDP")
     per_iter = {v: r0["rounds"][v] / max(1, len(r0["times"][v])) for v in VARIANTS}
-    fine = next(r for r in rows if r["variant"] == FINE)
+    coarse = next(r for r in rows if r["variant"] == COARSE)
     logs = r0["last_launch_logs"]
     md = f"""## Overlap and priority scheduling (DistributedOptimizer)
 
 `python -m benchmarks.bench_overlap{' --quick' if quick else ''}`: 2 ranks on loopback, one thread
 each; MLP {kw['depth']} x {kw['width']}x{kw['width']} + head ({r0['nparams'] / 1e6:.2f} M
 parameters, {r0['nparams'] * 4 / 1e6:.1f} MB of gradients, {r0['partitions']} partitions of
-<= {kw['partition_bytes'] / 2**20:.3g} MiB; the last row: {r0.get('fine_partitions', '?')} partitions,
-one layer each), batch {kw['batch']}. Alone, one forward+backward takes
+<= {kw['partition_bytes'] / 2**20:.3g} MiB; the last row: {r0.get('coarse_partitions', '?')} partitions,
+two layers each), batch {kw['batch']}. Alone, one forward+backward takes
 {cal['compute_ms']:.1f} ms and one allreduce of every gradient {cal['comm_ms']:.1f} ms (rank 0
 medians). {kw['blocks']} interleaved blocks of {kw['steps_per_block']} iterations per variant.
 
@@ -207,13 +211,14 @@ step() waits for everything, {fnf['p50 ms'] / nf['p50 ms']:.2f}x with next-forwa
 FIFO vs no overlap: {fifo['speed-up vs no overlap']:.2f}x; priority vs no overlap:
 {prio['speed-up vs no overlap']:.2f}x, vs DDP: {ddp['p50 ms'] / prio['p50 ms']:.2f}x; priority +
 next forward vs no overlap: {nf['speed-up vs no overlap']:.2f}x, vs DDP:
-{ddp['p50 ms'] / nf['p50 ms']:.2f}x. Priority with one layer per partition vs two:
-{prio['p50 ms'] / fine['p50 ms']:.2f}x (> 1: the finer plan faster).
+{ddp['p50 ms'] / nf['p50 ms']:.2f}x. Priority with two layers per partition vs one:
+{prio['p50 ms'] / coarse['p50 ms']:.2f}x (> 1: the coarser plan faster), vs no overlap
+{coarse['speed-up vs no overlap']:.2f}x.
 Agreement rounds per iteration: FIFO {per_iter['FIFO overlap']:.1f}, priority
-{per_iter['priority']:.1f}, priority with one layer per partition {per_iter[FINE]:.1f}.
+{per_iter['priority']:.1f}, priority with two layers per partition {per_iter[COARSE]:.1f}.
 Launch order of the last iteration: FIFO {logs.get('FIFO overlap')}, priority
 {logs.get('priority')}, FIFO + next forward {logs.get('FIFO + next forward')}, priority + next
-forward {logs.get('priority + next forward')}, one layer per partition {logs.get(FINE)}
+forward {logs.get('priority + next forward')}, two layers per partition {logs.get(COARSE)}
 (partition 0 holds the first layer).
 
 How to read it. Every overlapped variant packs a partition on backward's thread as soon as its
@@ -225,14 +230,13 @@ agreed ready everywhere, and a rank issues it once it has seen the previous roun
 has something new (a partition ready here, or a completion that frees held credit), so
 partitions that become ready during a round travel together in the next one and no rank polls.
 A round costs each rank about 0.3-0.7 ms of CPU on these cores (measured alone), and each
-partition also costs a message: the last row measures what twice as many partitions cost here.
-The credit keeps at least three partitions in flight and holds an agreed partition back only
-while a partition not agreed yet has a better priority, so in FIFO order (where nothing can
-overtake) nothing is ever held, and in priority order a partition that becomes ready later, with
-a higher priority, overtakes the held ones. With four partitions, three of which are launched
-before the first layer's is ready, priority can only put the first layer's partition ahead of
-the second's (when both are waiting), so priority and FIFO launch nearly alike; the one-layer
-plan gives it more room. When step() waits for every partition (FIFO, priority), the order only
+partition also costs a message: the last row halves both (see its CPU per iteration), but its
+last partition, sent after backward ends, is twice as large, and with four partitions, three of
+which are launched before the first layer's is ready, priority can at most put the first
+layer's partition ahead of the second's. The credit keeps at least three partitions in flight
+and holds an agreed partition back only while a partition not agreed yet has a better priority,
+so in FIFO order (where nothing can overtake) nothing is ever held, and in priority order a
+partition that becomes ready later, with a higher priority, overtakes the held ones. When step() waits for every partition (FIFO, priority), the order only
 decides which transfer ends last, not when the last one ends, so the two are within noise of
 each other. The order pays when the next iteration can start before everything has arrived:
 backward makes the first layer ready last, and the next forward needs it first. FIFO sends it
@@ -246,7 +250,9 @@ construction (the keyed agreement), so there is no random-order straggling to re
 machine the two ranks share {machine_info()['nproc']} cores with their communication threads
 (loopback copies and reductions are CPU work, and other jobs may load the machine: see the load
 average below), so overlap competes with computation for the same cores, and the gains are
-smaller and noisier than on GPUs with a NIC; p95/p50 shows the spread.
+smaller and noisier than on GPUs with a NIC; p95/p50 shows the spread. CPU ms/it is rank 0's
+process CPU time per iteration (every thread: computation, packing, gloo's threads, rounds),
+the cost that other load on the cores distorts least.
 
 {machine_line()}
 """
