@@ -296,10 +296,15 @@ class KeyedScheduler:
                 or not self._news()):
             return None
         n = self._num_keys
-        vec = torch.zeros(n + 1, dtype=torch.int64)
-        keys = list(self._submitted) + list(self._agreed)
-        vec[keys] = 1
-        vec[n] = self._done_here
+        # Built as a list, one tensor op: every torch call here releases the GIL, and getting it
+        # back behind the transport's threads is what a round costs backward's thread.
+        flags = [0] * (n + 1)
+        for k in self._submitted:
+            flags[k] = 1
+        for k in self._agreed:
+            flags[k] = 1
+        flags[n] = self._done_here
+        vec = torch.tensor(flags, dtype=torch.int64)
         index = self._issued
         self._issued += 1
         self.rounds = self._issued
@@ -348,11 +353,12 @@ class KeyedScheduler:
 
     def _decide(self, vec: torch.Tensor, n: int, step: int) -> None:
         """Pool the newly agreed keys; queue launches within the credit (agreed state only)."""
-        self._done_agreed = max(self._done_agreed, int(vec[n]))
+        flags = vec.tolist()
+        self._done_agreed = max(self._done_agreed, flags[n])
         if step != self._step:
             return  # a finished step's completion round: only its completion count matters
-        for key in torch.nonzero(vec[:n]).flatten().tolist():
-            if key not in self._agreed:
+        for key in range(n):
+            if flags[key] and key not in self._agreed:
                 self._agreed.add(key)
                 self._pool.append(self._submitted.pop(key))
         self._pool.sort(key=lambda o: (o.priority, o.key))
