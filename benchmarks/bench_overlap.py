@@ -194,6 +194,13 @@ def main(argv=None) -> int:
     per_iter = {v: r0["rounds"][v] / max(1, len(r0["times"][v])) for v in VARIANTS}
     coarse = next(r for r in rows if r["variant"] == COARSE)
     logs = r0["last_launch_logs"]
+    backward_order = list(range(r0["partitions"] - 1, -1, -1))
+    unordered = [v for v in ("priority", "priority + next forward") if logs.get(v) == backward_order]
+    reorder_note = (
+        f" In the last iteration {' and '.join(unordered)} launched in backward order, as FIFO "
+        "does: the transfers kept pace with backward, so the credit held nothing back and there "
+        "was nothing to reorder (an iteration's order depends on its timing)."
+        if unordered else "")
     md = f"""## Overlap and priority scheduling (DistributedOptimizer)
 
 `python -m benchmarks.bench_overlap{' --quick' if quick else ''}`: 2 ranks on loopback, one thread
@@ -219,12 +226,13 @@ Agreement rounds per iteration: FIFO {per_iter['FIFO overlap']:.1f}, priority
 Launch order of the last iteration: FIFO {logs.get('FIFO overlap')}, priority
 {logs.get('priority')}, FIFO + next forward {logs.get('FIFO + next forward')}, priority + next
 forward {logs.get('priority + next forward')}, two layers per partition {logs.get(COARSE)}
-(partition 0 holds the first layer).
+(partition 0 holds the first layer).{reorder_note}
 
 How to read it. Every overlapped variant packs a partition on backward's thread as soon as its
 last gradient arrives (divided by the world size as it is copied) and sends it as one
-asynchronous allreduce once every rank has it ready; the transport completes it without running
-Python, and the thread that waits for it (step(), or the next forward's pre-hook) unpacks it.
+asynchronous allreduce once every rank has it ready; the transport's thread only counts it done
+and completes its future, and the thread that waits for it (step(), or the next forward's
+pre-hook) unpacks it, so little Python competes with backward for the GIL.
 Readiness is agreed in one chain of rounds per step: a round is due while some partition is not
 agreed ready everywhere, and a rank issues it once it has seen the previous round's result and
 has something new (a partition ready here, or a completion that frees held credit), so

@@ -12,9 +12,9 @@ How a step flows (on a gradientflow process group):
    whose parameters are all ready is submitted to the group's keyed scheduler at once; a dense
    one is packed into its persistent flat buffer there, on the hook's thread (already divided
    by the world size for Average, as DDP does), and later sent as one asynchronous allreduce
-   whose result the gradients then point into (no copy back). The transport only completes its
-   future; the thread that waits for it (step(), or the next forward's pre-hook) unpacks it, so
-   no Python runs on the transport's threads competing with backward for the GIL.
+   whose result the gradients then point into (no copy back). The transport's thread only
+   counts it done and completes its future; the thread that waits for it (step(), or the next
+   forward's pre-hook) unpacks it, so little Python competes with backward for the GIL.
 2. the scheduler launches, among the partitions ready on EVERY rank, the one the next forward
    needs first (priority = position of its first parameter in registration order, our proxy for
    forward order; TicTac's TIC for a chain), within a byte credit; so the launch order is the same
