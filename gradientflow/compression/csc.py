@@ -190,7 +190,9 @@ class CSCCompressor(Compressor):
             third = kernels.cast_scaled(dense_v, 1.0 / n, dense_dtype)
             dense_local = third.clone()
             dense_reduced = yield from self._stage(third)
-        if not kernels.all_finite(reduced2) or (dense_reduced is not None and not kernels.all_finite(dense_reduced)):
+        # The dense part was checked with its stage (stage 1 above, or inside reduced2) unless it had its own.
+        dense_own = d > 0 and not dense_in_1 and not dense_in_2
+        if not kernels.all_finite(reduced2) or (dense_own and not kernels.all_finite(dense_reduced)):
             return self._non_finite(flat, plan, reduced_norms, idx, reduced2[: k * c], dense_reduced)
 
         # --- commit: out (in place over v) and the new residual in one pass, then the dense part ---
