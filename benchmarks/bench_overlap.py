@@ -198,8 +198,8 @@ def main(argv=None) -> int:
     unordered = [v for v in ("priority", "priority + next forward") if logs.get(v) == backward_order]
     reorder_note = (
         f" In the last iteration {' and '.join(unordered)} launched in backward order, as FIFO "
-        "does: the transfers kept pace with backward, so the credit held nothing back and there "
-        "was nothing to reorder (an iteration's order depends on its timing)."
+        "does: no partition of a better priority was agreed while another one was held for "
+        "credit, so there was nothing to reorder (an iteration's order depends on its timing)."
         if unordered else "")
     md = f"""## Overlap and priority scheduling (DistributedOptimizer)
 
