@@ -368,6 +368,23 @@ def pack_chunks(
     return mod.pack_chunks(v, indices, chunk_size, float(scale), wire_dtype, out=out)
 
 
+def _check_unpack_inputs(op: str, residual: torch.Tensor | None, packed_reduced: torch.Tensor,
+                         packed_local: torch.Tensor | None, target: torch.Tensor, name: str,
+                         packed_numel: int) -> None:
+    """The packed chunks (wire dtypes, k * chunk_size elements) and the residual of an unpack."""
+    dev, n = target.device, target.numel()
+    for label, packed in (("packed_reduced", packed_reduced), ("packed_local", packed_local)):
+        if packed is None:
+            continue
+        if packed.dtype not in WIRE_DTYPES:
+            raise ValueError(f"{op}: {label} must be one of {WIRE_DTYPES}, got {packed.dtype}")
+        _check_flat(op, label, packed, dtype=None, numel=packed_numel, device=dev)
+    if residual is not None:
+        _check_flat(op, "residual", residual, numel=n, device=dev)
+        if residual.data_ptr() == target.data_ptr() and n:
+            raise ValueError(f"{op}: residual must not be {name} itself")
+
+
 def unpack_update(
     v: torch.Tensor,
     residual: torch.Tensor | None,
@@ -398,18 +415,8 @@ def unpack_update(
     n, dev = v.numel(), v.device
     _check_chunk(op, chunk_size)
     _check_indices(op, indices, nchunks_of(n, chunk_size), dev)
-    k = indices.numel()
-    if packed_reduced.dtype not in WIRE_DTYPES:
-        raise ValueError(f"{op}: packed_reduced must be one of {WIRE_DTYPES}, got {packed_reduced.dtype}")
-    _check_flat(op, "packed_reduced", packed_reduced, dtype=None, numel=k * chunk_size, device=dev)
-    if packed_local is not None:
-        if packed_local.dtype not in WIRE_DTYPES:
-            raise ValueError(f"{op}: packed_local must be one of {WIRE_DTYPES}, got {packed_local.dtype}")
-        _check_flat(op, "packed_local", packed_local, dtype=None, numel=k * chunk_size, device=dev)
-    if residual is not None:
-        _check_flat(op, "residual", residual, numel=n, device=dev)
-        if residual.data_ptr() == v.data_ptr() and n:
-            raise ValueError(f"{op}: residual must not be v itself")
+    _check_unpack_inputs(op, residual, packed_reduced, packed_local, v, "v",
+                         indices.numel() * chunk_size)
     _check_flat(op, "out", out, numel=n, device=dev)
     mod = _backend(op, impl, dev)
     return mod.unpack_update(
@@ -448,18 +455,8 @@ def unpack_sent(
     n, dev = out.numel(), out.device
     _check_chunk(op, chunk_size)
     _check_indices(op, indices, nchunks_of(n, chunk_size), dev)
-    k = indices.numel()
-    if packed_reduced.dtype not in WIRE_DTYPES:
-        raise ValueError(f"{op}: packed_reduced must be one of {WIRE_DTYPES}, got {packed_reduced.dtype}")
-    _check_flat(op, "packed_reduced", packed_reduced, dtype=None, numel=k * chunk_size, device=dev)
-    if packed_local is not None:
-        if packed_local.dtype not in WIRE_DTYPES:
-            raise ValueError(f"{op}: packed_local must be one of {WIRE_DTYPES}, got {packed_local.dtype}")
-        _check_flat(op, "packed_local", packed_local, dtype=None, numel=k * chunk_size, device=dev)
-    if residual is not None:
-        _check_flat(op, "residual", residual, numel=n, device=dev)
-        if residual.data_ptr() == out.data_ptr() and n:
-            raise ValueError(f"{op}: residual must not be out itself")
+    _check_unpack_inputs(op, residual, packed_reduced, packed_local, out, "out",
+                         indices.numel() * chunk_size)
     mod = _backend(op, impl, dev)
     if not hasattr(mod, "unpack_sent"):
         mod = reference

@@ -195,18 +195,23 @@ class KeyedScheduler:
         """
         fut, public = completion.new_future()
         first = next(gen) if single_stage else None  # pack now, on backward's thread
+        self._mark_ready(KeyedOp(key, priority, gen, device, nbytes, fut, first, self._step))
+        return public
+
+    def _mark_ready(self, op: KeyedOp) -> None:
+        """Record `op` as ready here and issue the step's next round if it is due."""
         with self._cv:
             self._raise_if_broken()
+            key = op.key
             if key not in self._outstanding or key in self._submitted or key in self._agreed:
                 raise RuntimeError(
                     f"gradientflow: rank {self.rank}: partition {key} submitted twice or not "
                     "declared for this step (call begin() once per step, submit each key once)")
-            self._submitted[key] = KeyedOp(key, priority, gen, device, nbytes, fut, first,
-                                           self._step)
+            op.step = self._step
+            self._submitted[key] = op
             issued = self._maybe_issue()
         self._attach(issued)
         STATS.record_operation()
-        return public
 
     def submit_tensor(self, key: int, priority: int, tensor: torch.Tensor,
                       nbytes: int | None = None) -> torch.futures.Future:
@@ -223,17 +228,8 @@ class KeyedScheduler:
         fut = (torch.futures.Future(devices=[tensor.device]) if tensor.device.type == "cuda"
                else torch.futures.Future())
         nbytes = tensor.numel() * tensor.element_size() if nbytes is None else nbytes
-        with self._cv:
-            self._raise_if_broken()
-            if key not in self._outstanding or key in self._submitted or key in self._agreed:
-                raise RuntimeError(
-                    f"gradientflow: rank {self.rank}: partition {key} submitted twice or not "
-                    "declared for this step (call begin() once per step, submit each key once)")
-            self._submitted[key] = KeyedOp(key, priority, None, tensor.device, nbytes, fut,
-                                           tensor, self._step)
-            issued = self._maybe_issue()
-        self._attach(issued)
-        STATS.record_operation()
+        self._mark_ready(KeyedOp(key, priority, None, tensor.device, nbytes, fut, tensor,
+                                 self._step))
         return fut
 
     def pending(self) -> int:
