@@ -560,6 +560,17 @@ def pack_chunks(v, indices, chunk_size, scale, wire_dtype, *, out):
     return out
 
 
+def _wire_pair(packed_reduced, packed_local):
+    """The unpack kernels' wire arguments: reduced bits and code, local bits and code, has-local.
+
+    Without a local copy the reduced buffer stands in (never read: has-local is False).
+    """
+    red = _wire(packed_reduced)
+    if packed_local is None:
+        return red, _CODE[packed_reduced.dtype], red, _CODE[packed_reduced.dtype], False
+    return red, _CODE[packed_reduced.dtype], _wire(packed_local), _CODE[packed_local.dtype], True
+
+
 def unpack_update(v, residual, packed_reduced, packed_local, indices, chunk_size, unscale,
                   err_scale, *, out):
     """numba version of ``reference.unpack_update``."""
@@ -569,16 +580,12 @@ def unpack_update(v, residual, packed_reduced, packed_local, indices, chunk_size
     cmap[idx] = np.arange(idx.size, dtype=np.int64)
     if nch == 0:
         return out
-    red = _wire(packed_reduced)
-    loc = red if packed_local is None else _wire(packed_local)
-    loc_code = _CODE[packed_reduced.dtype if packed_local is None else packed_local.dtype]
     with _threads.launch():
         _unpack_kernel(
             _f32(v),
             _EMPTY if residual is None else _f32(residual),
             residual is not None,
-            red, _CODE[packed_reduced.dtype],
-            loc, loc_code, packed_local is not None,
+            *_wire_pair(packed_reduced, packed_local),
             cmap, chunk_size, unscale, err_scale, _f32(out),
         )
     return out
@@ -595,13 +602,10 @@ def unpack_sent(out, residual, packed_reduced, packed_local, indices, chunk_size
         )
     if idx.size == 0:
         return out
-    red = _wire(packed_reduced)
-    loc = red if packed_local is None else _wire(packed_local)
-    loc_code = _CODE[packed_reduced.dtype if packed_local is None else packed_local.dtype]
     with _threads.launch():
         _unpack_sent_kernel(
             _f32(out), _EMPTY if residual is None else _f32(residual), residual is not None,
-            red, _CODE[packed_reduced.dtype], loc, loc_code, packed_local is not None,
+            *_wire_pair(packed_reduced, packed_local),
             idx, chunk_size, unscale, err_scale,
         )
     return out

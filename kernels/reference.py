@@ -146,28 +146,14 @@ def unpack_update(
     out: torch.Tensor,
 ) -> torch.Tensor:
     """Scatter the reduced chunks into ``out`` (zeros elsewhere) and keep what was not sent in ``residual``."""
-    n = v.numel()
-    k = indices.numel()
-    idx = indices.to(device=v.device, dtype=torch.int64)
+    # v goes into the residual whole, then the sent chunks take their rounding error off it:
+    # the same arithmetic as unpack_sent on a residual that already holds v.
     if residual is not None:
         residual.copy_(v)
-        if k:
-            if packed_local is None:
-                # FP32 wire without a local copy: what was sent is exact, nothing is left.
-                mat = torch.zeros(k, chunk_size, dtype=torch.float32, device=v.device)
-            else:
-                loc = packed_local.view(k, chunk_size).to(torch.float32)
-                err = loc * torch.tensor(err_scale, dtype=torch.float32)
-                # residual = v - upcast(local) * err_scale: the wire rounding error.
-                mat = _gather_rows(v, idx, chunk_size) - err
-            _scatter_rows(residual, idx, mat, chunk_size)
-    # out may alias v: everything read from v above is already in `mat`/`residual`.
+    # out may alias v: everything read from v is already in the residual.
     out.zero_()
-    if k:
-        red = packed_reduced.view(k, chunk_size).to(torch.float32)
-        red = red * torch.tensor(unscale, dtype=torch.float32)
-        _scatter_rows(out, idx, red, chunk_size)
-    return out
+    return unpack_sent(out, residual, packed_reduced, packed_local, indices, chunk_size,
+                       unscale, err_scale)
 
 
 def unpack_sent(
