@@ -46,9 +46,17 @@ def gradient_shapes(model: str) -> list[tuple[int, ...]]:
     return [tuple(p.shape) for p in net.parameters()]
 
 
+def _variant_name(threshold: int, solo: int) -> str:
+    return f"gf fused {threshold // MB}MB" + (f" solo {solo // MB}MB" if solo else "")
+
+
 def worker(rank: int, world_size: int, models: list[str], thresholds: list[int],
-           reps: int) -> dict:
-    """Time every variant on every model, alternating variants rep by rep."""
+           reps: int, solos: list[int] | None = None) -> dict:
+    """Time every variant on every model, alternating variants rep by rep.
+
+    solos: solo thresholds tried at the largest fusion threshold of the sweep (tensors at
+    least this big go alone, in place; see Config.solo_threshold).
+    """
     import time
 
     import torch
@@ -58,8 +66,10 @@ def worker(rank: int, world_size: int, models: list[str], thresholds: list[int],
 
     torch.set_num_threads(1)
     gloo = dist.group.WORLD
-    gf = {t: dist.new_group(backend="gradientflow", pg_options={"fusion_threshold": t})
-          for t in thresholds}
+    configs = [(t, 0) for t in thresholds] + [(max(thresholds), s) for s in solos or []]
+    gf = {_variant_name(t, s): dist.new_group(
+        backend="gradientflow", pg_options={"fusion_threshold": t, "solo_threshold": s})
+        for t, s in configs}
     out: dict = {}
     for model in models:
         grads = [torch.randn(s) for s in gradient_shapes(model)][::-1]  # backward order
@@ -94,9 +104,9 @@ def worker(rank: int, world_size: int, models: list[str], thresholds: list[int],
                     off += g.numel()
 
         variants = {"gloo per-tensor": lambda: per_tensor(gloo), "gloo 25MB buckets": ddp_buckets}
-        for t, g in gf.items():
-            variants[f"gf fused {t // MB}MB"] = lambda g=g: per_tensor(g)
-        engines = {f"gf fused {t // MB}MB": backend_of(g).engine for t, g in gf.items()}
+        for name, g in gf.items():
+            variants[name] = lambda g=g: per_tensor(g)
+        engines = {name: backend_of(g).engine for name, g in gf.items()}
         times = {k: [] for k in variants}
         rounds = {k: [] for k in engines}  # (rounds, round ms, messages) per list
         for i in range(reps + 1):
@@ -136,13 +146,23 @@ def main(argv=None) -> int:
     ap.add_argument("--net-models", default="resnet50",
                     help="models run on the emulated tiers (each rep moves the whole list)")
     ap.add_argument("--reps", type=int, default=None)
+    ap.add_argument("--thresholds", default=None, help="fusion thresholds in MB, e.g. 16,64")
+    ap.add_argument("--solos", default=None,
+                    help="solo thresholds in MB tried at the largest fusion threshold, e.g. 2,8 "
+                         "('' for none)")
     args = ap.parse_args(argv)
     if args.quick:
         models, thresholds, worlds, reps, tiers = ["tiny"], [1 * MB, 16 * MB], [2], 3, [None]
+        solos = [1 * MB]
     else:
         models = ["resnet50", "alexnet", "bert-base"]
         thresholds = [1 * MB, 4 * MB, 16 * MB, 64 * MB, 128 * MB]
         worlds, reps, tiers = [2, 4], 7, [None, 10.0]
+        solos = [2 * MB, 8 * MB]
+    if args.thresholds:
+        thresholds = [int(float(t) * MB) for t in args.thresholds.split(",")]
+    if args.solos is not None:
+        solos = [int(float(t) * MB) for t in args.solos.split(",") if t.strip()]
     if args.worlds:
         worlds = [int(w) for w in args.worlds.split(",")]
     if args.models:
@@ -163,7 +183,7 @@ def main(argv=None) -> int:
                     continue
                 res = launch("benchmarks.bench_fusion:worker", world_size=n,
                              kwargs={"models": tier_models, "thresholds": thresholds,
-                                     "reps": reps},
+                                     "reps": reps, "solos": solos},
                              cluster=cluster, timeout_s=3000)
             if not res.ok:
                 print(res.error)

@@ -79,6 +79,13 @@ class Config:
     # benchmarks/results); big enough to amortise the per-message cost, small enough that two
     # segments pipeline the copy into the buffer with the transport.
     fusion_threshold: int = 16 * 10**6
+    # Tensors at least this big are sent alone, in place (no copy into the fusion buffer and
+    # back), while the fused message of the smaller ones goes on around them. 0: the fusion
+    # threshold. A lower value trades the two copies of a big tensor for one more transport
+    # message: on this 2-core loopback the CPU saved and the per-message latency added came
+    # out even (ResNet-50 list, 2 ranks, 64 MB threshold, solo 2-16 MB: within run-to-run
+    # noise), so the default keeps the old cut; bench_fusion sweeps it.
+    solo_threshold: int = 0
     # Synchronous allreduces smaller than this are fused (and agreed) like async ones, because
     # PyTorch's Join pairs a synchronous allreduce on one rank with an async one on another;
     # larger synchronous ones skip the agreement round (must be synchronous on every rank).
@@ -121,6 +128,7 @@ class Config:
     def _parsers() -> dict[str, Any]:
         return {
             "fusion_threshold": lambda v, n: parse_size(v, n),
+            "solo_threshold": lambda v, n: parse_size(v, n),
             "sync_fusion_limit": lambda v, n: parse_size(v, n),
             "fusion_segments": lambda v, n: _parse_int(v, n, 1, 8),
             "cycle_time_ms": lambda v, n: _parse_float(v, n, 0.0, 1000.0),

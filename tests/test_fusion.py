@@ -81,11 +81,15 @@ def random_programs(rank, world, n_examples):
 
 # A long cycle time makes rounds start only from waits, flushes, the threshold and other
 # collectives, so messages really fuse; the default cycle exercises timer-started rounds.
-@pytest.mark.parametrize("world,threshold,cycle_ms", [(2, "2KB", "1000"), (3, "64KB", "1000"),
-                                                      (4, "1500B", "1")])
-def test_random_programs_with_different_wait_points(pools, world, threshold, cycle_ms):
+# The 3-rank case sends tensors of 600 bytes and more alone, in place (the solo threshold), while
+# the smaller ones around them fuse.
+@pytest.mark.parametrize("world,threshold,cycle_ms,solo", [(2, "2KB", "1000", "0"),
+                                                           (3, "64KB", "1000", "600B"),
+                                                           (4, "1500B", "1", "0")])
+def test_random_programs_with_different_wait_points(pools, world, threshold, cycle_ms, solo):
     res = pools(world).run(random_programs, {2: 60, 3: 30, 4: 25}[world],
                            env={"GRADIENTFLOW_FUSION_THRESHOLD": threshold,
+                                "GRADIENTFLOW_SOLO_THRESHOLD": solo,
                                 "GRADIENTFLOW_CYCLE_TIME_MS": cycle_ms}, timeout=400)
     r0 = res[0]
     assert r0["deferred"] > 0, r0

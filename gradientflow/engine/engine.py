@@ -465,7 +465,8 @@ class Engine:
         with self._cv:
             batch = [self._q.popleft() for _ in range(n)]
             self._recount_run()
-            self._launch.extend(plan_messages(batch, self.config.fusion_threshold))
+            self._launch.extend(plan_messages(batch, self.config.fusion_threshold,
+                                              self.config.solo_threshold))
 
     def _mismatch(self, ops: list[FusableOp], agreed: int, fps) -> EngineError:
         """Name what differs: every rank's view of the batch, gathered on the side group."""

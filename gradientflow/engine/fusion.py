@@ -57,23 +57,32 @@ class Message:
         return sum(op.tensor.numel() for op in self.ops)
 
 
-def plan_messages(batch: Sequence[FusableOp], threshold: int) -> list[Message]:
-    """Cut an agreed batch into messages: per key in order of first appearance, greedy up to
-    `threshold` bytes; a tensor of at least `threshold` bytes goes alone (no copy).
+def plan_messages(batch: Sequence[FusableOp], threshold: int,
+                  solo_bytes: int = 0) -> list[Message]:
+    """Cut an agreed batch into messages: per key, greedy up to `threshold` bytes; a tensor of
+    at least `solo_bytes` (0: `threshold`) bytes goes alone, in place (no copy).
 
-    Separate keys keep an fp16 tensor between fp32 ones from breaking the fp32 fusion.
+    A message is emitted when it is full, a solo tensor at once; a solo tensor does not close
+    the fused message of its key, which collects the small tensors around it. Messages still
+    open at the end of the batch follow, in order of their keys' first appearance. Separate
+    keys keep an fp16 tensor between fp32 ones from breaking the fp32 fusion.
     """
-    by_key: dict[Hashable, list[Message]] = {}
+    solo = min(solo_bytes, threshold) if solo_bytes > 0 else threshold
+    out: list[Message] = []
+    open_msgs: dict[Hashable, Message] = {}
     for op in batch:
-        msgs = by_key.setdefault(op.key, [])
-        cur = msgs[-1] if msgs else None
-        if (op.nbytes >= threshold or cur is None or cur.ops[0].nbytes >= threshold
-                or cur.nbytes + op.nbytes > threshold):
-            cur = Message(op.key)
-            msgs.append(cur)
+        if op.nbytes >= solo:
+            out.append(Message(op.key, [op], op.nbytes))
+            continue
+        cur = open_msgs.get(op.key)
+        if cur is not None and cur.nbytes + op.nbytes > threshold:
+            out.append(cur)
+            cur = None
+        if cur is None:
+            cur = open_msgs[op.key] = Message(op.key)
         cur.ops.append(op)
         cur.nbytes += op.nbytes
-    return [m for msgs in by_key.values() for m in msgs]
+    return out + list(open_msgs.values())
 
 
 class SegmentPool:
