@@ -569,11 +569,12 @@ class Engine:
             fut.value()
             if pool is not None:
                 t0 = time.perf_counter()
-                off = 0
-                for op in msg.ops:
-                    n = op.tensor.numel()
-                    op.tensor.copy_(buf[off:off + n].view(op.tensor.shape))
-                    off += n
+                # One call for the whole message: a copy_ per tensor released and re-took the
+                # GIL each time, a hand-off to the issuing thread per tensor (ResNet-50 list,
+                # 2 ranks, 64 MB: 121-123 vs 128 ms per list, alternated in one launch).
+                srcs = buf.split([op.tensor.numel() for op in msg.ops])
+                torch._foreach_copy_([op.tensor for op in msg.ops],
+                                     [src.view(op.tensor.shape) for src, op in zip(srcs, msg.ops)])
                 if TIMELINE.enabled:
                     u = (time.perf_counter() - t0) * 1e6
                     TIMELINE.complete(tl.UNPACK, tl.CAT_ENGINE, now_us() - u, u,
