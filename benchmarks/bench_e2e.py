@@ -226,6 +226,8 @@ def worker(rank: int, world_size: int, model: str, batch: int, image: int, varia
     busbw = (2 * (world_size - 1) / world_size * probe.numel() * 4 * 8 / median(probe_t) / 1e9
              if world_size > 1 else None)
     del probe
+    floor_ms = _error_feedback_floor_ms(sum(p.numel() for p in next(iter(runners.values()))
+                                            .parameters())) if runners else None
     per_round = max(1, steps // rounds)
     for _ in range(rounds):
         for v in runners:
@@ -239,7 +241,29 @@ def worker(rank: int, world_size: int, model: str, batch: int, image: int, varia
             tx[v] += _nic_tx_bytes(ifname) - b0
     n_params = {v: sum(p.numel() for p in m.parameters()) for v, m in runners.items()}
     return {"times": times, "cpu": cpu, "tx_bytes": tx, "steps": {v: len(t) for v, t in times.items()},
-            "skipped": skipped, "params": n_params, "probe_busbw_gbps": busbw}
+            "skipped": skipped, "params": n_params, "probe_busbw_gbps": busbw,
+            "ef_floor_ms": floor_ms}
+
+
+def _error_feedback_floor_ms(numel: int, reps: int = 5) -> float:
+    """The least memory work any error-feedback compressor does per step, in ms (median).
+
+    Whatever it selects, it must add the gradient into its residual (read two, write one
+    FP32 copy of the model) and leave the gradient buckets rewritten (write one more); CSC's
+    one-pass kernel does exactly these two passes plus the chunk norms. Measured here, on this
+    rank's thread, while the other ranks measure too (as they compress at the same time).
+    """
+    import torch
+
+    g, r = torch.ones(numel), torch.zeros(numel)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        r.add_(g)
+        g.zero_()
+        times.append(time.perf_counter() - t0)
+        g.fill_(1.0)
+    return median(times) * 1e3
 
 
 # ---- driver ------------------------------------------------------------------------------------
@@ -279,7 +303,9 @@ def _summarise(res, variants, world_size, model, tier_label, shaped, batch):
                                 * 1e3 if all("cpu" in r for r in res.results) else None),
                      # On loopback every rank shares `lo`: its counter holds all ranks' bytes.
                      "wire_MB_per_step": (median(tx) if shaped else median(tx) / world_size) / 1e6,
-                     "params": r0["params"][v], "batch": batch})
+                     "params": r0["params"][v], "batch": batch,
+                     "ef_floor_ms": max((r.get("ef_floor_ms") or 0.0 for r in res.results),
+                                        default=None) or None})
     by = {r["variant"]: r for r in rows if "median_ms" in r}
     base, limit = by.get("ddp"), by.get("nocomm")
     for r in rows:
@@ -473,6 +499,12 @@ def _markdown(rows, single, notes, tier_rows, cmd, quick, machine=None):
                         "bandwidth achieved in the same launch): " + ", ".join(
                             f"{r['tier']} {fmt(r.get('comm_to_comp'))}x "
                             f"({fmt(r.get('link_gbps'))} Gbit/s)" for r in ratio), ""]
+            floors = [r["ef_floor_ms"] for r in sub if r.get("ef_floor_ms")]
+            if floors:
+                out += [f"Error-feedback floor: {fmt(median(floors))} ms per step (median over "
+                        "launches) of memory work that any compressor with a residual does on "
+                        "this core: the gradient added into the residual and the buckets "
+                        "rewritten. It bounds what compression can save here.", ""]
             out += [markdown_table(
                 ["tier", "label", "median_ms", "p95_ms", "comm_ms", "extra_cpu_ms",
                  "wire_MB_per_step", "speedup_vs_ddp", "scaling_eff", "load1", "skipped"], sub,
@@ -533,6 +565,14 @@ def _why_missed(rows, got: dict, target: float) -> str:
     if limit < target:
         return (f"compute-bound: one step computes in {fmt(nocomm['median_ms'])} ms here, so even "
                 f"no communication at all is only {fmt(limit)}x over DDP; and {cost}")
+    floor = got.get("ef_floor_ms")
+    if floor:
+        best = ddp["median_ms"] / (nocomm["median_ms"] + floor)
+        if best < target:
+            return (f"out of reach here: the limit is {fmt(limit)}x, but the least memory work of "
+                    f"any error-feedback compressor (gradient into residual, buckets rewritten: "
+                    f"{fmt(floor)} ms measured in this launch) already caps it at {fmt(best)}x; "
+                    f"and {cost}")
     return f"kernel/CPU cost: the limit is {fmt(limit)}x, but {cost}"
 
 
