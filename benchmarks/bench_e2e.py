@@ -548,7 +548,8 @@ def _targets_section(rows) -> list[str]:
 
 def _why_missed(rows, got: dict, target: float) -> str:
     """Why a speedup target was missed, from the same launch's anchors: compute-bound (the
-    no-communication step itself is below the target) or the variant's own cost over it."""
+    no-communication step itself is below the target), out of reach (no communication plus the
+    error-feedback floor is below it), or the variant's own cost over it."""
     if got.get("speedup_vs_ddp") is None or got["speedup_vs_ddp"] >= target:
         return ""
     same = [r for r in rows if r["model"] == got["model"] and r["ranks"] == got["ranks"]
