@@ -368,11 +368,16 @@ def pack_chunks(
     return mod.pack_chunks(v, indices, chunk_size, float(scale), wire_dtype, out=out)
 
 
-def _check_unpack_inputs(op: str, residual: torch.Tensor | None, packed_reduced: torch.Tensor,
-                         packed_local: torch.Tensor | None, target: torch.Tensor, name: str,
-                         packed_numel: int) -> None:
-    """The packed chunks (wire dtypes, k * chunk_size elements) and the residual of an unpack."""
+def _check_unpack_inputs(op: str, target: torch.Tensor, name: str, residual: torch.Tensor | None,
+                         packed_reduced: torch.Tensor, packed_local: torch.Tensor | None,
+                         indices: torch.Tensor, chunk_size: int) -> None:
+    """An unpack's inputs: the flat target, the chunk indices, the packed chunks (wire dtypes,
+    k * chunk_size elements) and the residual."""
+    _check_flat(op, name, target)
     dev, n = target.device, target.numel()
+    _check_chunk(op, chunk_size)
+    _check_indices(op, indices, nchunks_of(n, chunk_size), dev)
+    packed_numel = indices.numel() * chunk_size
     for label, packed in (("packed_reduced", packed_reduced), ("packed_local", packed_local)):
         if packed is None:
             continue
@@ -411,14 +416,9 @@ def unpack_update(
         ``out``.
     """
     op = "unpack_update"
-    _check_flat(op, "v", v)
-    n, dev = v.numel(), v.device
-    _check_chunk(op, chunk_size)
-    _check_indices(op, indices, nchunks_of(n, chunk_size), dev)
-    _check_unpack_inputs(op, residual, packed_reduced, packed_local, v, "v",
-                         indices.numel() * chunk_size)
-    _check_flat(op, "out", out, numel=n, device=dev)
-    mod = _backend(op, impl, dev)
+    _check_unpack_inputs(op, v, "v", residual, packed_reduced, packed_local, indices, chunk_size)
+    _check_flat(op, "out", out, numel=v.numel(), device=v.device)
+    mod = _backend(op, impl, v.device)
     return mod.unpack_update(
         v, residual, packed_reduced, packed_local, indices, chunk_size,
         float(unscale), float(err_scale), out=out,
@@ -451,13 +451,9 @@ def unpack_sent(
         ``out``.
     """
     op = "unpack_sent"
-    _check_flat(op, "out", out)
-    n, dev = out.numel(), out.device
-    _check_chunk(op, chunk_size)
-    _check_indices(op, indices, nchunks_of(n, chunk_size), dev)
-    _check_unpack_inputs(op, residual, packed_reduced, packed_local, out, "out",
-                         indices.numel() * chunk_size)
-    mod = _backend(op, impl, dev)
+    _check_unpack_inputs(op, out, "out", residual, packed_reduced, packed_local, indices,
+                         chunk_size)
+    mod = _backend(op, impl, out.device)
     if not hasattr(mod, "unpack_sent"):
         mod = reference
     return mod.unpack_sent(out, residual, packed_reduced, packed_local, indices, chunk_size,
