@@ -239,7 +239,7 @@ class GradientFlowBackend(_CBackend):
                pair_bytes: Callable[[], tuple[list, list]] | None = None) -> Any:
         self._seq_for_group += 1
         return self._issue(name, lambda: self.engine.submit_eager(
-            name, lambda: call(self._tp(device)), outputs), sig, opts, device,
+            name, lambda: call(self._tp(device)), outputs, device), sig, opts, device,
             pair_bytes=pair_bytes)
 
     # ------------------------------------------------------------------ reductions
@@ -255,7 +255,8 @@ class GradientFlowBackend(_CBackend):
                                t, opts, t.device, rop)
         self._seq_for_group += 1
         return self._issue("all_reduce", lambda: self.engine.submit_eager(
-            "all_reduce", lambda: self._tp(t.device).allreduce(tensors, opts), tensors),
+            "all_reduce", lambda: self._tp(t.device).allreduce(tensors, opts), tensors,
+            t.device),
             t, opts, t.device, rop)
 
     def allreduce_coalesced(self, tensors, opts=None):

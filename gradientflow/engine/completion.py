@@ -39,10 +39,16 @@ def _get_pool() -> concurrent.futures.ThreadPoolExecutor:
     return _pool
 
 
-def _settle(fut: torch.futures.Future, value: Any, error: BaseException | None) -> None:
+def _settle(fut: torch.futures.Future, value: Any, error: BaseException | None,
+            stream: Any = None) -> None:
     try:
         if error is not None:
             fut.set_exception(error)
+        elif stream is not None:
+            # A CUDA future records an event on the current stream: the one that produced
+            # `value` (see streams.py), not this pool thread's.
+            with torch.cuda.stream(stream):
+                fut.set_result(value)
         else:
             fut.set_result(value)
     except RuntimeError:
@@ -54,21 +60,25 @@ def _unwrap(f: torch.futures.Future) -> Any:
     return f.value()
 
 
-def new_future() -> tuple[torch.futures.Future, torch.futures.Future]:
+def new_future(devices: list | None = None) -> tuple[torch.futures.Future, torch.futures.Future]:
     """(source, public): complete `source`; hand out `public`.
 
     torch's Future.set_exception marks the error on the Python wrapper only: a future that
     crosses C++ (Work.get_future(), DDP's reducer) would then hand the exception object out as
     its value. Chaining through a callback that re-raises turns it into a real C++ error.
+    `devices`: the CUDA devices of the result (streams.future_devices), None on CPU.
     """
-    source = torch.futures.Future()
+    source = torch.futures.Future(devices=devices) if devices else torch.futures.Future()
     return source, source.then(_unwrap)
 
 
 def complete(fut: torch.futures.Future, value: Any = None,
-             error: BaseException | None = None) -> None:
-    """Set `fut`'s result (or exception) on a pool thread, never on the caller's."""
-    _get_pool().submit(_settle, fut, value, error)
+             error: BaseException | None = None, stream: Any = None) -> None:
+    """Set `fut`'s result (or exception) on a pool thread, never on the caller's.
+
+    `stream`: the CUDA stream that produced `value`, made current for the completion.
+    """
+    _get_pool().submit(_settle, fut, value, error, stream)
 
 
 def run_async(fn: Callable[[], None]) -> None:
@@ -79,8 +89,10 @@ def run_async(fn: Callable[[], None]) -> None:
 class _Batch:
     """Futures settled in order by whichever pool threads claim them (each exactly once)."""
 
-    def __init__(self, items: list[tuple[torch.futures.Future, Any, BaseException | None]]):
+    def __init__(self, items: list[tuple[torch.futures.Future, Any, BaseException | None]],
+                 stream: Any = None):
         self.items = items
+        self.stream = stream
         self.next = 0
         self.since = 0.0  # when the settle now running began (monotonic)
         self.lock = threading.Lock()
@@ -93,7 +105,7 @@ class _Batch:
                     return
                 self.next = i + 1
                 self.since = time.monotonic()
-            _settle(*self.items[i])
+            _settle(*self.items[i], self.stream)
 
     def stalled(self, now: float) -> bool:
         """Whether items remain behind a settle that has run longer than the hand-off time."""
@@ -145,22 +157,25 @@ class _Watchdog:
 _watchdog = _Watchdog()
 
 
-def complete_all(items: list[tuple[torch.futures.Future, Any, BaseException | None]]) -> None:
+def complete_all(items: list[tuple[torch.futures.Future, Any, BaseException | None]],
+                 stream: Any = None) -> None:
     """Settle several futures, in order, off the caller's thread (one pool task for all).
 
     items: (future, value, error) triples. A callback that blocks delays the rest by at most
-    about `_HANDOFF_S` (the watchdog continues the batch on another pool thread).
+    about `_HANDOFF_S` (the watchdog continues the batch on another pool thread). `stream`:
+    as in `complete`.
     """
-    _get_pool().submit(settle_here, items)
+    _get_pool().submit(settle_here, items, stream)
 
 
-def settle_here(items: list[tuple[torch.futures.Future, Any, BaseException | None]]) -> None:
+def settle_here(items: list[tuple[torch.futures.Future, Any, BaseException | None]],
+                stream: Any = None) -> None:
     """Settle several futures in order on this thread, which must be a pool thread.
 
     For work that already runs on the pool (an unpack): it saves a second hop. A blocked
     callback is handled as in `complete_all` (the watchdog continues on another pool thread).
     """
-    batch = _Batch(items)
+    batch = _Batch(items, stream)
     if len(items) > 1:
         _watchdog.add(batch)
     batch.run()

@@ -34,7 +34,7 @@ import torch
 from torch._C._distributed_c10d import AllreduceOptions, ReduceOp
 
 from gradientflow.config import Config
-from gradientflow.engine import completion
+from gradientflow.engine import completion, streams
 from gradientflow.engine.fusion import FusableOp, Message, SegmentPool, plan_messages
 from gradientflow.engine.stages import StageGen
 from gradientflow.engine.work import FutureWork
@@ -67,6 +67,8 @@ class EagerOp:
     launch: Callable[[], Any]  # -> c10d Work
     outputs: Any
     fut: torch.futures.Future
+    device: torch.device | None = None
+    ready: Any = None  # CUDA: streams.mark() of the submitting thread's stream
 
 
 @dataclass
@@ -80,6 +82,7 @@ class StagesOp:
     fut: torch.futures.Future
     key: Hashable = None
     dense_bytes: int = 0  # the dense FP32 size of what the stages carry (for statistics)
+    ready: Any = None  # CUDA: streams.mark() of the submitting thread's stream
 
 
 @dataclass
@@ -123,6 +126,7 @@ class Engine:
         self._closing = False
         self._error: BaseException | None = None
         self._pools: dict[Hashable, SegmentPool] = {}
+        self._streams = streams.EngineStreams()  # CUDA: where this thread packs and unpacks
         self.counters = _Counters()
         # Set by the backend: turns a transport error into the inspector's explanation (which
         # rank is missing or died, what differed). Called once, on the first error only.
@@ -187,13 +191,15 @@ class Engine:
         `waited`: the caller waits on it right away (a synchronous call), so its batch is
         agreed at once instead of after the cycle time.
         """
-        fut, public = completion.new_future()
+        dev = tensor.device
+        fut, public = completion.new_future(streams.future_devices(dev))
+        ready = streams.mark(dev)
         with self._cv:
             self._check_usable("allreduce")
             seq = self._seq
             self._seq += 1
-            op = FusableOp(seq, tensor, (tensor.device, tensor.dtype, int(getattr(reduce_op, "op", reduce_op))),
-                           reduce_op, fut)
+            op = FusableOp(seq, tensor, (dev, tensor.dtype, int(getattr(reduce_op, "op", reduce_op))),
+                           reduce_op, fut, ready)
             if self._run_len == len(self._q):
                 if self._run_len == 0:
                     self._run_since = time.monotonic()
@@ -225,12 +231,14 @@ class Engine:
             time.sleep(0)
         return self._work(public, seq, "allreduce", nudge=True)
 
-    def submit_eager(self, name: str, launch: Callable[[], Any], outputs: Any) -> Any:
+    def submit_eager(self, name: str, launch: Callable[[], Any], outputs: Any,
+                     device: torch.device | None = None) -> Any:
         """Run a collective in sequence order; returns a Work.
 
         When nothing is queued or running, the transport call is made right here on the
         caller's thread (no hand-off, no round): this is what keeps synchronous collectives
         as fast as plain gloo. Otherwise it queues behind what was issued before it.
+        `device`: where its tensors live (CUDA: ordered with this thread's stream).
         """
         with self._cv:
             self._check_usable(name)
@@ -241,8 +249,9 @@ class Engine:
                 self.counters.eager += 1
                 STATS.record_operation()
                 return launch()
-            fut, public = completion.new_future()
-            self._q.append(EagerOp(seq, name, launch, outputs, fut))
+            dev = device if device is not None else torch.device("cpu")
+            fut, public = completion.new_future(streams.future_devices(dev))
+            self._q.append(EagerOp(seq, name, launch, outputs, fut, dev, streams.mark(dev)))
             self.counters.eager += 1
             self._cv.notify_all()
         STATS.record_operation()
@@ -251,12 +260,13 @@ class Engine:
     def submit_stages(self, name: str, gen: StageGen, device: torch.device,
                       key: Hashable = None, dense_bytes: int = 0) -> torch.futures.Future:
         """Run a multi-stage op (a compressed bucket) in sequence order on the engine thread."""
-        fut, public = completion.new_future()
+        fut, public = completion.new_future(streams.future_devices(device))
+        ready = streams.mark(device)
         with self._cv:
             self._check_usable(name)
             seq = self._seq
             self._seq += 1
-            self._q.append(StagesOp(seq, name, gen, device, fut, key, dense_bytes))
+            self._q.append(StagesOp(seq, name, gen, device, fut, key, dense_bytes, ready))
             self._cv.notify_all()
         STATS.record_operation()
         return public
@@ -511,7 +521,18 @@ class Engine:
         return pool
 
     def _launch_message(self, msg: Message, seg: int | None, buf: torch.Tensor) -> None:
-        """Pack `msg` into its segment `seg` (None: a solo tensor sent in place) and send it."""
+        """Pack `msg` into its segment `seg` (None: a solo tensor sent in place) and send it.
+
+        CUDA: on the engine's stream, once the callers' streams wrote the tensors (streams.py).
+        """
+        if buf.device.type != "cuda":
+            self._send_message(msg, seg, buf, None)
+            return
+        with self._streams.after(buf.device, [op.ready for op in msg.ops]) as stream:
+            self._send_message(msg, seg, buf, stream)
+
+    def _send_message(self, msg: Message, seg: int | None, buf: torch.Tensor,
+                      stream: Any) -> None:
         transport = self._transport_for(buf.device)
         opts = AllreduceOptions()
         opts.reduceOp = msg.ops[0].reduce_op
@@ -535,17 +556,27 @@ class Engine:
                     TIMELINE.complete(tl.QUEUE, tl.CAT_ENGINE, q0, t - q0, tid="queue",
                                       args={"seq": op.seq})
         msg.sent_s = time.perf_counter()
+        if stream is not None and seg is not None:
+            # The segment was allocated on another stream: a later free of it (when it grows)
+            # must wait for what this stream still does with it.
+            buf.record_stream(stream)
         work = transport.allreduce([buf], opts)
-        work.get_future().then(lambda f: self._message_done(f, msg, buf, pool, seg, work))
+        if stream is None:
+            work.get_future().then(lambda f: self._message_done(f.value, msg, buf, pool, seg))
+        else:
+            # CUDA: Work.wait() orders this stream after the transport without a host wait, so
+            # the unpack is queued now, and the next pack into this segment behind it.
+            self._message_done(work.wait, msg, buf, pool, seg, stream)
 
-    def _message_done(self, fut, msg: Message, buf: torch.Tensor, pool: SegmentPool | None,
-                      seg: int | None, work: Any) -> None:
-        """The transport finished `msg` (on its own thread): record it, then unpack and complete.
+    def _message_done(self, check: Callable[[], Any], msg: Message, buf: torch.Tensor,
+                      pool: SegmentPool | None, seg: int | None, stream: Any = None) -> None:
+        """The transport finished `msg`: record it, then unpack and complete.
 
-        On CPU the unpack and the completions run on a pool thread: done here they kept the
-        transport's worker thread from starting the next queued allreduce (3-4 ms per 30 MB
-        message), leaving a gap on the wire after every message. CUDA unpacks stay here,
-        on the stream the transport's callback runs on.
+        `check` raises the transport's error, if any. On CPU this runs on the transport's own
+        thread, and the unpack and the completions run on a pool thread: done here they kept
+        the transport's worker thread from starting the next queued allreduce (3-4 ms per
+        30 MB message), leaving a gap on the wire after every message. On CUDA this runs on
+        the engine thread with the engine's `stream` current.
         """
         t_done = time.perf_counter()
         comm_s = t_done - msg.sent_s
@@ -555,18 +586,17 @@ class Engine:
                               tid=f"transport {seg if seg is not None else 'solo'}",
                               args={"tensors": len(msg.ops), "bytes": msg.nbytes,
                                     "first_seq": msg.ops[0].seq})
-        finish = lambda: self._finish_message(fut, msg, buf, pool, seg)  # noqa: E731
-        if buf.device.type == "cpu":
-            completion.run_async(finish)
+        if stream is None:
+            completion.run_async(lambda: self._finish_message(check, msg, buf, pool, seg))
         else:
-            finish()
+            self._finish_message(check, msg, buf, pool, seg, stream)
 
-    def _finish_message(self, fut, msg: Message, buf: torch.Tensor, pool: SegmentPool | None,
-                        seg: int | None) -> None:
+    def _finish_message(self, check: Callable[[], Any], msg: Message, buf: torch.Tensor,
+                        pool: SegmentPool | None, seg: int | None, stream: Any = None) -> None:
         """Unpack `msg`'s result into its tensors, free its segment, complete its Works."""
         error = None
         try:
-            fut.value()
+            check()
             if pool is not None:
                 t0 = time.perf_counter()
                 # One call for the whole message: a copy_ per tensor released and re-took the
@@ -594,12 +624,21 @@ class Engine:
             # what differed) like every later call, not the transport's raw one.
             error = self._fail(error)
         items = [(op.fut, [op.tensor], error) for op in msg.ops]
-        if buf.device.type == "cpu":
+        if stream is None:
             completion.settle_here(items)  # already on a pool thread: no second hop
         else:
-            completion.complete_all(items)
+            completion.complete_all(items, stream)
 
     def _run_eager(self, op: EagerOp) -> None:
+        if op.device is not None and op.device.type == "cuda":
+            with self._streams.after(op.device, [op.ready]) as stream:
+                try:
+                    op.launch().wait()  # orders the engine's stream after it; no host wait
+                except BaseException as exc:  # noqa: BLE001 - the group is broken
+                    completion.complete(op.fut, error=self._fail(exc))
+                    return
+            completion.complete(op.fut, op.outputs, stream=stream)
+            return
         work = op.launch()
 
         def done(f, op=op, work=work):
@@ -618,6 +657,12 @@ class Engine:
         opts = AllreduceOptions()
         opts.reduceOp = ReduceOp.SUM
         lane = f"bucket {op.key}" if op.key is not None else "stages"
+        with self._streams.after(op.device, [op.ready]) as stream:
+            self._stages_on(op, transport, opts, lane, stream)
+
+    def _stages_on(self, op: StagesOp, transport: Any, opts: AllreduceOptions, lane: str,
+                   stream: Any) -> None:
+        """_run_stages' body, with `stream` (CUDA: the engine's) current."""
         t0 = time.perf_counter()
         codec_name = tl.COMPRESS
         try:
@@ -637,7 +682,7 @@ class Engine:
             STATS.record_codec_time(t1 - t0)
             STATS.record_bytes(0, op.dense_bytes)
             self._stage_event(codec_name, tl.CAT_CODEC, t0, t1, lane)
-            completion.complete(op.fut, stop.value)
+            completion.complete(op.fut, stop.value, stream=stream)
         except BaseException as exc:
             completion.complete(op.fut, error=self._fail(exc))
             raise

@@ -8,7 +8,7 @@ from __future__ import annotations
 import threading
 import zlib
 from dataclasses import dataclass, field
-from typing import Hashable, Sequence
+from typing import Any, Hashable, Sequence
 
 import torch
 
@@ -22,6 +22,7 @@ class FusableOp:
     key: Hashable  # (device, dtype, reduce op): one fusion queue per key
     reduce_op: object
     fut: torch.futures.Future
+    ready: Any = None  # CUDA: streams.mark() of the submitting thread's stream
     name: str = "allreduce"
     queued_us: float | None = None  # timeline: when it was queued (only while recording)
 

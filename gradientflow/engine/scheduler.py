@@ -62,7 +62,7 @@ from typing import Any, Callable
 import torch
 from torch._C._distributed_c10d import AllreduceOptions, ReduceOp
 
-from gradientflow.engine import completion
+from gradientflow.engine import completion, streams
 from gradientflow.engine.stages import StageGen
 from gradientflow.observability import timeline as tl
 from gradientflow.observability.stats import STATS
@@ -95,6 +95,7 @@ class KeyedOp:
     step: int = 0  # the step that submitted it
     seq: int = -1  # position in the launch sequence (the same on every rank)
     t_launch: float = 0.0
+    ready: Any = None  # CUDA: streams.mark() of the submitting thread's stream (after packing)
 
 
 class KeyedScheduler:
@@ -137,6 +138,7 @@ class KeyedScheduler:
         # --- executor: launches queued behind a multi-stage op, in sequence order ---
         self._queue: collections.deque[KeyedOp] = collections.deque()
         self._busy = False
+        self._streams = streams.EngineStreams()  # CUDA: where launches wait for the submitters
         self._closing = False
         self._error: BaseException | None = None
         self.rounds = 0  # rounds issued: the same on every rank once a step's futures completed
@@ -193,9 +195,10 @@ class KeyedScheduler:
         thread (packing overlaps with the caller's work), and its one allreduce runs
         asynchronously on the transport. Otherwise its stages run on the scheduler's thread.
         """
-        fut, public = completion.new_future()
+        fut, public = completion.new_future(streams.future_devices(device))
         first = next(gen) if single_stage else None  # pack now, on backward's thread
-        self._mark_ready(KeyedOp(key, priority, gen, device, nbytes, fut, first, self._step))
+        self._mark_ready(KeyedOp(key, priority, gen, device, nbytes, fut, first, self._step,
+                                 ready=streams.mark(device)))
         return public
 
     def _mark_ready(self, op: KeyedOp) -> None:
@@ -229,7 +232,7 @@ class KeyedScheduler:
                else torch.futures.Future())
         nbytes = tensor.numel() * tensor.element_size() if nbytes is None else nbytes
         self._mark_ready(KeyedOp(key, priority, None, tensor.device, nbytes, fut, tensor,
-                                 self._step))
+                                 self._step, ready=streams.mark(tensor.device)))
         return fut
 
     def pending(self) -> int:
@@ -409,6 +412,7 @@ class KeyedScheduler:
             finally:
                 with self._cv:
                     self._busy = False
+        self._streams = streams.EngineStreams()  # CUDA: where launches wait for the submitters
 
     def _mark_done(self, op: KeyedOp) -> None:
         """Count a completion here and issue its round (before the op's future completes)."""
@@ -435,7 +439,11 @@ class KeyedScheduler:
         opts.reduceOp = ReduceOp.SUM
         tensor, op.first = op.first, None
         op.t_launch = time.perf_counter()
-        work = self._transport_for(op.device).allreduce([tensor], opts)
+        # CUDA: the transport orders itself after this thread's current stream, which must
+        # first wait for the submitter's (streams.py); the callback below runs on a stream that
+        # waited for the transport.
+        with self._streams.after(op.device, [op.ready]):
+            work = self._transport_for(op.device).allreduce([tensor], opts)
         work.get_future().add_done_callback(
             lambda f, op=op, tensor=tensor: self._on_complete(op, tensor, f))
 
@@ -474,10 +482,15 @@ class KeyedScheduler:
             self._fail(exc)
         # Counted (and its round issued) before the caller can see the future complete.
         self._mark_done(op)
-        completion.complete(op.fut, value, error)
+        completion.complete(op.fut, value, error, stream=_current_stream(op.device))
 
     def _run_sync(self, op: KeyedOp) -> None:
         """Every stage of a multi-stage op, back to back on this thread (the sequence is fixed)."""
+        with self._streams.after(op.device, [op.ready]) as stream:
+            self._stages_on(op, stream)
+
+    def _stages_on(self, op: KeyedOp, stream: Any) -> None:
+        """_run_sync's body, with `stream` (CUDA: the scheduler's) current."""
         transport = self._transport_for(op.device)
         opts = AllreduceOptions()
         opts.reduceOp = ReduceOp.SUM
@@ -490,8 +503,13 @@ class KeyedScheduler:
                 tensor = op.gen.send(tensor)
         except StopIteration as stop:
             self._mark_done(op)
-            completion.complete(op.fut, stop.value)
+            completion.complete(op.fut, stop.value, stream=stream)
         except BaseException as exc:
             self._mark_done(op)
             completion.complete(op.fut, error=exc)
             raise
+
+
+def _current_stream(device: torch.device) -> Any:
+    """This thread's current CUDA stream of `device` (None on CPU)."""
+    return torch.cuda.current_stream(device) if device.type == "cuda" else None

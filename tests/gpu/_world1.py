@@ -150,7 +150,8 @@ def all_reduce(t, op=dist.ReduceOp.SUM, async_op=False):
     if eng.fusable(t, async_op):
         w = eng.submit_allreduce(t, opts.reduceOp, not async_op)
     else:
-        w = eng.submit_eager("all_reduce", lambda: shim.transports.get(t.device).allreduce([t], opts), [t])
+        w = eng.submit_eager("all_reduce", lambda: shim.transports.get(t.device).allreduce([t], opts), [t],
+                             t.device)
     if async_op:
         return w
     w.wait()
@@ -160,7 +161,7 @@ def all_reduce(t, op=dist.ReduceOp.SUM, async_op=False):
 def eager(name, device, launch):
     """Engine mode: one collective in sequence order through the engine, waited on."""
     shim = SHIM["shim"]
-    w = shim.engine.submit_eager(name, lambda: launch(shim.transports.get(device)), [])
+    w = shim.engine.submit_eager(name, lambda: launch(shim.transports.get(device)), [], device)
     w.wait()
 
 
@@ -300,6 +301,40 @@ def all_reduce_on_a_side_stream():
 
 
 @check
+def stages_on_a_side_stream():
+    if not CUDA:
+        return "cpu: no streams"
+    """A multi-stage op (a compressed bucket's path) submitted from a busy side stream: its
+    stages must read the caller's values, and the caller, after wait(), the op's result."""
+
+    def gen(x):
+        y = yield x  # world size 1: every stage is the identity
+        y.mul_(2)
+        z = yield y
+        return z + 1
+
+    def submit(g):
+        if MODE["mode"] == "engine":
+            return SHIM["shim"].engine.submit_stages("stages", g, DEV)
+        from gradientflow.engine.api import submit_stages
+
+        return submit_stages(None, "side-stream", g, DEV)
+
+    s = torch.cuda.Stream()
+    bad = []
+    with torch.cuda.stream(s):
+        for rep in range(10):
+            x = torch.empty(1 << 20, device=DEV)
+            busy(5_000_000)
+            x.copy_(pattern(x.numel(), rep))
+            out = submit(gen(x)).wait()
+            if not torch.equal(out, pattern(x.numel(), rep) * 2 + 1):
+                bad.append(rep)
+    s.synchronize()
+    assert not bad, f"reps with wrong results: {bad}"
+
+
+@check
 def broadcast_gather_scatter_family():
     if MODE["mode"] == "engine":
         return _family_on_engine()
@@ -428,7 +463,20 @@ def ddp_plain():
     return {"max_abs_diff_vs_local": d}
 
 
-def _ddp_hook(cfg, tol):
+def _on_side_stream(side: bool, fn):
+    """fn() with a fresh, busy CUDA stream current (side=True), as AMP-style users train."""
+    if not (side and CUDA):
+        return fn()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        busy(5_000_000)
+        out = fn()
+    torch.cuda.current_stream().wait_stream(s)
+    return out
+
+
+def _ddp_hook(cfg, tol, side=False):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import gradientflow.hooks as hooks
@@ -436,7 +484,7 @@ def _ddp_hook(cfg, tol):
 
     model = DDP(_cnn(), device_ids=[0] if CUDA else None, bucket_cap_mb=0.01)
     state = hooks.register(model, cfg)
-    got = _train(model, _data())
+    got = _on_side_stream(side, lambda: _train(model, _data()))
     d = _max_diff(got, _reference())
     st = state.stats()
     assert all(bool(torch.isfinite(p).all()) for p in got)
@@ -472,6 +520,18 @@ def ddp_csc_hook_density_1_fp32_exact():
 
 
 @check
+def ddp_hooks_on_a_side_stream():
+    """The FP16 and the exact CSC hook (the engine's multi-stage path), trained on a side stream."""
+    from gradientflow.compression import CompressionConfig
+
+    return {"fp16": _ddp_hook(CompressionConfig(method="fp16"), 5e-3, side=True),
+            "csc_fp32": _ddp_hook(CompressionConfig(method="csc", density=1.0, chunk_size=256,
+                                                    wire_dtype="fp32", dense_wire_dtype="fp32",
+                                                    warmup_densities=(), min_numel=1),
+                                  1e-4, side=True)}
+
+
+@check
 def ddp_csc_hook_1_percent():
     from gradientflow.compression import CompressionConfig
 
@@ -487,7 +547,7 @@ def ddp_csc_hook_momentum_correction():
                                        momentum_correction=True, min_numel=1), None)
 
 
-def _dist_opt(compression, tol):
+def _dist_opt(compression, tol, side=False):
     import gradientflow
 
     def make(model):
@@ -495,7 +555,7 @@ def _dist_opt(compression, tol):
             torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters(),
             compression=compression, partition_bytes=16 << 10)
 
-    got = _train(_cnn(), _data(), make)
+    got = _on_side_stream(side, lambda: _train(_cnn(), _data(), make))
     d = _max_diff(got, _reference())
     assert all(bool(torch.isfinite(p).all()) for p in got)
     if tol is not None:
@@ -519,6 +579,12 @@ def distributed_optimizer_csc():
 
     return _dist_opt(CompressionConfig(method="csc", density=0.01, chunk_size=64, warmup_densities=(),
                                        min_numel=1), None)
+
+
+@check
+def distributed_optimizer_on_a_side_stream():
+    """Dense and FP16 partitions launched by the scheduler's threads, trained on a side stream."""
+    return {"dense": _dist_opt(None, 1e-4, side=True), "fp16": _dist_opt("fp16", 5e-3, side=True)}
 
 
 @check
