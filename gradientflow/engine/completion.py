@@ -60,16 +60,28 @@ def _unwrap(f: torch.futures.Future) -> Any:
     return f.value()
 
 
-def new_future(devices: list | None = None) -> tuple[torch.futures.Future, torch.futures.Future]:
-    """(source, public): complete `source`; hand out `public`.
+def new_source(devices: list | None = None) -> torch.futures.Future:
+    """A future to complete here; hand out `public(source)` where it may cross into C++.
+
+    `devices`: the CUDA devices of the result (streams.future_devices), None on CPU.
+    """
+    return torch.futures.Future(devices=devices) if devices else torch.futures.Future()
+
+
+def public(source: torch.futures.Future) -> torch.futures.Future:
+    """`source` chained through a callback that re-raises its error.
 
     torch's Future.set_exception marks the error on the Python wrapper only: a future that
     crosses C++ (Work.get_future(), DDP's reducer) would then hand the exception object out as
     its value. Chaining through a callback that re-raises turns it into a real C++ error.
-    `devices`: the CUDA devices of the result (streams.future_devices), None on CPU.
     """
-    source = torch.futures.Future(devices=devices) if devices else torch.futures.Future()
-    return source, source.then(_unwrap)
+    return source.then(_unwrap)
+
+
+def new_future(devices: list | None = None) -> tuple[torch.futures.Future, torch.futures.Future]:
+    """(source, public): complete `source`; hand out `public`."""
+    source = new_source(devices)
+    return source, public(source)
 
 
 def complete(fut: torch.futures.Future, value: Any = None,

@@ -163,13 +163,6 @@ class Engine:
                 f"{self._name} was destroyed. Create a new process group first."
             )
 
-    def _work(self, fut: torch.futures.Future, seq: int, name: str, nudge: bool) -> FutureWork:
-        return FutureWork(
-            fut, lambda: self.describe(seq, name), self.timeout_s,
-            nudge=(lambda: self.want(seq)) if nudge else None,
-            check_thread=self.check_not_engine_thread,
-        )
-
     def fusable(self, tensor: torch.Tensor, async_op: bool = True) -> bool:
         """Whether an allreduce of `tensor` is deferred for fusion (same on every rank).
 
@@ -192,7 +185,7 @@ class Engine:
         agreed at once instead of after the cycle time.
         """
         dev = tensor.device
-        fut, public = completion.new_future(streams.future_devices(dev))
+        fut = completion.new_source(streams.future_devices(dev))
         ready = streams.mark(dev)
         with self._cv:
             self._check_usable("allreduce")
@@ -229,7 +222,7 @@ class Engine:
             # yield, fused / 25 MB buckets went from 1.27-1.33 to 1.17-1.20 (2 ranks,
             # ResNet-50 list, busy machine, same runs alternated).
             time.sleep(0)
-        return self._work(public, seq, "allreduce", nudge=True)
+        return FutureWork(fut, self, seq, "allreduce", nudge=True)
 
     def submit_eager(self, name: str, launch: Callable[[], Any], outputs: Any,
                      device: torch.device | None = None) -> Any:
@@ -250,12 +243,12 @@ class Engine:
                 STATS.record_operation()
                 return launch()
             dev = device if device is not None else torch.device("cpu")
-            fut, public = completion.new_future(streams.future_devices(dev))
+            fut = completion.new_source(streams.future_devices(dev))
             self._q.append(EagerOp(seq, name, launch, outputs, fut, dev, streams.mark(dev)))
             self.counters.eager += 1
             self._cv.notify_all()
         STATS.record_operation()
-        return self._work(public, seq, name, nudge=False)
+        return FutureWork(fut, self, seq, name, nudge=False)
 
     def submit_stages(self, name: str, gen: StageGen, device: torch.device,
                       key: Hashable = None, dense_bytes: int = 0) -> torch.futures.Future:
@@ -516,8 +509,9 @@ class Engine:
         pool = self._pools.get(msg.key)
         if pool is None:
             op = msg.ops[0]
-            pool = self._pools[msg.key] = SegmentPool(op.tensor.dtype, op.tensor.device,
-                                                      self.config.fusion_segments)
+            pool = self._pools[msg.key] = SegmentPool(
+                op.tensor.dtype, op.tensor.device, self.config.fusion_segments,
+                self.config.fusion_threshold // op.tensor.element_size())
         return pool
 
     def _launch_message(self, msg: Message, seg: int | None, buf: torch.Tensor) -> None:

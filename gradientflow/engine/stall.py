@@ -137,6 +137,7 @@ class Inspector:
         self.stall_warning_s = float(config.stall_warning_s)
         self.stall_abort_s = float(config.stall_abort_s)
         self.slice = datetime.timedelta(seconds=max(self.interval, 0.05))
+        self._slice_s = self.slice.total_seconds()
         # Off (inspect_interval_s=0 and no debug): the backend skips the inspector entirely.
         self.enabled = self.interval > 0 or bool(config.debug)
         # Synchronous CPU calls are waited on here in slices (see wait_sync).
@@ -218,22 +219,21 @@ class Inspector:
     def attach(self, work: Any, seq: int, name: str) -> Any:
         """Let a FutureWork's wait() end early with this group's fault, and explain the error
         its operation failed with (a fused message completes its Works with the transport's
-        raw error, before the engine's explanation is ready)."""
-        fut = work.get_future()
-
-        def probe() -> BaseException | None:
-            # Waiting: the future is not done, so this is one attribute read and done().
-            # Failed: the first explanation of the group (made once, under a lock).
-            if self.fault is None and fut.done() and not self._stop.is_set():
-                try:
-                    fut.wait()
-                except Exception as exc:  # noqa: BLE001 - this operation's error
-                    return self.explain(exc, seq, name)
-            return self.fault
-
-        work.probe = probe
-        work.slice_s = self.slice.total_seconds()
+        raw error, before the engine's explanation is ready). See probe_op."""
+        work.inspector = self
+        work.slice_s = self._slice_s
         return work
+
+    def probe_op(self, fut: torch.futures.Future, seq: int, name: str) -> BaseException | None:
+        """The fault a wait on op `seq` (its future `fut`) should raise now, if any."""
+        # Waiting: the future is not done, so this is one attribute read and done().
+        # Failed: the first explanation of the group (made once, under a lock).
+        if self.fault is None and fut.done() and not self._stop.is_set():
+            try:
+                fut.wait()
+            except Exception as exc:  # noqa: BLE001 - this operation's error
+                return self.explain(exc, seq, name)
+        return self.fault
 
     def probe(self) -> BaseException | None:
         return self.fault
