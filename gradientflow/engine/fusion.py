@@ -5,6 +5,7 @@ rank cuts the same messages in the same order without talking.
 """
 from __future__ import annotations
 
+import functools
 import threading
 import zlib
 from dataclasses import dataclass, field
@@ -25,10 +26,10 @@ class FusableOp:
     ready: Any = None  # CUDA: streams.mark() of the submitting thread's stream
     name: str = "allreduce"
     queued_us: float | None = None  # timeline: when it was queued (only while recording)
+    nbytes: int = field(init=False)  # read several times per op: computed once
 
-    @property
-    def nbytes(self) -> int:
-        return self.tensor.numel() * self.tensor.element_size()
+    def __post_init__(self) -> None:
+        self.nbytes = self.tensor.numel() * self.tensor.element_size()
 
     @property
     def reduce_op_name(self) -> str:
@@ -37,7 +38,13 @@ class FusableOp:
     @property
     def fingerprint(self) -> int:
         """A process-independent hash of what must match across ranks: dtype, size, op."""
-        return zlib.crc32(f"{self.tensor.dtype}|{self.tensor.numel()}|{self.key[2]}".encode())
+        return _fingerprint(self.tensor.dtype, self.tensor.numel(), self.key[2])
+
+
+@functools.lru_cache(maxsize=4096)
+def _fingerprint(dtype: torch.dtype, numel: int, op: Any) -> int:
+    # Cached: a training step repeats the same few hundred (dtype, size, op) every step.
+    return zlib.crc32(f"{dtype}|{numel}|{op}".encode())
 
 
 @dataclass(slots=True)
