@@ -16,7 +16,7 @@ from __future__ import annotations
 import concurrent.futures
 import threading
 import time
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -91,11 +91,6 @@ def complete(fut: torch.futures.Future, value: Any = None,
     `stream`: the CUDA stream that produced `value`, made current for the completion.
     """
     _get_pool().submit(_settle, fut, value, error, stream)
-
-
-def run_async(fn: Callable[[], None]) -> None:
-    """Run `fn` on a pool thread."""
-    _get_pool().submit(fn)
 
 
 class _Batch:
@@ -177,16 +172,12 @@ def complete_all(items: list[tuple[torch.futures.Future, Any, BaseException | No
     about `_HANDOFF_S` (the watchdog continues the batch on another pool thread). `stream`:
     as in `complete`.
     """
-    _get_pool().submit(settle_here, items, stream)
+    _get_pool().submit(_settle_in_order, items, stream)
 
 
-def settle_here(items: list[tuple[torch.futures.Future, Any, BaseException | None]],
-                stream: Any = None) -> None:
-    """Settle several futures in order on this thread, which must be a pool thread.
-
-    For work that already runs on the pool (an unpack): it saves a second hop. A blocked
-    callback is handled as in `complete_all` (the watchdog continues on another pool thread).
-    """
+def _settle_in_order(items: list[tuple[torch.futures.Future, Any, BaseException | None]],
+                     stream: Any = None) -> None:
+    """complete_all's pool task: settle in order; the watchdog covers a blocked callback."""
     batch = _Batch(items, stream)
     if len(items) > 1:
         _watchdog.add(batch)
