@@ -232,3 +232,32 @@ def test_powersgd_many_buckets_trains_or_reports_mismatch(pools):
         assert "did not answer" not in str(exc)
     else:
         assert max(diffs) < 1e-5, diffs
+
+
+def groups_end_their_threads(rank, world, rounds):
+    """Rank body: gradientflow groups with fused traffic, destroyed: their threads end with them."""
+    import threading
+
+    import torch
+    import torch.distributed as dist
+
+    def ours():
+        return sorted(t.name for t in threading.enumerate()
+                      if t.is_alive() and t.name.endswith(("-engine", "-reaper")))
+
+    before = ours()
+    reapers = 0
+    for _ in range(rounds):
+        g = dist.new_group(backend="gradientflow")
+        works = [dist.all_reduce(torch.ones(100), group=g, async_op=True) for _ in range(10)]
+        for w in works:
+            w.wait()
+        reapers += sum(t.name.endswith("-reaper") for t in threading.enumerate())
+        dist.destroy_process_group(g)
+    return before, ours(), reapers
+
+
+def test_destroyed_groups_leave_no_engine_or_reaper_thread(pools):
+    for before, after, reapers in pools(2).run(groups_end_their_threads, 3):
+        assert reapers >= 3, reapers  # fused CPU messages did start a reaper in each group
+        assert after == before, (before, after)

@@ -599,7 +599,11 @@ class Engine:
                 work.wait()  # releases the GIL: gloo's thread only signals a C++ condition
             except BaseException as exc:  # noqa: BLE001 - delivered through the Works
                 error = exc
-            self._message_done(lambda e=error: _raise_if(e), msg, buf, pool, seg)
+            try:
+                self._message_done(lambda e=error: _raise_if(e), msg, buf, pool, seg)
+            except BaseException as exc:  # noqa: BLE001 - a bug here must fail, not hang
+                err = self._fail(exc)
+                completion.complete_all([(op.fut, None, err) for op in msg.ops])
 
     def _message_done(self, check: Callable[[], Any], msg: Message, buf: torch.Tensor,
                       pool: SegmentPool | None, seg: int | None, stream: Any = None) -> None:

@@ -412,7 +412,6 @@ class KeyedScheduler:
             finally:
                 with self._cv:
                     self._busy = False
-        self._streams = streams.EngineStreams()  # CUDA: where launches wait for the submitters
 
     def _mark_done(self, op: KeyedOp) -> None:
         """Count a completion here and issue its round (before the op's future completes)."""
