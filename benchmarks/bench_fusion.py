@@ -6,7 +6,8 @@ order, then waits for all of them:
   - gloo 25 MB buckets: DDP's bucketing by hand, each bucket flattened and launched as soon as
     it is full, so the copy of bucket i+1 overlaps the transport of bucket i;
   - gradientflow fused: the same per-tensor calls on gradientflow groups, at each fusion
-    threshold of the sweep.
+    threshold of the sweep, plus solo thresholds and cycle times at the largest threshold
+    (the table's best is over all of them: the settings a tuned job would use).
 All variants are timed alternately, rep by rep, in one run. On loopback for every model, and
 on the emulated switched network of benchmarks/netem.py (one namespace per rank, tbf both
 ways) for the models and tiers of --net-models/--tiers, where the wire, not the copies, is the
@@ -46,16 +47,19 @@ def gradient_shapes(model: str) -> list[tuple[int, ...]]:
     return [tuple(p.shape) for p in net.parameters()]
 
 
-def _variant_name(threshold: int, solo: int) -> str:
-    return f"gf fused {threshold // MB}MB" + (f" solo {solo // MB}MB" if solo else "")
+def _variant_name(threshold: int, solo: int, cycle_ms: float | None = None) -> str:
+    return (f"gf fused {threshold // MB}MB" + (f" solo {solo // MB}MB" if solo else "")
+            + (f" cycle {cycle_ms:g}ms" if cycle_ms is not None else ""))
 
 
 def worker(rank: int, world_size: int, models: list[str], thresholds: list[int],
-           reps: int, solos: list[int] | None = None) -> dict:
+           reps: int, solos: list[int] | None = None, cycles: list[float] | None = None) -> dict:
     """Time every variant on every model, alternating variants rep by rep.
 
     solos: solo thresholds tried at the largest fusion threshold of the sweep (tensors at
-    least this big go alone, in place; see Config.solo_threshold).
+    least this big go alone, in place; see Config.solo_threshold). cycles: cycle times (ms)
+    tried with each of those solo variants (Config.cycle_time_ms, default 1 ms): how long a
+    partial batch waits for a quiet caller, which sets how many rounds a list takes.
     """
     import time
 
@@ -66,10 +70,14 @@ def worker(rank: int, world_size: int, models: list[str], thresholds: list[int],
 
     torch.set_num_threads(1)
     gloo = dist.group.WORLD
-    configs = [(t, 0) for t in thresholds] + [(max(thresholds), s) for s in solos or []]
-    gf = {_variant_name(t, s): dist.new_group(
-        backend="gradientflow", pg_options={"fusion_threshold": t, "solo_threshold": s})
-        for t, s in configs}
+    top = max(thresholds)
+    configs = ([(t, 0, None) for t in thresholds] + [(top, s, None) for s in solos or []]
+               + [(top, s, c) for s in solos or [] for c in cycles or []])
+    gf = {_variant_name(t, s, c): dist.new_group(
+        backend="gradientflow",
+        pg_options={"fusion_threshold": t, "solo_threshold": s,
+                    **({"cycle_time_ms": c} if c is not None else {})})
+        for t, s, c in configs}
     out: dict = {}
     for model in models:
         grads = [torch.randn(s) for s in gradient_shapes(model)][::-1]  # backward order
@@ -150,19 +158,26 @@ def main(argv=None) -> int:
     ap.add_argument("--solos", default=None,
                     help="solo thresholds in MB tried at the largest fusion threshold, e.g. 2,8 "
                          "('' for none)")
+    ap.add_argument("--cycles", default=None,
+                    help="cycle times in ms tried with each solo variant, e.g. 3 ('' for none)")
     args = ap.parse_args(argv)
     if args.quick:
         models, thresholds, worlds, reps, tiers = ["tiny"], [1 * MB, 16 * MB], [2], 3, [None]
-        solos = [1 * MB]
+        solos, cycles = [1 * MB], [3.0]
     else:
         models = ["resnet50", "alexnet", "bert-base"]
         thresholds = [1 * MB, 4 * MB, 16 * MB, 64 * MB, 128 * MB]
         worlds, reps, tiers = [2, 4], 7, [None, 10.0]
         solos = [2 * MB, 8 * MB]
+        # 3 ms: one round per list instead of two when a list takes longer to issue than the
+        # default 1 ms x 5 cycles (A/B, ResNet-50 list, 2 and 4 ranks: 2-18% faster).
+        cycles = [3.0]
     if args.thresholds:
         thresholds = [int(float(t) * MB) for t in args.thresholds.split(",")]
     if args.solos is not None:
         solos = [int(float(t) * MB) for t in args.solos.split(",") if t.strip()]
+    if args.cycles is not None:
+        cycles = [float(c) for c in args.cycles.split(",") if c.strip()]
     if args.worlds:
         worlds = [int(w) for w in args.worlds.split(",")]
     if args.models:
@@ -183,7 +198,7 @@ def main(argv=None) -> int:
                     continue
                 res = launch("benchmarks.bench_fusion:worker", world_size=n,
                              kwargs={"models": tier_models, "thresholds": thresholds,
-                                     "reps": reps, "solos": solos},
+                                     "reps": reps, "solos": solos, "cycles": cycles},
                              cluster=cluster, timeout_s=3000)
             if not res.ok:
                 print(res.error)
