@@ -574,7 +574,7 @@ class Engine:
         else:
             # CUDA: Work.wait() orders this stream after the transport without a host wait, so
             # the unpack is queued now, and the next pack into this segment behind it.
-            self._message_done(work.wait, msg, buf, pool, seg, stream)
+            self._message_done(work, msg, buf, pool, seg, stream)
 
     def _reap_main(self) -> None:
         """CPU: wait for each fused message's transport Work in launch order, then finish it.
@@ -594,24 +594,27 @@ class Engine:
                         return
                     self._reap_cv.wait()
                 work, msg, buf, pool, seg = self._reap.popleft()
-            error = None
             try:
-                work.wait()  # releases the GIL: gloo's thread only signals a C++ condition
-            except BaseException as exc:  # noqa: BLE001 - delivered through the Works
-                error = exc
-            try:
-                self._message_done(lambda e=error: _raise_if(e), msg, buf, pool, seg)
+                # Its work.wait() releases the GIL: gloo's thread only signals a C++ condition.
+                self._message_done(work, msg, buf, pool, seg)
             except BaseException as exc:  # noqa: BLE001 - a bug here must fail, not hang
                 err = self._fail(exc)
                 completion.complete_all([(op.fut, None, err) for op in msg.ops])
 
-    def _message_done(self, check: Callable[[], Any], msg: Message, buf: torch.Tensor,
+    def _message_done(self, work: Any, msg: Message, buf: torch.Tensor,
                       pool: SegmentPool | None, seg: int | None, stream: Any = None) -> None:
-        """The transport finished `msg`: record it, then unpack and complete.
+        """Finish `msg` once `work`, its transport allreduce, is done: record it, unpack it,
+        free its segment, complete its Works.
 
-        `check` raises the transport's error, if any. On CPU this runs on the reaper thread;
-        on CUDA on the engine thread with the engine's `stream` current.
+        On CPU this runs on the reaper thread, where work.wait() blocks (without the GIL); on
+        CUDA on the engine thread with the engine's `stream` current, where work.wait() only
+        orders that stream after the transport.
         """
+        error = None
+        try:
+            work.wait()
+        except BaseException as exc:  # noqa: BLE001 - delivered through the Works below
+            error = exc
         t_done = time.perf_counter()
         comm_s = t_done - msg.sent_s
         STATS.record_message(len(msg.ops), msg.nbytes, msg.numel * 4, comm_s)
@@ -620,15 +623,8 @@ class Engine:
                               tid=f"transport {seg if seg is not None else 'solo'}",
                               args={"tensors": len(msg.ops), "bytes": msg.nbytes,
                                     "first_seq": msg.ops[0].seq})
-        self._finish_message(check, msg, buf, pool, seg, stream)
-
-    def _finish_message(self, check: Callable[[], Any], msg: Message, buf: torch.Tensor,
-                        pool: SegmentPool | None, seg: int | None, stream: Any = None) -> None:
-        """Unpack `msg`'s result into its tensors, free its segment, complete its Works."""
-        error = None
         try:
-            check()
-            if pool is not None:
+            if error is None and pool is not None:
                 t0 = time.perf_counter()
                 # One call for the whole message: a copy_ per tensor released and re-took the
                 # GIL each time, a hand-off to the issuing thread per tensor (ResNet-50 list,
@@ -641,9 +637,7 @@ class Engine:
                     TIMELINE.complete(tl.UNPACK, tl.CAT_ENGINE, now_us() - u, u,
                                       tid=f"transport {seg}")
         except BaseException as exc:  # noqa: BLE001
-            error = EngineError(
-                f"gradientflow: rank {self.rank}: fused allreduce of {len(msg.ops)} tensor(s) "
-                f"(sequence numbers {msg.ops[0].seq}-{msg.ops[-1].seq}) failed: {exc}")
+            error = exc
         finally:
             if pool is not None:
                 pool.release(seg)
@@ -653,7 +647,9 @@ class Engine:
         if error is not None:
             # Fail the group first, so these Works carry its explained error (which rank died,
             # what differed) like every later call, not the transport's raw one.
-            error = self._fail(error)
+            error = self._fail(EngineError(
+                f"gradientflow: rank {self.rank}: fused allreduce of {len(msg.ops)} tensor(s) "
+                f"(sequence numbers {msg.ops[0].seq}-{msg.ops[-1].seq}) failed: {error}"))
         completion.complete_all([(op.fut, [op.tensor], error) for op in msg.ops], stream)
 
     def _run_eager(self, op: EagerOp) -> None:
@@ -725,8 +721,3 @@ class Engine:
     def fusion_memory_bytes(self) -> int:
         """Bytes held by persistent fusion buffers."""
         return sum(p.allocated_bytes for p in self._pools.values())
-
-
-def _raise_if(error: BaseException | None) -> None:
-    if error is not None:
-        raise error
