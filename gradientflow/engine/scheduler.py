@@ -481,7 +481,7 @@ class KeyedScheduler:
             self._fail(exc)
         # Counted (and its round issued) before the caller can see the future complete.
         self._mark_done(op)
-        completion.complete(op.fut, value, error, stream=_current_stream(op.device))
+        completion.complete(op.fut, value, error, stream=streams.current(op.device))
 
     def _run_sync(self, op: KeyedOp) -> None:
         """Every stage of a multi-stage op, back to back on this thread (the sequence is fixed)."""
@@ -507,8 +507,3 @@ class KeyedScheduler:
             self._mark_done(op)
             completion.complete(op.fut, error=exc)
             raise
-
-
-def _current_stream(device: torch.device) -> Any:
-    """This thread's current CUDA stream of `device` (None on CPU)."""
-    return torch.cuda.current_stream(device) if device.type == "cuda" else None

@@ -31,11 +31,16 @@ from typing import Any, Iterable, Iterator
 import torch
 
 
+def current(device: torch.device) -> Any:
+    """This thread's current CUDA stream of `device` (None on CPU)."""
+    return torch.cuda.current_stream(device) if device.type == "cuda" else None
+
+
 def mark(device: torch.device) -> Any:
     """(stream, event) recorded on this thread's current stream of `device`; None on CPU."""
-    if device.type != "cuda":
+    stream = current(device)
+    if stream is None:
         return None
-    stream = torch.cuda.current_stream(device)
     event = torch.cuda.Event()
     event.record(stream)
     return stream, event
