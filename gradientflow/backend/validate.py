@@ -70,17 +70,19 @@ def check_single(rank: int, op: str, tensors: Sequence) -> torch.Tensor:
     return tensors[0]
 
 
-_REDUCE_OK: set = set()  # (reduce-op type, dtype) pairs that passed check_reduce
+_REDUCE_OK: set = set()  # (reduce-op number, dtype) pairs that passed check_reduce
 
 
 def check_reduce(rank: int, op: str, tensor: torch.Tensor, reduce_op) -> None:
     """The reduce op must be defined for the dtype, with the same meaning on every rank."""
-    kind = op_type(reduce_op)
     dt = tensor.dtype
     # Every async allreduce passes here (161 per ResNet-50 step); comparing pybind enums costs
-    # microseconds each, and the answer depends on (op, dtype) only.
-    if (kind, dt) in _REDUCE_OK:
+    # microseconds each, and the answer depends on (op, dtype) only. hash() of a ReduceOp or a
+    # RedOpType is its op number, cheaper than reading the .op property.
+    key = (hash(reduce_op), dt)
+    if key in _REDUCE_OK:
         return
+    kind = op_type(reduce_op)
     integral = not (dt.is_floating_point or dt.is_complex)
     if kind == ReduceOp.AVG and integral:
         raise fail(rank, op, f"ReduceOp.AVG on an integer tensor ({_name(tensor, 'tensor')})",
@@ -96,7 +98,7 @@ def check_reduce(rank: int, op: str, tensor: torch.Tensor, reduce_op) -> None:
     if kind == ReduceOp.PREMUL_SUM:
         raise fail(rank, op, "ReduceOp.PREMUL_SUM is not supported",
                    "multiply by the factor yourself and reduce with SUM")
-    _REDUCE_OK.add((kind, dt))
+    _REDUCE_OK.add(key)
 
 
 def check_root(rank: int, op: str, root: int, world_size: int) -> None:

@@ -195,8 +195,8 @@ class Engine:
             self._check_usable("allreduce")
             seq = self._seq
             self._seq += 1
-            op = FusableOp(seq, tensor, (dev, tensor.dtype, int(getattr(reduce_op, "op", reduce_op))),
-                           reduce_op, fut, ready)
+            # hash() of a ReduceOp or RedOpType is its op number (cheaper than reading .op).
+            op = FusableOp(seq, tensor, (dev, tensor.dtype, hash(reduce_op)), reduce_op, fut, ready)
             if self._run_len == len(self._q):
                 if self._run_len == 0:
                     self._run_since = time.monotonic()
@@ -629,7 +629,7 @@ class Engine:
                 # One call for the whole message: a copy_ per tensor released and re-took the
                 # GIL each time, a hand-off to the issuing thread per tensor (ResNet-50 list,
                 # 2 ranks, 64 MB: 121-123 vs 128 ms per list, alternated in one launch).
-                srcs = buf.split([op.tensor.numel() for op in msg.ops])
+                srcs = buf.split([op.numel for op in msg.ops])
                 torch._foreach_copy_([op.tensor for op in msg.ops],
                                      [src.view(op.tensor.shape) for src, op in zip(srcs, msg.ops)])
                 if TIMELINE.enabled:

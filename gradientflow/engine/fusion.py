@@ -26,10 +26,12 @@ class FusableOp:
     ready: Any = None  # CUDA: streams.mark() of the submitting thread's stream
     name: str = "allreduce"
     queued_us: float | None = None  # timeline: when it was queued (only while recording)
-    nbytes: int = field(init=False)  # read several times per op: computed once
+    numel: int = field(init=False)  # numel and nbytes are read several times per op:
+    nbytes: int = field(init=False)  # computed once
 
     def __post_init__(self) -> None:
-        self.nbytes = self.tensor.numel() * self.tensor.element_size()
+        self.numel = self.tensor.numel()
+        self.nbytes = self.numel * self.tensor.element_size()
 
     @property
     def reduce_op_name(self) -> str:
@@ -54,15 +56,12 @@ class Message:
     key: Hashable
     ops: list[FusableOp] = field(default_factory=list)
     nbytes: int = 0
+    numel: int = 0
     sent_s: float = 0.0  # perf_counter when handed to the transport
 
     @property
     def solo(self) -> bool:
         return len(self.ops) == 1 and self.ops[0].tensor.is_contiguous()
-
-    @property
-    def numel(self) -> int:
-        return sum(op.tensor.numel() for op in self.ops)
 
 
 def plan_messages(batch: Sequence[FusableOp], threshold: int,
@@ -80,7 +79,7 @@ def plan_messages(batch: Sequence[FusableOp], threshold: int,
     open_msgs: dict[Hashable, Message] = {}
     for op in batch:
         if op.nbytes >= solo:
-            out.append(Message(op.key, [op], op.nbytes))
+            out.append(Message(op.key, [op], op.nbytes, op.numel))
             continue
         cur = open_msgs.get(op.key)
         if cur is not None and cur.nbytes + op.nbytes > threshold:
@@ -90,6 +89,7 @@ def plan_messages(batch: Sequence[FusableOp], threshold: int,
             cur = open_msgs[op.key] = Message(op.key)
         cur.ops.append(op)
         cur.nbytes += op.nbytes
+        cur.numel += op.numel
     return out + list(open_msgs.values())
 
 

@@ -27,6 +27,12 @@ class FutureWork(Work):
     the collector off).
     """
 
+    # Set per Work by the group's inspector (stall.py): a fault it finds (collective mismatch,
+    # stall abort) ends a wait early with that fault, checked every `slice_s` seconds. Class
+    # defaults, so a Work without an inspector sets neither.
+    inspector: Any = None
+    slice_s = 1.0
+
     def __init__(self, fut: torch.futures.Future, owner: Any, seq: int, name: str,
                  nudge: bool) -> None:
         super().__init__()
@@ -36,16 +42,18 @@ class FutureWork(Work):
         self._name = name
         self._nudge = nudge
         self._public: torch.futures.Future | None = None
-        # Set by the group's inspector (stall.py): a fault it finds (collective mismatch,
-        # stall abort) ends a wait early with that fault, checked every `slice_s` seconds.
-        self.inspector: Any = None
-        self.slice_s = 1.0
 
     def describe(self) -> str:
         return self._owner.describe(self._seq, self._name)
 
     def wait(self, timeout: datetime.timedelta | None = None) -> bool:  # noqa: D401
         """Block until the operation finished; raise its error, or a timeout naming the op."""
+        if self._fut.done():
+            # Most Works of a fused message are complete by the time they are waited on (a
+            # per-tensor loop waits on 161 in a row): no nudge, no timing, and no engine-thread
+            # check, since a finished operation cannot deadlock anything.
+            STATS.record_wait(0.0)
+            return self._result()
         owner = self._owner
         owner.check_not_engine_thread(self.describe)
         if self._nudge and not self._fut.done():
@@ -64,6 +72,10 @@ class FutureWork(Work):
                 "same order (GRADIENTFLOW_DEBUG=1 checks it) or raise the timeout of "
                 "init_process_group(timeout=...)."
             )
+        return self._result()
+
+    def _result(self) -> bool:
+        """True, or the finished operation's error (the group's fault, if it has one)."""
         try:
             self._fut.wait()  # re-raises the operation's error, if any
         except Exception:
