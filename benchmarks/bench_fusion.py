@@ -5,6 +5,9 @@ order, then waits for all of them:
   - gloo per-tensor: the same calls on a plain gloo group (what fusion saves);
   - gloo 25 MB buckets: DDP's bucketing by hand, each bucket flattened and launched as soon as
     it is full, so the copy of bucket i+1 overlaps the transport of bucket i;
+  - gloo hand-fused: the messages gradientflow cuts at its largest threshold and solo size,
+    sent by hand on gloo with no agreement round and no per-tensor call (a bound: the
+    engine with zero overhead);
   - gradientflow fused: the same per-tensor calls on gradientflow groups, at each fusion
     threshold of the sweep, plus solo thresholds and cycle times at the largest threshold
     (the table's best is over all of them: the settings a tuned job would use).
@@ -67,6 +70,7 @@ def worker(rank: int, world_size: int, models: list[str], thresholds: list[int],
     import torch.distributed as dist
 
     from gradientflow.backend.backend import backend_of
+    from gradientflow.engine.fusion import FusableOp, plan_messages
 
     torch.set_num_threads(1)
     gloo = dist.group.WORLD
@@ -111,7 +115,31 @@ def worker(rank: int, world_size: int, models: list[str], thresholds: list[int],
                     g.copy_(flat[off:off + g.numel()].view_as(g))
                     off += g.numel()
 
-        variants = {"gloo per-tensor": lambda: per_tensor(gloo), "gloo 25MB buckets": ddp_buckets}
+        # The engine's own cut at its largest threshold and solo size, sent by hand on gloo:
+        # every message launched at once, no agreement round, no per-tensor calls. What a
+        # zero-overhead engine with the same messages would take; the gap to "gf fused" is the
+        # engine's cost (rounds, per-call Python, thread hand-offs), not its choice of messages.
+        plan = plan_messages([FusableOp(i, g, ("cpu", g.dtype, 0), None, None)
+                              for i, g in enumerate(grads)], top, max(solos or [0]))
+        packed = [(m, torch.empty(m.numel)) for m in plan if not m.solo]
+
+        def hand_fused():
+            works = []
+            for m in plan:
+                if m.solo:
+                    works.append(dist.all_reduce(m.ops[0].tensor, group=gloo, async_op=True))
+            for m, flat in packed:
+                torch.cat([op.tensor.reshape(-1) for op in m.ops], out=flat)
+                works.append(dist.all_reduce(flat, group=gloo, async_op=True))
+            for w in works:
+                w.wait()
+            for m, flat in packed:
+                srcs = flat.split([op.numel for op in m.ops])
+                torch._foreach_copy_([op.tensor for op in m.ops],
+                                     [src.view(op.tensor.shape) for src, op in zip(srcs, m.ops)])
+
+        variants = {"gloo per-tensor": lambda: per_tensor(gloo), "gloo 25MB buckets": ddp_buckets,
+                    "gloo hand-fused": hand_fused}
         for name, g in gf.items():
             variants[name] = lambda g=g: per_tensor(g)
         engines = {name: backend_of(g).engine for name, g in gf.items()}
@@ -229,6 +257,8 @@ def _row(tier: str, n: int, model: str, r: dict) -> dict:
             "best fused": best.replace("gf fused ", ""), "fused ms": fused[best],
             "per-tensor / fused": ms["gloo per-tensor"] / fused[best],
             "buckets / fused": ms["gloo 25MB buckets"] / fused[best],
+            "gloo hand-fused ms": ms["gloo hand-fused"],
+            "buckets / hand-fused": ms["gloo 25MB buckets"] / ms["gloo hand-fused"],
             "rounds": n_rounds, "round ms": round_ms, "messages": messages,
             **{k.replace("gf fused ", "gf "): v for k, v in fused.items()}}
 
