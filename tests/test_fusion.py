@@ -261,3 +261,46 @@ def test_destroyed_groups_leave_no_engine_or_reaper_thread(pools):
     for before, after, reapers in pools(2).run(groups_end_their_threads, 3):
         assert reapers >= 3, reapers  # fused CPU messages did start a reaper in each group
         assert after == before, (before, after)
+
+
+def callbacks_threads(rank, world, n):
+    """Rank body: which threads run user callbacks on fused allreduces' futures.
+
+    Futures handed out by get_future() before their message completes must be settled on the
+    completion pool (where a blocked callback cannot stall the others), never on the engine's
+    reaper; the Works nobody asked a future of are settled by the reaper itself. Each callback
+    blocks until the last one has run: on a single thread that would never finish.
+    """
+    import threading
+
+    import torch
+    import torch.distributed as dist
+
+    from gradientflow.backend.backend import backend_of
+
+    ts = [torch.full((8,), float(rank + i)) for i in range(n)]
+    works = [dist.all_reduce(t, async_op=True) for t in ts]
+    names, last_ran = [], threading.Event()
+
+    def cb(fut, i):
+        names.append(threading.current_thread().name)
+        if i == n - 2:
+            last_ran.set()
+        else:
+            assert last_ran.wait(30), "a blocked callback stalled the other completions"
+        return fut.value()
+
+    chained = [works[i].get_future().then(lambda f, i=i: cb(f, i)) for i in range(0, n - 1, 2)]
+    for w in works:
+        w.wait()
+    for f in chained:
+        f.wait()
+    for i, t in enumerate(ts):
+        assert t[0].item() == sum(r + i for r in range(world)), i
+    return names, sorted(backend_of().engine._chained)
+
+
+def test_chained_futures_complete_on_the_pool_and_are_forgotten(pools):
+    for names, left in pools(2).run(callbacks_threads, 12, env={"GRADIENTFLOW_CYCLE_TIME_MS": "1000"}):
+        assert len(names) == 6 and not any("reaper" in n or "engine" in n for n in names), names
+        assert left == [], left  # every chained op was unmarked when its message completed

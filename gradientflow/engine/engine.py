@@ -145,6 +145,11 @@ class Engine:
         # CPU: fused messages in flight, in launch order, for the reaper thread (_reap_main).
         self._reap: collections.deque = collections.deque()
         self._reap_cv = threading.Condition()
+        # Sequence numbers of fused ops whose future was handed out (FutureWork.get_future)
+        # before it completed: only those can carry user callbacks, so only those are settled
+        # on the pool; the reaper settles the others itself (see _settle_message).
+        self._chained: set[int] = set()
+        self._chain_lock = threading.Lock()
         self._reaper: threading.Thread | None = None
         self.counters = _Counters()
         # Set by the backend: turns a transport error into the inspector's explanation (which
@@ -684,7 +689,42 @@ class Engine:
             error = self._fail(EngineError(
                 f"gradientflow: rank {self.rank}: fused allreduce of {len(msg.ops)} tensor(s) "
                 f"(sequence numbers {msg.ops[0].seq}-{msg.ops[-1].seq}) failed: {error}"))
+        if error is None and stream is None:
+            self._settle_message(msg)
+            return
+        if self._chained:
+            with self._chain_lock:
+                self._chained.difference_update(op.seq for op in msg.ops)
         completion.complete_all([(op.fut, [op.tensor], error) for op in msg.ops], stream)
+
+    def chain(self, seq: int, fut: torch.futures.Future, link: Callable[[], Any]) -> Any:
+        """Run `link` (which attaches callbacks to `fut`, fused op `seq`'s future) so that the
+        callbacks never run on the reaper: if `fut` is not complete yet, op `seq` is marked
+        for completion on the pool (its message's completion unmarks it)."""
+        with self._chain_lock:
+            if not fut.done():
+                self._chained.add(seq)
+            return link()
+
+    def _settle_message(self, msg: Message) -> None:
+        """Complete a CPU message's futures: here on the reaper when nothing but our own wait()
+        is attached to them, on the pool (which a blocked callback cannot stall) otherwise.
+
+        The pool hop cost a thread wake-up and a GIL hand-off per message between the reaper
+        and the waiting caller; a per-tensor loop never calls get_future(), so its futures
+        carry only FutureWork's own non-blocking wait callback.
+        """
+        pooled = []
+        with self._chain_lock:  # chain() marks an op before attaching, or sees it done
+            chained = self._chained
+            for op in msg.ops:
+                if op.seq in chained:
+                    chained.discard(op.seq)
+                    pooled.append((op.fut, [op.tensor], None))
+                else:
+                    completion.settle_now(op.fut, [op.tensor])
+        if pooled:
+            completion.complete_all(pooled)
 
     def _run_eager(self, op: EagerOp) -> None:
         if op.device is not None and op.device.type == "cuda":

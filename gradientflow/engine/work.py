@@ -112,7 +112,13 @@ class FutureWork(Work):
     def get_future(self) -> torch.futures.Future:
         """The future of this operation (its value: the list of output tensors)."""
         if self._public is None:
-            self._public = completion.public(self._fut)
+            fut = self._fut
+            if self._nudge:
+                # A fused allreduce: its message's completion runs on the reaper, which must
+                # hand futures with user callbacks to the pool (Engine.chain).
+                self._public = self._owner.chain(self._seq, fut, lambda: completion.public(fut))
+            else:
+                self._public = completion.public(fut)
         return self._public
 
     def is_completed(self) -> bool:
