@@ -182,6 +182,10 @@ def main(argv=None) -> int:
     ap.add_argument("--net-models", default="resnet50",
                     help="models run on the emulated tiers (each rep moves the whole list)")
     ap.add_argument("--reps", type=int, default=None)
+    ap.add_argument("--launches", type=int, default=1,
+                    help="launches per tier and rank count; each variant's time is the median "
+                         "over launches of its per-launch median (this machine's noise is "
+                         "mostly between launches: the same A/B read 0.86x-1.01x)")
     ap.add_argument("--thresholds", default=None, help="fusion thresholds in MB, e.g. 16,64")
     ap.add_argument("--solos", default=None,
                     help="solo thresholds in MB tried at the largest fusion threshold, e.g. 2,8 "
@@ -224,25 +228,46 @@ def main(argv=None) -> int:
                 if rate is not None and not cluster.shaped:
                     notes.append(f"{_tier_label(rate)} not emulated ({cluster.reason}): skipped")
                     continue
-                res = launch("benchmarks.bench_fusion:worker", world_size=n,
-                             kwargs={"models": tier_models, "thresholds": thresholds,
-                                     "reps": reps, "solos": solos, "cycles": cycles},
-                             cluster=cluster, timeout_s=3000)
-            if not res.ok:
-                print(res.error)
-                return 1
-            raw[f"{_tier_label(rate)} {n}"] = res.results[0]
-            for model, r in res.results[0].items():
+                runs = []
+                for _ in range(max(1, args.launches)):
+                    res = launch("benchmarks.bench_fusion:worker", world_size=n,
+                                 kwargs={"models": tier_models, "thresholds": thresholds,
+                                         "reps": reps, "solos": solos, "cycles": cycles},
+                                 cluster=cluster, timeout_s=3000)
+                    if not res.ok:
+                        print(res.error)
+                        return 1
+                    runs.append(res.results[0])
+            merged = _merge_launches(runs)
+            raw[f"{_tier_label(rate)} {n}"] = runs if len(runs) > 1 else runs[0]
+            for model, r in merged.items():
                 rows.append(_row(_tier_label(rate), n, model, r))
     cols = list(rows[0].keys()) if rows else []
     md = (f"## Lazy allreduce: fused vs per-tensor vs 25 MB buckets (median ms for the whole "
           f"gradient list)\n\n{machine_line()}\n\nRatios > 1 mean gradientflow is faster. "
           "Emulated tiers: one network namespace per rank behind a bridge, each NIC shaped "
-          "with tbf in both directions (benchmarks/netem.py).\n\n"
+          "with tbf in both directions (benchmarks/netem.py)."
+          + (f" Every time is the median over {args.launches} launches of each launch's "
+             f"median of {reps} reps." if args.launches > 1 else "") + "\n\n"
           + markdown_table(cols, rows) + "".join(f"\n- {n}" for n in notes))
     print(md)
     write_result(args.out, "fusion", {"rows": rows, "raw": raw, "notes": notes}, md)
     return 0
+
+
+def _merge_launches(runs: list[dict]) -> dict:
+    """Rank 0's results of several launches as one: medians over launches, per variant."""
+    if len(runs) == 1:
+        return runs[0]
+    out = {}
+    for model, first in runs[0].items():
+        per = [r[model] for r in runs]
+        out[model] = {
+            "tensors": first["tensors"], "numel": first["numel"],
+            "ms": {k: median([p["ms"][k] for p in per]) for k in first["ms"]},
+            "rounds": {k: [median([p["rounds"][k][j] for p in per]) for j in range(3)]
+                       for k in first["rounds"]}}
+    return out
 
 
 def _row(tier: str, n: int, model: str, r: dict) -> dict:
