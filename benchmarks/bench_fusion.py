@@ -70,7 +70,7 @@ def worker(rank: int, world_size: int, models: list[str], thresholds: list[int],
     import torch.distributed as dist
 
     from gradientflow.backend.backend import backend_of
-    from gradientflow.engine.fusion import FusableOp, plan_messages
+    from gradientflow.engine.fusion import FusableOp, pack, plan_messages, unpack
 
     torch.set_num_threads(1)
     gloo = dist.group.WORLD
@@ -129,14 +129,12 @@ def worker(rank: int, world_size: int, models: list[str], thresholds: list[int],
                 if m.solo:
                     works.append(dist.all_reduce(m.ops[0].tensor, group=gloo, async_op=True))
             for m, flat in packed:
-                torch.cat([op.tensor.reshape(-1) for op in m.ops], out=flat)
+                pack(m.ops, flat)
                 works.append(dist.all_reduce(flat, group=gloo, async_op=True))
             for w in works:
                 w.wait()
             for m, flat in packed:
-                srcs = flat.split([op.numel for op in m.ops])
-                torch._foreach_copy_([op.tensor for op in m.ops],
-                                     [src.view(op.tensor.shape) for src, op in zip(srcs, m.ops)])
+                unpack(flat, m.ops)
 
         variants = {"gloo per-tensor": lambda: per_tensor(gloo), "gloo 25MB buckets": ddp_buckets,
                     "gloo hand-fused": hand_fused}

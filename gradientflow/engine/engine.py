@@ -35,7 +35,7 @@ from torch._C._distributed_c10d import AllreduceOptions, ReduceOp
 
 from gradientflow.config import Config
 from gradientflow.engine import completion, streams
-from gradientflow.engine.fusion import FusableOp, Message, SegmentPool, plan_messages
+from gradientflow.engine.fusion import FusableOp, Message, SegmentPool, pack, plan_messages, unpack
 from gradientflow.engine.stages import StageGen
 from gradientflow.engine.work import FutureWork
 from gradientflow.observability import timeline as tl
@@ -53,6 +53,15 @@ _FP_MASK = (1 << _FP_BITS) - 1
 def _mix(h: int, x: int) -> int:
     """Fold fingerprint x into running fingerprint h (deterministic across processes)."""
     return ((h * 1_000_003) ^ x) & _MASK
+
+
+def batch_fingerprint(ops: list[FusableOp]) -> int:
+    """The fingerprint of a batch's ops (dtype, size, reduce op), chained from its first
+    sequence number, so ranks whose batches start at different operations differ too."""
+    h = ops[0].seq
+    for op in ops:
+        h = _mix(h, op.fingerprint)
+    return h
 
 
 def round_words(k: int, fingerprint: int) -> list[int]:
@@ -246,7 +255,7 @@ class Engine:
             # yield, fused / 25 MB buckets went from 1.27-1.33 to 1.17-1.20 (2 ranks,
             # ResNet-50 list, busy machine, same runs alternated).
             time.sleep(0)
-        return FutureWork(fut, self, seq, "allreduce", nudge=True)
+        return FutureWork(fut, self, seq, "allreduce", fused=True)
 
     def submit_eager(self, name: str, launch: Callable[[], Any], outputs: Any,
                      device: torch.device | None = None) -> Any:
@@ -272,7 +281,7 @@ class Engine:
             self.counters.eager += 1
             self._cv.notify_all()
         STATS.record_operation()
-        return FutureWork(fut, self, seq, name, nudge=False)
+        return FutureWork(fut, self, seq, name, fused=False)
 
     def submit_stages(self, name: str, gen: StageGen, device: torch.device,
                       key: Hashable = None, dense_bytes: int = 0) -> torch.futures.Future:
@@ -467,16 +476,13 @@ class Engine:
         """
         t0 = time.perf_counter()
         k = len(candidates)
-        h = candidates[0].seq
-        for op in candidates:
-            h = _mix(h, op.fingerprint)
-        n, n_max, lo, hi = read_round(*self._agree_min(round_words(k, h), candidates[0].seq))
+        words = round_words(k, batch_fingerprint(candidates))
+        n, n_max, lo, hi = read_round(*self._agree_min(words, candidates[0].seq))
         rounds = 1
-        if n != n_max and 1 <= n <= k:
-            # Frontiers differ: compare the fingerprints of the prefix every rank has.
-            h = candidates[0].seq
-            for op in candidates[:n]:
-                h = _mix(h, op.fingerprint)
+        if n != n_max:
+            # Frontiers differ: compare the fingerprints of the prefix every rank has (n is
+            # the smallest count, so every rank has at least n candidates).
+            h = batch_fingerprint(candidates[:n])
             lo, neg = self._agree_min([h, -h], candidates[0].seq)
             hi = -neg
             rounds = 2
@@ -581,7 +587,7 @@ class Engine:
         if seg is not None:
             pool = self._pools[msg.key]
             t_pack = now_us()
-            torch.cat([op.tensor.reshape(-1) for op in msg.ops], out=buf)
+            pack(msg.ops, buf)
             if TIMELINE.enabled:
                 TIMELINE.complete(tl.FUSE, tl.CAT_ENGINE, t_pack, now_us() - t_pack, tid="engine",
                                   args={"tensors": len(msg.ops), "bytes": msg.nbytes})
@@ -623,8 +629,9 @@ class Engine:
         start the next allreduce meanwhile; before that, unpacking there left a gap on the
         wire after every message (3-4 ms per 30 MB). Measured A/B in one launch, ResNet-50
         list, 4 ranks: 289 vs 307 ms per list (64 MB), 284 vs 320 (128 MB, solo 2 MB), the
-        ranks' CPU 136-137 vs 148-153 ms; 2 ranks within noise. The completions still go to
-        the pool: a callback that blocks must never stop the reaping.
+        ranks' CPU 136-137 vs 148-153 ms; 2 ranks within noise. Futures that may carry user
+        callbacks still complete on the pool (_settle_message): a callback that blocks must
+        never stop the reaping.
         """
         while True:
             with self._reap_cv:
@@ -665,12 +672,7 @@ class Engine:
         try:
             if error is None and pool is not None:
                 t0 = time.perf_counter()
-                # One call for the whole message: a copy_ per tensor released and re-took the
-                # GIL each time, a hand-off to the issuing thread per tensor (ResNet-50 list,
-                # 2 ranks, 64 MB: 121-123 vs 128 ms per list, alternated in one launch).
-                srcs = buf.split([op.numel for op in msg.ops])
-                torch._foreach_copy_([op.tensor for op in msg.ops],
-                                     [src.view(op.tensor.shape) for src, op in zip(srcs, msg.ops)])
+                unpack(buf, msg.ops)
                 if TIMELINE.enabled:
                     u = (time.perf_counter() - t0) * 1e6
                     TIMELINE.complete(tl.UNPACK, tl.CAT_ENGINE, now_us() - u, u,
@@ -697,14 +699,14 @@ class Engine:
                 self._chained.difference_update(op.seq for op in msg.ops)
         completion.complete_all([(op.fut, [op.tensor], error) for op in msg.ops], stream)
 
-    def chain(self, seq: int, fut: torch.futures.Future, link: Callable[[], Any]) -> Any:
-        """Run `link` (which attaches callbacks to `fut`, fused op `seq`'s future) so that the
-        callbacks never run on the reaper: if `fut` is not complete yet, op `seq` is marked
-        for completion on the pool (its message's completion unmarks it)."""
+    def chain(self, seq: int, fut: torch.futures.Future) -> torch.futures.Future:
+        """The public future of fused op `seq` (completion.public of its future `fut`), made so
+        that its callbacks never run on the reaper: if `fut` is not complete yet, op `seq` is
+        marked for completion on the pool (its message's completion unmarks it)."""
         with self._chain_lock:
             if not fut.done():
                 self._chained.add(seq)
-            return link()
+            return completion.public(fut)
 
     def _settle_message(self, msg: Message) -> None:
         """Complete a CPU message's futures: here on the reaper when nothing but our own wait()

@@ -40,7 +40,7 @@ class FusableOp:
     @property
     def fingerprint(self) -> int:
         """A process-independent hash of what must match across ranks: dtype, size, op."""
-        return _fingerprint(self.tensor.dtype, self.tensor.numel(), self.key[2])
+        return _fingerprint(self.tensor.dtype, self.numel, self.key[2])
 
 
 @functools.lru_cache(maxsize=4096)
@@ -62,6 +62,20 @@ class Message:
     @property
     def solo(self) -> bool:
         return len(self.ops) == 1 and self.ops[0].tensor.is_contiguous()
+
+
+def pack(ops: Sequence[FusableOp], buf: torch.Tensor) -> None:
+    """Copy the ops' tensors into `buf`, back to back, in one call."""
+    torch.cat([op.tensor.reshape(-1) for op in ops], out=buf)
+
+
+def unpack(buf: torch.Tensor, ops: Sequence[FusableOp]) -> None:
+    """Copy `buf`'s pieces back into the ops' tensors, in one call: a copy_ per tensor released
+    and re-took the GIL each time, a hand-off to the issuing thread per tensor (ResNet-50 list,
+    2 ranks, 64 MB: 121-123 vs 128 ms per list, alternated in one launch)."""
+    srcs = buf.split([op.numel for op in ops])
+    torch._foreach_copy_([op.tensor for op in ops],
+                         [src.view(op.tensor.shape) for src, op in zip(srcs, ops)])
 
 
 def plan_messages(batch: Sequence[FusableOp], threshold: int,

@@ -34,13 +34,15 @@ class FutureWork(Work):
     slice_s = 1.0
 
     def __init__(self, fut: torch.futures.Future, owner: Any, seq: int, name: str,
-                 nudge: bool) -> None:
+                 fused: bool) -> None:
         super().__init__()
         self._fut = fut  # the source future the engine completes; waited on directly here
         self._owner = owner  # the Engine: describe(), want(), check_not_engine_thread(), timeout_s
         self._seq = seq
         self._name = name
-        self._nudge = nudge
+        # A deferred (fused) allreduce: a wait must close its batch (Engine.want), and its
+        # public future must be made through Engine.chain.
+        self._fused = fused
         self._public: torch.futures.Future | None = None
 
     def describe(self) -> str:
@@ -56,7 +58,7 @@ class FutureWork(Work):
             return self._result()
         owner = self._owner
         owner.check_not_engine_thread(self.describe)
-        if self._nudge and not self._fut.done():
+        if self._fused:
             owner.want(self._seq)
         limit = owner.timeout_s
         if isinstance(timeout, datetime.timedelta) and timeout.total_seconds() > 0:
@@ -112,13 +114,10 @@ class FutureWork(Work):
     def get_future(self) -> torch.futures.Future:
         """The future of this operation (its value: the list of output tensors)."""
         if self._public is None:
-            fut = self._fut
-            if self._nudge:
-                # A fused allreduce: its message's completion runs on the reaper, which must
-                # hand futures with user callbacks to the pool (Engine.chain).
-                self._public = self._owner.chain(self._seq, fut, lambda: completion.public(fut))
-            else:
-                self._public = completion.public(fut)
+            # A fused allreduce's message completes on the reaper, which must hand futures
+            # with user callbacks to the pool (Engine.chain).
+            self._public = (self._owner.chain(self._seq, self._fut) if self._fused
+                            else completion.public(self._fut))
         return self._public
 
     def is_completed(self) -> bool:
