@@ -10,8 +10,8 @@ task per future cost a thread wake-up each, 4-7 ms for a 24-tensor message on 2 
 more than the message's transport. A callback may still block (wait on a later future of the
 same message, say): a watchdog hands the rest of the batch to another pool thread when one
 settle has run longer than `_HANDOFF_S`, so the guarantee above holds after that delay.
-The one exception, `settle_now`, is for futures nobody else holds (Engine._settle_message):
-no user callback can run there.
+The one exception, `settle`, is for futures nobody else holds (Engine._finish_ops): no
+user callback can run there.
 """
 from __future__ import annotations
 
@@ -58,10 +58,10 @@ def _settle(fut: torch.futures.Future, value: Any, error: BaseException | None,
         pass
 
 
-def settle_now(fut: torch.futures.Future, value: Any) -> None:
-    """Set `fut`'s result on this thread: only for a future no user callback can be attached
-    to (Engine._settle_message decides)."""
-    _settle(fut, value, None)
+def settle(fut: torch.futures.Future, value: Any, error: BaseException | None = None) -> None:
+    """Complete `fut` on this thread: only for a future no user callback can be attached to
+    (Engine._finish_ops and Engine.future_of decide)."""
+    _settle(fut, value, error)
 
 
 def _unwrap(f: torch.futures.Future) -> Any:

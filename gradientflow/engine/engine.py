@@ -37,7 +37,7 @@ from gradientflow.config import Config
 from gradientflow.engine import completion, streams
 from gradientflow.engine.fusion import FusableOp, Message, SegmentPool, pack, plan_messages, unpack
 from gradientflow.engine.stages import StageGen
-from gradientflow.engine.work import FutureWork
+from gradientflow.engine.work import FusedWork, FutureWork
 from gradientflow.observability import timeline as tl
 from gradientflow.observability.stats import STATS
 from gradientflow.observability.timeline import TIMELINE, now_us
@@ -154,10 +154,8 @@ class Engine:
         # CPU: fused messages in flight, in launch order, for the reaper thread (_reap_main).
         self._reap: collections.deque = collections.deque()
         self._reap_cv = threading.Condition()
-        # Sequence numbers of fused ops whose future was handed out (FutureWork.get_future)
-        # before it completed: only those can carry user callbacks, so only those are settled
-        # on the pool; the reaper settles the others itself (see _settle_message).
-        self._chained: set[int] = set()
+        # Guards a CPU fused op's done / fut / chained between its Work (future_of) and the
+        # reaper (_finish_ops): a future is made only while the op is not done, and settled.
         self._chain_lock = threading.Lock()
         self._reaper: threading.Thread | None = None
         self.counters = _Counters()
@@ -211,15 +209,18 @@ class Engine:
         return tensor.numel() * tensor.element_size() < limit
 
     def submit_allreduce(self, tensor: torch.Tensor, reduce_op: Any,
-                         waited: bool = False) -> FutureWork:
+                         waited: bool = False) -> FusedWork:
         """Queue an allreduce for fusion; returns its Work at once.
 
         `waited`: the caller waits on it right away (a synchronous call), so its batch is
         agreed at once instead of after the cycle time.
         """
         dev = tensor.device
-        fut = completion.new_source(streams.future_devices(dev))
-        ready = streams.mark(dev)
+        if dev.type == "cuda":
+            fut = completion.new_source(streams.future_devices(dev))
+            ready = streams.mark(dev)
+        else:  # no future until somebody blocks or asks for one (FusableOp, future_of)
+            fut = ready = None
         with self._cv:
             self._check_usable("allreduce")
             seq = self._seq
@@ -255,7 +256,7 @@ class Engine:
             # yield, fused / 25 MB buckets went from 1.27-1.33 to 1.17-1.20 (2 ranks,
             # ResNet-50 list, busy machine, same runs alternated).
             time.sleep(0)
-        return FutureWork(fut, self, seq, "allreduce", fused=True)
+        return FusedWork(op, self)
 
     def submit_eager(self, name: str, launch: Callable[[], Any], outputs: Any,
                      device: torch.device | None = None) -> Any:
@@ -281,7 +282,7 @@ class Engine:
             self.counters.eager += 1
             self._cv.notify_all()
         STATS.record_operation()
-        return FutureWork(fut, self, seq, name, fused=False)
+        return FutureWork(fut, self, seq, name)
 
     def submit_stages(self, name: str, gen: StageGen, device: torch.device,
                       key: Hashable = None, dense_bytes: int = 0) -> torch.futures.Future:
@@ -428,12 +429,18 @@ class Engine:
 
     def _fail_queued(self, err: BaseException) -> None:
         """Complete every op not yet handed to the transport with `err` (lock held)."""
-        while self._launch:
-            item = self._launch.popleft()
-            for op in (item.ops if isinstance(item, Message) else [item]):
-                completion.complete(op.fut, error=err)
-        while self._q:
-            completion.complete(self._q.popleft().fut, error=err)
+        ops = list(self._launch) + list(self._q)
+        self._launch.clear()
+        self._q.clear()
+        fused = []
+        for item in ops:
+            if isinstance(item, Message):
+                fused.extend(item.ops)
+            elif isinstance(item, FusableOp):
+                fused.append(item)
+            else:
+                completion.complete(item.fut, error=err)
+        self._finish_ops(fused, err)
         self._run_len = self._run_bytes = 0
 
     def _fail(self, exc: BaseException) -> BaseException:
@@ -630,7 +637,7 @@ class Engine:
         wire after every message (3-4 ms per 30 MB). Measured A/B in one launch, ResNet-50
         list, 4 ranks: 289 vs 307 ms per list (64 MB), 284 vs 320 (128 MB, solo 2 MB), the
         ranks' CPU 136-137 vs 148-153 ms; 2 ranks within noise. Futures that may carry user
-        callbacks still complete on the pool (_settle_message): a callback that blocks must
+        callbacks still complete on the pool (_finish_ops): a callback that blocks must
         never stop the reaping.
         """
         while True:
@@ -644,8 +651,7 @@ class Engine:
                 # Its work.wait() releases the GIL: gloo's thread only signals a C++ condition.
                 self._message_done(work, msg, buf, pool, seg)
             except BaseException as exc:  # noqa: BLE001 - a bug here must fail, not hang
-                err = self._fail(exc)
-                completion.complete_all([(op.fut, None, err) for op in msg.ops])
+                self._finish_ops(msg.ops, self._fail(exc))
 
     def _message_done(self, work: Any, msg: Message, buf: torch.Tensor,
                       pool: SegmentPool | None, seg: int | None, stream: Any = None) -> None:
@@ -691,40 +697,53 @@ class Engine:
             error = self._fail(EngineError(
                 f"gradientflow: rank {self.rank}: fused allreduce of {len(msg.ops)} tensor(s) "
                 f"(sequence numbers {msg.ops[0].seq}-{msg.ops[-1].seq}) failed: {error}"))
-        if error is None and stream is None:
-            self._settle_message(msg)
+        if error is None and stream is not None:
+            # CUDA: the futures record an event on the engine's stream that waiters sync with.
+            completion.complete_all([(op.fut, [op.tensor], None) for op in msg.ops], stream)
             return
-        if self._chained:
-            with self._chain_lock:
-                self._chained.difference_update(op.seq for op in msg.ops)
-        completion.complete_all([(op.fut, [op.tensor], error) for op in msg.ops], stream)
+        self._finish_ops(msg.ops, error)
 
-    def chain(self, seq: int, fut: torch.futures.Future) -> torch.futures.Future:
-        """The public future of fused op `seq` (completion.public of its future `fut`), made so
-        that its callbacks never run on the reaper: if `fut` is not complete yet, op `seq` is
-        marked for completion on the pool (its message's completion unmarks it)."""
+    def future_of(self, op: FusableOp, public: bool = False) -> torch.futures.Future | None:
+        """The future of fused op `op`, made now if it has none.
+
+        For a blocking wait (`public` False): None if the op is already done. For
+        get_future() (`public` True): its public future (completion.public); if `op` is not
+        done yet, it is marked `chained`, so its completion runs on the pool, never on the
+        reaper, where a user callback that blocks would stall every later message.
+        """
         with self._chain_lock:
-            if not fut.done():
-                self._chained.add(seq)
-            return completion.public(fut)
+            fut = op.fut
+            if fut is None:
+                if op.done and not public:
+                    return None
+                fut = op.fut = completion.new_source()
+                if op.done:  # nothing is attached to it yet: settle it here
+                    completion.settle(fut, [op.tensor], op.error)
+            if public:
+                if not fut.done():
+                    op.chained = True
+                return completion.public(fut)
+            return fut
 
-    def _settle_message(self, msg: Message) -> None:
-        """Complete a CPU message's futures: here on the reaper when nothing but our own wait()
-        is attached to them, on the pool (which a blocked callback cannot stall) otherwise.
+    def _finish_ops(self, ops: list[FusableOp], error: BaseException | None) -> None:
+        """Mark fused ops done (values written back, or failed with `error`) and settle the
+        futures somebody asked for: here when only our own wait() is attached to them, on the
+        pool (which a blocked callback cannot stall) when get_future() handed them out.
 
-        The pool hop cost a thread wake-up and a GIL hand-off per message between the reaper
-        and the waiting caller; a per-tensor loop never calls get_future(), so its futures
-        carry only FutureWork's own non-blocking wait callback.
+        Settling a future per op, and its pool hop per message, cost more than the rest of a
+        message's completion; a per-tensor loop asks for neither.
         """
         pooled = []
-        with self._chain_lock:  # chain() marks an op before attaching, or sees it done
-            chained = self._chained
-            for op in msg.ops:
-                if op.seq in chained:
-                    chained.discard(op.seq)
-                    pooled.append((op.fut, [op.tensor], None))
-                else:
-                    completion.settle_now(op.fut, [op.tensor])
+        with self._chain_lock:  # future_of() makes a future only for an op not done yet
+            for op in ops:
+                op.error = error
+                op.done = True
+                fut = op.fut
+                if fut is not None:
+                    if op.chained or error is not None:
+                        pooled.append((fut, [op.tensor], error))
+                    else:
+                        completion.settle(fut, [op.tensor])
         if pooled:
             completion.complete_all(pooled)
 

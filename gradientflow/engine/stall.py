@@ -219,20 +219,16 @@ class Inspector:
     def attach(self, work: Any, seq: int, name: str) -> Any:
         """Let a FutureWork's wait() end early with this group's fault, and explain the error
         its operation failed with (a fused message completes its Works with the transport's
-        raw error, before the engine's explanation is ready). See probe_op."""
+        raw error, before the engine's explanation is ready). See probe_error."""
         work.inspector = self
         work.slice_s = self._slice_s
         return work
 
-    def probe_op(self, fut: torch.futures.Future, seq: int, name: str) -> BaseException | None:
-        """The fault a wait on op `seq` (its future `fut`) should raise now, if any."""
-        # Waiting: the future is not done, so this is one attribute read and done().
-        # Failed: the first explanation of the group (made once, under a lock).
-        if self.fault is None and fut.done() and not self._stop.is_set():
-            try:
-                fut.wait()
-            except Exception as exc:  # noqa: BLE001 - this operation's error
-                return self.explain(exc, seq, name)
+    def probe_error(self, error: BaseException, seq: int, name: str) -> BaseException | None:
+        """What a wait on op `seq`, which failed with `error`, should raise instead, if anything:
+        the group's first explanation (made once, under a lock) or its fault."""
+        if self.fault is None and not self._stop.is_set():
+            return self.explain(error, seq, name)
         return self.fault
 
     def probe(self) -> BaseException | None:

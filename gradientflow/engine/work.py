@@ -1,4 +1,4 @@
-"""The Work handed back for queued operations: a torch Future, plus a wait() that makes progress."""
+"""The Works handed back for queued operations: a wait() that makes progress and honours faults."""
 from __future__ import annotations
 
 import datetime
@@ -14,17 +14,16 @@ from gradientflow.observability.stats import STATS
 
 
 class FutureWork(Work):
-    """A c10d Work over a torch Future whose wait() nudges the engine and honours the timeout.
+    """A c10d Work over a torch Future whose wait() honours the timeout and the group's faults.
 
     torch wraps Python Works so that only wait() and get_future() pass through;
     is_completed() stays False there: use get_future().done().
 
-    One is made per queued allreduce (161 per ResNet-50 step), so it holds plain fields, not
-    closures, and the public future (a chained copy whose errors are C++ errors, see
-    completion.new_future) is made only when get_future() asks for it. Every object an op keeps
-    alive until it completes costs the garbage collector: with 19 per op, its collections were
-    a quarter of the issuing cost (world of one, ResNet-50 list: 88 vs 66 us per all_reduce with
-    the collector off).
+    The public future (a chained copy whose errors are C++ errors, see completion.new_future)
+    is made only when get_future() asks for it. Every object an op keeps alive until it
+    completes costs the garbage collector: with 19 per op, its collections were a quarter of
+    the issuing cost (world of one, ResNet-50 list: 88 vs 66 us per all_reduce with the
+    collector off).
     """
 
     # Set per Work by the group's inspector (stall.py): a fault it finds (collective mismatch,
@@ -33,24 +32,32 @@ class FutureWork(Work):
     inspector: Any = None
     slice_s = 1.0
 
-    def __init__(self, fut: torch.futures.Future, owner: Any, seq: int, name: str,
-                 fused: bool) -> None:
+    def __init__(self, fut: torch.futures.Future | None, owner: Any, seq: int,
+                 name: str) -> None:
         super().__init__()
-        self._fut = fut  # the source future the engine completes; waited on directly here
+        self._fut = fut  # the source future the engine completes
         self._owner = owner  # the Engine: describe(), want(), check_not_engine_thread(), timeout_s
         self._seq = seq
         self._name = name
-        # A deferred (fused) allreduce: a wait must close its batch (Engine.want), and its
-        # public future must be made through Engine.chain.
-        self._fused = fused
         self._public: torch.futures.Future | None = None
 
     def describe(self) -> str:
         return self._owner.describe(self._seq, self._name)
 
+    # Hooks FusedWork overrides: whether it finished, the future to block on, a nudge.
+    def _finished(self) -> bool:
+        return self._fut.done()
+
+    def _blocking_future(self) -> torch.futures.Future | None:
+        """The future a blocking wait waits on (None: it finished meanwhile)."""
+        return self._fut
+
+    def _nudge(self) -> None:
+        """Somebody blocks on this op (FusedWork: close its batch soon)."""
+
     def wait(self, timeout: datetime.timedelta | None = None) -> bool:  # noqa: D401
         """Block until the operation finished; raise its error, or a timeout naming the op."""
-        if self._fut.done():
+        if self._finished():
             # Most Works of a fused message are complete by the time they are waited on (a
             # per-tensor loop waits on 161 in a row): no nudge, no timing, and no engine-thread
             # check, since a finished operation cannot deadlock anything.
@@ -58,13 +65,13 @@ class FutureWork(Work):
             return self._result()
         owner = self._owner
         owner.check_not_engine_thread(self.describe)
-        if self._fused:
-            owner.want(self._seq)
+        self._nudge()
         limit = owner.timeout_s
         if isinstance(timeout, datetime.timedelta) and timeout.total_seconds() > 0:
             limit = timeout.total_seconds()
         t0 = time.perf_counter()
-        finished = self._wait(limit)
+        fut = self._blocking_future()
+        finished = fut is None or self._wait(fut, limit)
         STATS.record_wait(time.perf_counter() - t0)
         if not finished:
             raise RuntimeError(
@@ -76,24 +83,30 @@ class FutureWork(Work):
             )
         return self._result()
 
-    def _result(self) -> bool:
-        """True, or the finished operation's error (the group's fault, if it has one)."""
+    def _error(self) -> BaseException | None:
+        """The finished operation's error, or None."""
         try:
             self._fut.wait()  # re-raises the operation's error, if any
-        except Exception:
-            # The group's fault (a mismatch, a stall abort) reads better than the raw error.
-            fault = self._probe()
-            if fault is not None:
-                raise fault from None
-            raise
-        return True
+        except Exception as exc:  # noqa: BLE001 - returned to be raised with the group's fault
+            return exc
+        return None
+
+    def _result(self) -> bool:
+        """True, or the finished operation's error (the group's fault, if it has one)."""
+        error = self._error()
+        if error is None:
+            return True
+        # The group's fault (a mismatch, a stall abort) reads better than the raw error.
+        insp = self.inspector
+        fault = None if insp is None else insp.probe_error(error, self._seq, self._name)
+        raise (fault or error) from None
 
     def _probe(self) -> BaseException | None:
+        """The fault a blocked wait should end with now (none while the op is running)."""
         insp = self.inspector
-        return None if insp is None else insp.probe_op(self._fut, self._seq, self._name)
+        return None if insp is None else insp.probe()
 
-    def _wait(self, limit: float) -> bool:
-        fut = self._fut
+    def _wait(self, fut: torch.futures.Future, limit: float) -> bool:
         if fut.done():
             return True
         # The event is made only for a wait that really blocks: most Works of a fused batch
@@ -114,11 +127,51 @@ class FutureWork(Work):
     def get_future(self) -> torch.futures.Future:
         """The future of this operation (its value: the list of output tensors)."""
         if self._public is None:
-            # A fused allreduce's message completes on the reaper, which must hand futures
-            # with user callbacks to the pool (Engine.chain).
-            self._public = (self._owner.chain(self._seq, self._fut) if self._fused
-                            else completion.public(self._fut))
+            self._public = completion.public(self._fut)
         return self._public
 
     def is_completed(self) -> bool:
-        return self._fut.done()
+        return self._finished()
+
+
+class FusedWork(FutureWork):
+    """The Work of a deferred (fused) allreduce: its op's `done` flag, no future of its own
+    until a blocking wait or get_future() asks the engine for one (Engine.future_of).
+
+    A wait on a queued op closes its batch (Engine.want); its public future is made by the
+    engine, which settles futures with user callbacks on the pool, never on its reaper.
+    """
+
+    def __init__(self, op: Any, owner: Any) -> None:
+        super().__init__(op.fut, owner, op.seq, op.name)
+        self._op = op
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:  # noqa: D401
+        """Block until the operation finished; raise its error, or a timeout naming the op."""
+        op = self._op
+        if op.done and op.error is None:  # CPU: the common case, kept to two reads
+            STATS.record_wait(0.0)
+            return True
+        return super().wait(timeout)
+
+    def _finished(self) -> bool:
+        op = self._op
+        return op.done or (op.fut is not None and op.fut.done())
+
+    def _blocking_future(self) -> torch.futures.Future | None:
+        return self._owner.future_of(self._op)
+
+    def _nudge(self) -> None:
+        self._owner.want(self._op.seq)
+
+    def _error(self) -> BaseException | None:
+        op = self._op
+        if op.fut is None:
+            return op.error
+        self._fut = op.fut
+        return super()._error()
+
+    def get_future(self) -> torch.futures.Future:
+        if self._public is None:
+            self._public = self._owner.future_of(self._op, public=True)
+        return self._public
