@@ -217,14 +217,14 @@ class GradientFlowBackend(_CBackend):
         if insp._debug_group is not None:
             with self._debug_lock:  # the debug check and the submission in one order
                 insp.debug_check(engine._seq, name, sig, root, rop, pair_bytes)
-                with engine._cv:
+                with engine._lock:
                     seq = engine._seq
                     work = submit()
                     insp.record(seq, name, sig, root, rop, work)
         else:
             # Reentrant lock: the sequence number read is the one submit() takes, and records
             # happen in sequence order even when several threads issue collectives.
-            with engine._cv:
+            with engine._lock:
                 seq = engine._seq
                 work = submit()
                 insp.record(seq, name, sig, root, rop, work)
@@ -249,9 +249,18 @@ class GradientFlowBackend(_CBackend):
         rop = opts.reduceOp  # read once: each read of this pybind property costs microseconds
         V.check_reduce(self._rank, "all_reduce", t, rop)
         async_op = getattr(opts, "asyncOp", True)
-        if self.engine.fusable(t, async_op):
+        engine = self.engine
+        if engine.fusable(t, async_op):
             self._seq_for_group += 1
-            return self._issue(_DEFERRED_AR, lambda: self.engine.submit_allreduce(t, rop, not async_op),
+            insp = self.inspector
+            if insp.enabled and insp._debug_group is None:
+                # _issue's common case, for the call a per-tensor loop makes 161 times a step.
+                with engine._lock:
+                    seq = engine._seq
+                    work = engine.submit_allreduce(t, rop, not async_op)
+                    insp.record(seq, _DEFERRED_AR, t, None, rop, work)
+                return insp.attach(work, seq, _DEFERRED_AR)
+            return self._issue(_DEFERRED_AR, lambda: engine.submit_allreduce(t, rop, not async_op),
                                t, opts, t.device, rop)
         self._seq_for_group += 1
         return self._issue("all_reduce", lambda: self.engine.submit_eager(

@@ -133,7 +133,11 @@ class Engine:
         self._transport_for = transport_for
         self._agree = agree_group
         self._name = name
-        self._cv = threading.Condition()
+        # The engine's state lock (reentrant: the backend holds it around a submission), and a
+        # condition on it for the engine thread. Hot paths take `_lock` directly: `with` on a
+        # Condition enters through a Python-level method, several per op otherwise.
+        self._lock = threading.RLock()
+        self._cv = threading.Condition(self._lock)
         self._q: collections.deque = collections.deque()  # issued, not yet agreed/ordered
         # Agreed transport order: fused messages, eager and staged ops, launched strictly in
         # this order. A message waits here (not on the engine thread) for a free segment, so
@@ -221,7 +225,7 @@ class Engine:
             ready = streams.mark(dev)
         else:  # no future until somebody blocks or asks for one (FusableOp, future_of)
             fut = ready = None
-        with self._cv:
+        with self._lock:
             self._check_usable("allreduce")
             seq = self._seq
             self._seq += 1
