@@ -10,7 +10,8 @@ order, then waits for all of them:
     engine with zero overhead);
   - gradientflow fused: the same per-tensor calls on gradientflow groups, at each fusion
     threshold of the sweep, plus solo thresholds and cycle times at the largest threshold
-    (the table's best is over all of them: the settings a tuned job would use).
+    (the table's best is over all of them: the settings a tuned job would use), and
+    "gf default": a group made with no options at all, what a one-line adopter gets.
 All variants are timed alternately, rep by rep, in one run. On loopback for every model, and
 on the emulated switched network of benchmarks/netem.py (one namespace per rank, tbf both
 ways) for the models and tiers of --net-models/--tiers, where the wire, not the copies, is the
@@ -32,6 +33,7 @@ from benchmarks.launch import launch  # noqa: E402
 from benchmarks.netem import Cluster, ShapeConfig  # noqa: E402
 
 MB = 10**6
+DEFAULT = "gf default"  # the variant made with no options: Config's defaults
 
 
 def gradient_shapes(model: str) -> list[tuple[int, ...]]:
@@ -61,8 +63,8 @@ def worker(rank: int, world_size: int, models: list[str], thresholds: list[int],
 
     solos: solo thresholds tried at the largest fusion threshold of the sweep (tensors at
     least this big go alone, in place; see Config.solo_threshold). cycles: cycle times (ms)
-    tried with each of those solo variants (Config.cycle_time_ms, default 1 ms): how long a
-    partial batch waits for a quiet caller, which sets how many rounds a list takes.
+    tried with each of those solo variants besides the default (Config.cycle_time_ms): how
+    long a partial batch waits for a quiet caller, which sets how many rounds a list takes.
     """
     import time
 
@@ -82,6 +84,7 @@ def worker(rank: int, world_size: int, models: list[str], thresholds: list[int],
         pg_options={"fusion_threshold": t, "solo_threshold": s,
                     **({"cycle_time_ms": c} if c is not None else {})})
         for t, s, c in configs}
+    gf[DEFAULT] = dist.new_group(backend="gradientflow")
     out: dict = {}
     for model in models:
         grads = [torch.randn(s) for s in gradient_shapes(model)][::-1]  # backward order
@@ -193,15 +196,14 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.quick:
         models, thresholds, worlds, reps, tiers = ["tiny"], [1 * MB, 16 * MB], [2], 3, [None]
-        solos, cycles = [1 * MB], [3.0]
+        solos, cycles = [1 * MB], [1.0]
     else:
         models = ["resnet50", "alexnet", "bert-base"]
         thresholds = [1 * MB, 4 * MB, 16 * MB, 64 * MB, 128 * MB]
         worlds, reps, tiers = [2, 4], 7, [None, 10.0]
         solos = [2 * MB, 8 * MB]
-        # 3 ms: one round per list instead of two when a list takes longer to issue than the
-        # default 1 ms x 5 cycles (A/B, ResNet-50 list, 2 and 4 ranks: 2-18% faster).
-        cycles = [3.0]
+        # Horovod's 1 ms besides the default 3 ms (Config.cycle_time_ms says why).
+        cycles = [1.0]
     if args.thresholds:
         thresholds = [int(float(t) * MB) for t in args.thresholds.split(",")]
     if args.solos is not None:
@@ -283,6 +285,7 @@ def _row(tier: str, n: int, model: str, r: dict) -> dict:
             "gloo hand-fused ms": ms["gloo hand-fused"],
             "buckets / hand-fused": ms["gloo 25MB buckets"] / ms["gloo hand-fused"],
             "rounds": n_rounds, "round ms": round_ms, "messages": messages,
+            "default ms": ms[DEFAULT], "buckets / default": ms["gloo 25MB buckets"] / ms[DEFAULT],
             **{k.replace("gf fused ", "gf "): v for k, v in fused.items()}}
 
 

@@ -74,18 +74,20 @@ class Config:
     """Backend configuration: one frozen value per process group, passed down to every layer."""
 
     # --- tuned by the user ---
-    # Largest fused message in bytes. Tensors at least this big go alone, without a copy.
-    # 0 disables fusion. 16 MB: measured best on the ResNet-50 gradient list here (see
-    # benchmarks/results); big enough to amortise the per-message cost, small enough that two
-    # segments pipeline the copy into the buffer with the transport.
-    fusion_threshold: int = 16 * 10**6
+    # Largest fused message in bytes. Tensors at least this big go alone, without a copy and
+    # without an agreement round. 0 disables fusion. 128 MiB, Horovod's default since v0.21:
+    # with the solo threshold below it was the best or within 8% of the best fused variant
+    # on every model and rank count of bench_fusion (benchmarks/results/fusion.md), where
+    # 16 MB (the default until session 7) read 0.83x-0.91x of it on ResNet-50's list: every
+    # 16 MB of queued tensors started a round of its own.
+    fusion_threshold: int = 128 * 2**20
     # Tensors at least this big are sent alone, in place (no copy into the fusion buffer and
-    # back), while the fused message of the smaller ones goes on around them. 0: the fusion
-    # threshold. A lower value trades the two copies of a big tensor for one more transport
-    # message: on this 2-core loopback the CPU saved and the per-message latency added came
-    # out even (ResNet-50 list, 2 ranks, 64 MB threshold, solo 2-16 MB: within run-to-run
-    # noise), so the default keeps the old cut; bench_fusion sweeps it.
-    solo_threshold: int = 0
+    # back), while the fused message of the smaller ones goes on around them; they still wait
+    # for their batch's round. 0: the fusion threshold. A lower value trades the two copies of
+    # a big tensor for one more transport message. 8 MiB: ResNet-50's four 8-9 MB tensors go
+    # alone, its other 157 in one message; 2 MiB sends 18 alone and was neither better nor
+    # worse within this machine's noise; 1 MiB (30 messages) was worse.
+    solo_threshold: int = 8 * 2**20
     # Synchronous allreduces smaller than this are fused (and agreed) like async ones, because
     # PyTorch's Join pairs a synchronous allreduce on one rank with an async one on another;
     # larger synchronous ones skip the agreement round (must be synchronous on every rank).
@@ -97,9 +99,14 @@ class Config:
     fusion_segments: int = 2
     # Horovod's cycle time: how long a partial batch may wait for more tensors, while the
     # transport is idle, before its agreement round starts (a wait(), flush(), the threshold or
-    # another collective starts it at once). 0 sends whatever is queued as soon as the transport
-    # falls idle, which in practice sends most tensors alone. 1 ms is Horovod's default.
-    cycle_time_ms: float = 1.0
+    # another collective starts it at once): the caller must have been quiet this long, and
+    # the batch waits at most 5 cycles. 0 sends whatever is queued as soon as the transport
+    # falls idle, which in practice sends most tensors alone. 3 ms, not Horovod's 1 ms: a
+    # per-tensor loop of 161 allreduces takes 5-10 ms to issue on a loaded machine, and
+    # 5 x 1 ms cut it into two batches, each with its round (bench_fusion, ResNet-50 list,
+    # 2 and 4 ranks: the 3 ms variants equal or 2-18% faster; DDP's step on gradientflow
+    # did not move, within +-5%).
+    cycle_time_ms: float = 3.0
     # Priority scheduling (DistributedOptimizer): ByteScheduler's credit, the bytes in flight,
     # as agreed by the rounds at each ready partition and each completed transfer (at least 3
     # transfers are always allowed: 2 in flight beat 1 and all at once, a 3rd covers the round
