@@ -740,6 +740,8 @@ class Engine:
         pooled = []
         with self._chain_lock:  # future_of() makes a future only for an op not done yet
             for op in ops:
+                if op.done:  # a failure path reaching ops that already finished
+                    continue
                 op.error = error
                 op.done = True
                 fut = op.fut

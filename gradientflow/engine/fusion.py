@@ -17,9 +17,8 @@ import torch
 class FusableOp:
     """One queued async allreduce: the unit the engine fuses.
 
-    A plain class with slots and a hand-written __init__: one is made per queued allreduce
-    (161 per ResNet-50 step) on the caller's thread, so it takes numel and nbytes from the
-    caller (who computed them for the fusion test) instead of asking the tensor again.
+    A plain class with slots: one is made per queued allreduce (161 per ResNet-50 step) on the
+    caller's thread, and numel and nbytes, read several times per op, are computed once.
 
     Completion (engine.py): a CPU op is made without a future. The reaper marks it `done`
     (with `error` on failure) and settles `fut` only if somebody asked for one meanwhile
@@ -33,8 +32,7 @@ class FusableOp:
                  "numel", "nbytes", "done", "error", "chained")
 
     def __init__(self, seq: int, tensor: torch.Tensor, key: Hashable, reduce_op: object,
-                 fut: torch.futures.Future | None = None, ready: Any = None,
-                 numel: int | None = None, nbytes: int | None = None) -> None:
+                 fut: torch.futures.Future | None = None, ready: Any = None) -> None:
         self.seq = seq
         self.tensor = tensor
         self.key = key  # (device, dtype, reduce op): one fusion queue per key
@@ -43,8 +41,8 @@ class FusableOp:
         self.ready = ready  # CUDA: streams.mark() of the submitting thread's stream
         self.name = "allreduce"
         self.queued_us: float | None = None  # timeline: when it was queued (while recording)
-        self.numel = tensor.numel() if numel is None else numel
-        self.nbytes = self.numel * tensor.element_size() if nbytes is None else nbytes
+        self.numel = tensor.numel()
+        self.nbytes = self.numel * tensor.element_size()
         self.done = False  # CPU: finished (values written back, or failed with `error`)
         self.error: BaseException | None = None
         self.chained = False  # its public future was handed out: settle `fut` on the pool

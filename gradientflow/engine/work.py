@@ -166,10 +166,9 @@ class FusedWork(FutureWork):
 
     def _error(self) -> BaseException | None:
         op = self._op
-        if op.fut is None:
+        if op.done:  # CPU, or a failure: the engine recorded the error (or None)
             return op.error
-        self._fut = op.fut
-        return super()._error()
+        return super()._error()  # CUDA: its future's wait() also syncs the caller's stream
 
     def get_future(self) -> torch.futures.Future:
         if self._public is None:
