@@ -59,7 +59,7 @@ def _variant_name(threshold: int, solo: int, cycle_ms: float | None = None) -> s
 
 def worker(rank: int, world_size: int, models: list[str], thresholds: list[int],
            reps: int, solos: list[int] | None = None, cycles: list[float] | None = None) -> dict:
-    """Time every variant on every model, alternating variants rep by rep.
+    """Time every variant on every model, alternating variants rep by rep (order rotated).
 
     solos: solo thresholds tried at the largest fusion threshold of the sweep (tensors at
     least this big go alone, in place; see Config.solo_threshold). cycles: cycle times (ms)
@@ -146,8 +146,13 @@ def worker(rank: int, world_size: int, models: list[str], thresholds: list[int],
         engines = {name: backend_of(g).engine for name, g in gf.items()}
         times = {k: [] for k in variants}
         rounds = {k: [] for k in engines}  # (rounds, round ms, messages) per list
+        order = list(variants.items())
         for i in range(reps + 1):
-            for name, fn in variants.items():
+            # Rotated rep by rep, so that no variant always runs right after the same one (what
+            # a variant leaves behind, a reaper or pool still finishing, a cold cache, would
+            # otherwise bias its successor's times the same way in every rep).
+            k = i % len(order)
+            for name, fn in order[k:] + order[:k]:
                 eng = engines.get(name)
                 c0 = (eng.counters.rounds, eng.counters.round_s, eng.counters.messages) if eng else None
                 dist.barrier(group=gloo)
