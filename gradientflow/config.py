@@ -76,8 +76,8 @@ class Config:
     # --- tuned by the user ---
     # Largest fused message in bytes. Tensors at least this big go alone, without a copy and
     # without an agreement round. 0 disables fusion. 128 MiB, Horovod's default since v0.21:
-    # with the solo threshold below it was the best or within 8% of the best fused variant
-    # on every model and rank count of bench_fusion (benchmarks/results/fusion.md), where
+    # with the solo threshold below it was the best or within 9% of the best fused variant
+    # in every row of bench_fusion in sessions 6 and 7 (benchmarks/results/fusion.md), where
     # 16 MB (the default until session 7) read 0.83x-0.91x of it on ResNet-50's list: every
     # 16 MB of queued tensors started a round of its own.
     fusion_threshold: int = 128 * 2**20
