@@ -77,9 +77,9 @@ class Config:
     # Largest fused message in bytes. Tensors at least this big go alone, without a copy and
     # without an agreement round. 0 disables fusion. 128 MiB, Horovod's default since v0.21:
     # with the solo threshold below it was the best or within 9% of the best fused variant
-    # in every row of bench_fusion in sessions 6 and 7 (benchmarks/results/fusion.md), where
-    # 16 MB (the default until session 7) read 0.83x-0.91x of it on ResNet-50's list: every
-    # 16 MB of queued tensors started a round of its own.
+    # in 28 of the 30 rows of bench_fusion in sessions 6 and 7 (12% and 20% off in the other
+    # two; benchmarks/results/fusion.md), where 16 MB (the default until session 7) read
+    # 0.83x-0.91x of it on ResNet-50's list: every 16 MB of queued tensors started a round.
     fusion_threshold: int = 128 * 2**20
     # Tensors at least this big are sent alone, in place (no copy into the fusion buffer and
     # back), while the fused message of the smaller ones goes on around them; they still wait
