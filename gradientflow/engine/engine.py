@@ -159,7 +159,8 @@ class Engine:
         self._reap: collections.deque = collections.deque()
         self._reap_cv = threading.Condition()
         # Guards a CPU fused op's done / fut / chained between its Work (future_of) and the
-        # reaper (_finish_ops): a future is made only while the op is not done, and settled.
+        # reaper (_finish_ops): either the reaper sees the future, or future_of sees the op done
+        # (and settles the future it makes itself).
         self._chain_lock = threading.Lock()
         self._reaper: threading.Thread | None = None
         self.counters = _Counters()
@@ -738,7 +739,7 @@ class Engine:
         message's completion; a per-tensor loop asks for neither.
         """
         pooled = []
-        with self._chain_lock:  # future_of() makes a future only for an op not done yet
+        with self._chain_lock:  # future_of() settles what it makes for an op already done
             for op in ops:
                 if op.done:  # a failure path reaching ops that already finished
                     continue
