@@ -268,15 +268,13 @@ def callbacks_threads(rank, world, n):
 
     Futures handed out by get_future() before their message completes must be settled on the
     completion pool (where a blocked callback cannot stall the others), never on the engine's
-    reaper; the Works nobody asked a future of get none (their ops are only marked done). Each callback
-    blocks until the last one has run: on a single thread that would never finish.
+    reaper; the Works nobody asked a future of get none (their ops are only marked done).
+    Each callback blocks until the last one has run: on a single thread that would never finish.
     """
     import threading
 
     import torch
     import torch.distributed as dist
-
-    from gradientflow.backend.backend import backend_of
 
     ts = [torch.full((8,), float(rank + i)) for i in range(n)]
     works = [dist.all_reduce(t, async_op=True) for t in ts]
@@ -308,8 +306,8 @@ def test_chained_futures_complete_on_the_pool(pools):
 def lazy_futures(rank, world):
     """Rank body: a CPU fused op gets a torch Future only when something asks for one.
 
-    Returns which ops got one, and the values of two futures made after their op finished
-    (one asked by get_future(), one by a wait that found the op done)."""
+    Returns which ops got one; whether a future asked by get_future() after its op finished
+    is already done, and its value; and every tensor's first element after the waits."""
     import torch
     from torch.distributed import ReduceOp
 

@@ -231,7 +231,8 @@ class Engine:
             seq = self._seq
             self._seq += 1
             # hash() of a ReduceOp or RedOpType is its op number (cheaper than reading .op).
-            op = FusableOp(seq, tensor, (dev, tensor.dtype, hash(reduce_op)), reduce_op, fut, ready)
+            op = FusableOp(seq, tensor, (dev, tensor.dtype, hash(reduce_op)), reduce_op, fut,
+                           ready)
             if self._run_len == len(self._q):
                 if self._run_len == 0:
                     self._run_since = time.monotonic()
