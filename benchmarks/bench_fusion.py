@@ -28,7 +28,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import machine_line, markdown_table, median, write_result  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    machine_line, markdown_table, median, paired_ratio, write_result)
 from benchmarks.launch import launch  # noqa: E402
 from benchmarks.netem import Cluster, ShapeConfig  # noqa: E402
 
@@ -166,6 +167,9 @@ def worker(rank: int, world_size: int, models: list[str], thresholds: list[int],
                                              c.messages - c0[2]))
         out[model] = {"tensors": len(grads), "numel": numel,
                       "ms": {k: median(v) * 1e3 for k, v in times.items()},
+                      # Per rep, in rep order: rep i of every variant ran within one rotation,
+                      # so the i-th times pair up (paired_ratio).
+                      "reps_ms": {k: [x * 1e3 for x in v] for k, v in times.items()},
                       # The agreement's cost: rounds per list and their time (waiting for the
                       # slower rank included), medians over reps.
                       "rounds": {k: [median([r[j] for r in v]) for j in range(3)]
@@ -251,7 +255,12 @@ def main(argv=None) -> int:
     md = (f"## Lazy allreduce: fused vs per-tensor vs 25 MB buckets (median ms for the whole "
           f"gradient list)\n\n{machine_line()}\n\nRatios > 1 mean gradientflow is faster. "
           "Emulated tiers: one network namespace per rank behind a bridge, each NIC shaped "
-          "with tbf in both directions (benchmarks/netem.py)."
+          "with tbf in both directions (benchmarks/netem.py). The paired columns take the "
+          "median of each rep's own ratio (the variants of a rep run back to back) over the "
+          "reps of every launch, with its 95% interval (a bootstrap over launches, then reps; "
+          "benchmarks/common.py, paired_ratio): an interval that holds 1 means no difference "
+          "this run could resolve. The best fused variant is picked by its time, so its "
+          "interval leans high; the default's does not."
           + (f" Every time is the median over {args.launches} launches of each launch's "
              f"median of {reps} reps." if args.launches > 1 else "") + "\n\n"
           + markdown_table(cols, rows) + "".join(f"\n- {n}" for n in notes))
@@ -261,15 +270,15 @@ def main(argv=None) -> int:
 
 
 def _merge_launches(runs: list[dict]) -> dict:
-    """Rank 0's results of several launches as one: medians over launches, per variant."""
-    if len(runs) == 1:
-        return runs[0]
+    """Rank 0's results of several launches as one: medians over launches, per variant; the
+    per-rep times as one list per launch (a pair never spans two launches)."""
     out = {}
     for model, first in runs[0].items():
         per = [r[model] for r in runs]
         out[model] = {
             "tensors": first["tensors"], "numel": first["numel"],
             "ms": {k: median([p["ms"][k] for p in per]) for k in first["ms"]},
+            "reps_ms": {k: [p["reps_ms"][k] for p in per] for k in first["ms"]},
             "rounds": {k: [median([p["rounds"][k][j] for p in per]) for j in range(3)]
                        for k in first["rounds"]}}
     return out
@@ -281,6 +290,12 @@ def _row(tier: str, n: int, model: str, r: dict) -> dict:
     fused = {k: v for k, v in ms.items() if k.startswith("gf fused")}
     best = min(fused, key=fused.get)
     n_rounds, round_ms, messages = r["rounds"][best]
+    reps = r["reps_ms"]
+
+    def paired(name: str) -> str:
+        mid, lo, hi = paired_ratio(reps["gloo 25MB buckets"], reps[name])
+        return f"{mid:.3f} [{lo:.3f}, {hi:.3f}]"
+
     return {"tier": tier, "ranks": n, "model": model, "tensors": r["tensors"],
             "MB": r["numel"] * 4 / MB, "gloo per-tensor ms": ms["gloo per-tensor"],
             "gloo 25MB buckets ms": ms["gloo 25MB buckets"],
@@ -291,6 +306,9 @@ def _row(tier: str, n: int, model: str, r: dict) -> dict:
             "buckets / hand-fused": ms["gloo 25MB buckets"] / ms["gloo hand-fused"],
             "rounds": n_rounds, "round ms": round_ms, "messages": messages,
             "default ms": ms[DEFAULT], "buckets / default": ms["gloo 25MB buckets"] / ms[DEFAULT],
+            "paired buckets / best fused (95% CI)": paired(best),
+            "paired buckets / default (95% CI)": paired(DEFAULT),
+            "paired buckets / hand-fused (95% CI)": paired("gloo hand-fused"),
             **{k.replace("gf fused ", "gf "): v for k, v in fused.items()}}
 
 

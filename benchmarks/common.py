@@ -13,6 +13,7 @@ import json
 import math
 import os
 import platform
+import random
 import signal
 import threading
 import time
@@ -42,6 +43,35 @@ def median(values: Iterable[float]) -> float:
 def p95(values: Iterable[float]) -> float:
     """Return the 95th percentile (NaN for no values)."""
     return percentile(values, 95.0)
+
+
+def paired_ratio(num: Sequence[Sequence[float]], den: Sequence[Sequence[float]],
+                 resamples: int = 2000, seed: int = 0) -> tuple[float, float, float]:
+    """The median of num[l][i] / den[l][i] over launches l and reps i, and its 95% bootstrap
+    interval, as (median, low, high).
+
+    For two variants timed in the same reps, alternated: a rep's ratio compares runs a few
+    hundred milliseconds apart, so the drift of a busy machine cancels, which it does not in a
+    ratio of two medians. Launches still differ from each other (here the same pair of
+    variants read 0.90x-1.08x from one launch to the next, more than the spread within one),
+    so the interval resamples launches first, then the reps within each drawn launch (a
+    two-stage percentile bootstrap, seeded: the same data give the same interval). With one
+    launch it reflects the reps only and is too narrow for a claim across launches.
+    """
+    if len(num) != len(den) or not num or any(
+            len(a) != len(b) or not a for a, b in zip(num, den)):
+        raise ValueError("paired_ratio: needs the same non-empty launches of equally long, "
+                         f"non-empty series, got {[len(a) for a in num]} and "
+                         f"{[len(b) for b in den]} values")
+    ratios = [[a / b for a, b in zip(xs, ys)] for xs, ys in zip(num, den)]
+    rng = random.Random(seed)
+    meds = []
+    for _ in range(resamples):
+        drawn = [x for launch in rng.choices(ratios, k=len(ratios))
+                 for x in rng.choices(launch, k=len(launch))]
+        meds.append(median(drawn))
+    return median([x for launch in ratios for x in launch]), percentile(meds, 2.5), \
+        percentile(meds, 97.5)
 
 
 def time_calls(fn: Callable[[], object], reps: int, warmup: int = 1) -> list[float]:

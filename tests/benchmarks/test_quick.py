@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from benchmarks.common import markdown_table, median, p95, percentile
+from benchmarks.common import markdown_table, median, p95, paired_ratio, percentile
 from benchmarks.launch import launch
 from benchmarks.netem import PREFIX, Cluster, ShapeConfig, clean_stale, list_namespaces
 
@@ -26,6 +26,25 @@ def test_stats_and_table():
     md = markdown_table(["a", "b"], [{"a": 1.23456, "b": None}, {"a": "x|y"}])
     assert md.splitlines()[0] == "| a | b |"
     assert "1.23" in md and "| - |" in md and "x\\|y" in md
+
+
+def test_paired_ratio_cancels_drift_and_bounds_the_median():
+    # A machine that slows down 2x across the reps: a ratio of medians would still read 1.1,
+    # and so must each pair, with an interval that holds it.
+    slow = [100.0 * (1 + i / 20) for i in range(21)]
+    fast = [x / 1.1 for x in slow]
+    assert paired_ratio([slow], [fast]) == pytest.approx((1.1, 1.1, 1.1))
+    noisy = [1.0 + (0.05 if i % 2 else -0.05) for i in range(40)]
+    mid, lo, hi = paired_ratio([noisy], [[1.0] * 40])
+    assert lo <= mid <= hi and lo < 1.0 < hi  # no difference resolved
+    assert paired_ratio([noisy], [[1.0] * 40]) == (mid, lo, hi)  # seeded: reproducible
+    # Launches that disagree (1.2x in one, 0.9x in two): tight within each launch, so only
+    # resampling the launches shows that the data cannot settle the sign.
+    launches = [[1.2] * 10, [0.9] * 10, [0.9] * 10]
+    mid, lo, hi = paired_ratio(launches, [[1.0] * 10] * 3)
+    assert mid == pytest.approx(0.9) and lo == pytest.approx(0.9) and hi == pytest.approx(1.2)
+    with pytest.raises(ValueError, match="equally long"):
+        paired_ratio([[1.0, 2.0]], [[1.0]])
 
 
 def test_tbf_args_and_validation():
