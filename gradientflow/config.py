@@ -84,10 +84,14 @@ class Config:
     # Tensors at least this big are sent alone, in place (no copy into the fusion buffer and
     # back), while the fused message of the smaller ones goes on around them; they still wait
     # for their batch's round. 0: the fusion threshold. A lower value trades the two copies of
-    # a big tensor for one more transport message. 8 MiB: ResNet-50's four 8-9 MB tensors go
-    # alone, its other 157 in one message; 2 MiB sends 18 alone and was neither better nor
-    # worse within this machine's noise; 1 MiB (30 messages) was worse.
-    solo_threshold: int = 8 * 2**20
+    # a big tensor for one more transport message. 8 MB (decimal): the value bench_fusion's
+    # "128MB solo 8MB" variant measured when it earned the default in session 7 (session 7
+    # wrote 8 MiB, which keeps ResNet-50's 8.19 MB fc weight in the fused message; over 10
+    # launches in session 8 the measured variant read 1.036x [0.975, 1.082] of 8 MiB's speed at
+    # 2 ranks and 1.015x [0.965, 1.047] at 4: no worse). ResNet-50's five 8-9 MB tensors go
+    # alone, its other 156 in one message; 2 MB sends 18 alone and was neither better nor worse
+    # within this machine's noise; 1 MB (30 messages) was worse.
+    solo_threshold: int = 8 * 10**6
     # Synchronous allreduces smaller than this are fused (and agreed) like async ones, because
     # PyTorch's Join pairs a synchronous allreduce on one rank with an async one on another;
     # larger synchronous ones skip the agreement round (must be synchronous on every rank).
