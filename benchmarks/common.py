@@ -52,11 +52,11 @@ def paired_ratio(num: Sequence[Sequence[float]], den: Sequence[Sequence[float]],
 
     For two variants timed in the same reps, alternated: a rep's ratio compares runs a few
     hundred milliseconds apart, so the drift of a busy machine cancels, which it does not in a
-    ratio of two medians. Launches still differ from each other (here the same pair of
-    variants read 0.90x-1.08x from one launch to the next, more than the spread within one),
-    so the interval resamples launches first, then the reps within each drawn launch (a
-    two-stage percentile bootstrap, seeded: the same data give the same interval). With one
-    launch it reflects the reps only and is too narrow for a claim across launches.
+    ratio of two medians. Launches also differ from each other (one pair of variants read
+    0.90x-1.08x from one launch to the next), and reps of one launch are not independent of
+    each other, so the interval resamples launches first, then the reps within each drawn
+    launch (a two-stage percentile bootstrap, seeded: the same data give the same interval).
+    With one launch it reflects the reps only.
     """
     if len(num) != len(den) or not num or any(
             len(a) != len(b) or not a for a, b in zip(num, den)):
