@@ -3,8 +3,9 @@
 The DistributedOptimizer's partitions become ready during backward in timing-dependent order,
 which differs between ranks. Launching "the most urgent ready partition" from local state would
 pair different partitions across ranks. So launch decisions come from agreement rounds: every rank
-contributes a 0/1 vector of its locally ready keys (and how much of the launch sequence it has
-seen complete), MIN over ranks is what holds everywhere, and the launch order is a pure function
+contributes a bit per locally ready key (and how much of the launch sequence it has seen
+complete, as a thermometer code), their AND over ranks is what holds everywhere (round_bits),
+and the launch order is a pure function
 of that agreed state and the static priorities (TicTac's order: the partition the next forward
 pass needs first goes first). A credit bounds the agreed bytes in flight, so a newly ready
 first-layer partition is not queued behind many late ones (ByteScheduler's credit).
@@ -57,7 +58,7 @@ import math
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 from torch._C._distributed_c10d import AllreduceOptions, ReduceOp
@@ -68,7 +69,43 @@ from gradientflow.observability import timeline as tl
 from gradientflow.observability.stats import STATS
 from gradientflow.observability.timeline import TIMELINE, now_us
 
-MAX_KEYS = 1024  # most partitions one step may declare (the round carries one slot per key)
+MAX_KEYS = 1024  # most partitions one step may declare (the round carries one bit per key)
+_BITS = 63  # bits used per int64 word of a keyed round (the sign bit stays clear)
+
+
+def round_bits(n: int, ready: Iterable[int], done: int, span: int) -> list[int]:
+    """A rank's keyed round as int64 words to BAND-allreduce.
+
+    Bit k < n is set iff key k is ready here. The next `span` bits hold `done` in a thermometer
+    code (its lowest `done` bits set): the AND of such codes over the ranks is the code of the
+    smallest count, so one BAND carries both the AND of the ready bits and the MIN of the
+    counts. `span` must be the same on every rank (the scheduler uses the launches not yet
+    agreed complete, a function of the rounds processed so far).
+
+    Why bits: a gloo allreduce of 1-2 int64 takes 1.0-1.1 ms at 4 ranks on this 2-core
+    machine, one of 10-26 elements (a slot per key, the layout before) 3.2-5.7 ms, and 2 ranks
+    0.6-0.7 vs 0.8 ms (rounds issued after a 10 ms pause, medians).
+    """
+    if not 0 <= done <= span:
+        raise ValueError(f"round_bits: completion count {done} outside [0, {span}]")
+    x = ((1 << done) - 1) << n
+    for k in ready:
+        x |= 1 << k
+    words = max(1, -(-(n + span) // _BITS))
+    mask = (1 << _BITS) - 1
+    return [(x >> (_BITS * i)) & mask for i in range(words)]
+
+
+def read_bits(words: Iterable[int], n: int, span: int) -> tuple[int, int]:
+    """The BAND-reduced words of round_bits as (ready mask: bit k set iff key k is ready on
+    every rank, the smallest completion count)."""
+    x = 0
+    for i, w in enumerate(words):
+        x |= int(w) << (_BITS * i)
+    code = (x >> n) & ((1 << span) - 1)
+    return x & ((1 << n) - 1), ((code + 1) & ~code).bit_length() - 1
+
+
 # Ops kept in flight whatever the byte credit. Measured on loopback gloo (2 ranks, 8 x 4 MiB
 # sent back to back): two in flight took 51 ms, one at a time 81 ms (the transport idles while
 # the next is issued), all at once 70 ms (they compete for gloo's two worker threads and the
@@ -128,7 +165,7 @@ class KeyedScheduler:
         # --- rounds, in issue order (never reset) ---
         self._issued = 0
         self._round_out = False  # our latest round is not processed yet (at most one is)
-        self._results: dict[int, tuple[torch.Tensor, int, int]] = {}
+        self._results: dict[int, tuple[torch.Tensor, int, int, int, int]] = {}
         self._next_result = 0
         # --- launch sequence (never reset: in-flight bytes carry across steps) ---
         self._seq_bytes: list[int] = []
@@ -295,34 +332,33 @@ class KeyedScheduler:
                 or not self._news()):
             return None
         n = self._num_keys
-        # Built as a list, one tensor op: every torch call here releases the GIL, and getting it
-        # back behind the transport's threads is what a round costs backward's thread.
-        flags = [0] * (n + 1)
-        for k in self._submitted:
-            flags[k] = 1
-        for k in self._agreed:
-            flags[k] = 1
-        flags[n] = self._done_here
-        vec = torch.tensor(flags, dtype=torch.int64)
+        # Counts relative to what the rounds so far agreed complete, within the launches not
+        # agreed complete yet: both the same on every rank here, since a rank issues round i+1
+        # only once it processed rounds 0..i.
+        base = self._done_agreed
+        span = len(self._seq_bytes) - base
+        words = round_bits(n, [*self._submitted, *self._agreed], self._done_here - base, span)
+        # One tensor op: every torch call here releases the GIL, and getting it back behind the
+        # transport's threads is what a round costs backward's thread.
+        vec = torch.tensor(words, dtype=torch.int64)
         index = self._issued
         self._issued += 1
         self.rounds = self._issued
         self._round_out = True
         opts = AllreduceOptions()
-        opts.reduceOp = ReduceOp.MIN
+        opts.reduceOp = ReduceOp.BAND
         # Issued under the lock: rounds enter the agreement group in index order.
         work = self._agree.allreduce([vec], opts)
-        return work, index, vec, n, self._step, time.perf_counter()
+        return work, index, (vec, n, span, base, self._step), time.perf_counter()
 
     def _attach(self, issued) -> None:
         """Process the round's result when it completes (outside the lock: it may run inline)."""
         if issued is not None:
-            work, index, vec, n, step, t0 = issued
+            work, index, state, t0 = issued
             work.get_future().add_done_callback(
-                lambda f: self._on_round(index, vec, n, step, t0, f))
+                lambda f: self._on_round(index, state, t0, f))
 
-    def _on_round(self, index: int, vec: torch.Tensor, n: int, step: int, t0: float,
-                  f: torch.futures.Future) -> None:
+    def _on_round(self, index: int, state: tuple, t0: float, f: torch.futures.Future) -> None:
         """A round completed (agreement group's thread): decide, in round order, and launch."""
         try:
             f.wait()
@@ -332,7 +368,7 @@ class KeyedScheduler:
                 TIMELINE.complete(tl.AGREE, tl.CAT_AGREE, now_us() - dt * 1e6, dt * 1e6,
                                   tid="scheduler", args={"round": index})
             with self._cv:
-                self._results[index] = (vec, n, step)
+                self._results[index] = state
                 while self._next_result in self._results:
                     self._decide(*self._results.pop(self._next_result))
                     self._next_result += 1
@@ -350,14 +386,14 @@ class KeyedScheduler:
         except BaseException as exc:  # noqa: BLE001 - fail loudly, never hang
             self._fail(exc)
 
-    def _decide(self, vec: torch.Tensor, n: int, step: int) -> None:
+    def _decide(self, vec: torch.Tensor, n: int, span: int, base: int, step: int) -> None:
         """Pool the newly agreed keys; queue launches within the credit (agreed state only)."""
-        flags = vec.tolist()
-        self._done_agreed = max(self._done_agreed, flags[n])
+        ready, done = read_bits(vec.tolist(), n, span)
+        self._done_agreed = max(self._done_agreed, base + done)
         if step != self._step:
             return  # a finished step's completion round: only its completion count matters
         for key in range(n):
-            if flags[key] and key not in self._agreed:
+            if ready >> key & 1 and key not in self._agreed:
                 self._agreed.add(key)
                 self._pool.append(self._submitted.pop(key))
         self._pool.sort(key=lambda o: (o.priority, o.key))
