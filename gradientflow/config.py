@@ -84,14 +84,16 @@ class Config:
     # Tensors at least this big are sent alone, in place (no copy into the fusion buffer and
     # back), while the fused message of the smaller ones goes on around them; they still wait
     # for their batch's round. 0: the fusion threshold. A lower value trades the two copies of
-    # a big tensor for one more transport message. 8 MB (decimal): the value bench_fusion's
-    # "128MB solo 8MB" variant measured when it earned the default in session 7 (session 7
-    # wrote 8 MiB, which keeps ResNet-50's 8.19 MB fc weight in the fused message; over 10
-    # launches in session 8 the measured variant read 1.036x [0.975, 1.082] of 8 MiB's speed at
-    # 2 ranks and 1.015x [0.965, 1.047] at 4: no worse). ResNet-50's five 8-9 MB tensors go
-    # alone, its other 156 in one message; 2 MB sends 18 alone and was neither better nor worse
-    # within this machine's noise; 1 MB (30 messages) was worse.
-    solo_threshold: int = 8 * 10**6
+    # a big tensor for one more transport message. 4 MB (decimal), session 9: on ResNet-50's
+    # list it also sends the six 4.19 MB layer4 weights alone: 11 messages and 36 MB packed,
+    # against 6 messages and 57 MB at 8 MB. The same messages sent by hand on gloo (no
+    # engine) read 1.03x [1.01, 1.07] of 8 MB's speed at 2 ranks and 1.00x [0.97, 1.04] at
+    # 4; through the engine
+    # 1.04x [1.00, 1.06] and 1.00x [0.96, 1.05] (6 launches each, paired); 2 MB (19 messages)
+    # and 1 MB were no better at 2 ranks and worse at 4. AlexNet's and BERT-base's lists cut
+    # the same messages at 4 and 8 MB. (8 MB, the default of sessions 7-8, was chosen from a
+    # sweep of 2 and 8 MB only.)
+    solo_threshold: int = 4 * 10**6
     # Synchronous allreduces smaller than this are fused (and agreed) like async ones, because
     # PyTorch's Join pairs a synchronous allreduce on one rank with an async one on another;
     # larger synchronous ones skip the agreement round (must be synchronous on every rank).
