@@ -5,9 +5,9 @@ order, then waits for all of them:
   - gloo per-tensor: the same calls on a plain gloo group (what fusion saves);
   - gloo 25 MB buckets: DDP's bucketing by hand, each bucket flattened and launched as soon as
     it is full, so the copy of bucket i+1 overlaps the transport of bucket i;
-  - gloo hand-fused: the messages gradientflow cuts at its largest threshold and solo size,
-    sent by hand on gloo with no agreement round and no per-tensor call (a bound: the
-    engine with zero overhead);
+  - gloo hand-fused: the messages the default configuration cuts (Config's fusion and solo
+    thresholds), sent by hand on gloo with no agreement round and no per-tensor call (a
+    bound: the default engine with zero overhead);
   - gradientflow fused: the same per-tensor calls on gradientflow groups, at each fusion
     threshold of the sweep, plus solo thresholds and cycle times at the largest threshold
     (the table's best is over all of them: the settings a tuned job would use), and
@@ -86,6 +86,7 @@ def worker(rank: int, world_size: int, models: list[str], thresholds: list[int],
                     **({"cycle_time_ms": c} if c is not None else {})})
         for t, s, c in configs}
     gf[DEFAULT] = dist.new_group(backend="gradientflow")
+    cfg = backend_of(gf[DEFAULT]).config  # what the default group cuts (hand_fused below)
     out: dict = {}
     for model in models:
         grads = [torch.randn(s) for s in gradient_shapes(model)][::-1]  # backward order
@@ -119,12 +120,13 @@ def worker(rank: int, world_size: int, models: list[str], thresholds: list[int],
                     g.copy_(flat[off:off + g.numel()].view_as(g))
                     off += g.numel()
 
-        # The engine's own cut at its largest threshold and solo size, sent by hand on gloo:
-        # every message launched at once, no agreement round, no per-tensor calls. What a
-        # zero-overhead engine with the same messages would take; the gap to "gf fused" is the
-        # engine's cost (rounds, per-call Python, thread hand-offs), not its choice of messages.
+        # The default configuration's own cut, sent by hand on gloo: every message launched at
+        # once, no agreement round, no per-tensor calls. What a zero-overhead engine with the
+        # same messages would take; the gap to "gf default" is the engine's cost (rounds,
+        # per-call Python, thread hand-offs), not its choice of messages.
         plan = plan_messages([FusableOp(i, g, ("cpu", g.dtype, 0), None, None)
-                              for i, g in enumerate(grads)], top, max(solos or [0]))
+                              for i, g in enumerate(grads)], cfg.fusion_threshold,
+                             cfg.solo_threshold)
         packed = [(m, torch.empty(m.numel)) for m in plan if not m.solo]
 
         def hand_fused():
