@@ -86,13 +86,13 @@ class Config:
     # for their batch's round. 0: the fusion threshold. A lower value trades the two copies of
     # a big tensor for one more transport message. 4 MB (decimal), session 9: on ResNet-50's
     # list it also sends the six 4.19 MB layer4 weights alone: 11 messages and 36 MB packed,
-    # against 6 messages and 57 MB at 8 MB. The same messages sent by hand on gloo (no
-    # engine) read 1.03x [1.01, 1.07] of 8 MB's speed at 2 ranks and 1.00x [0.97, 1.04] at
-    # 4; through the engine
-    # 1.04x [1.00, 1.06] and 1.00x [0.96, 1.05] (6 launches each, paired); 2 MB (19 messages)
-    # and 1 MB were no better at 2 ranks and worse at 4. AlexNet's and BERT-base's lists cut
-    # the same messages at 4 and 8 MB. (8 MB, the default of sessions 7-8, was chosen from a
-    # sweep of 2 and 8 MB only.)
+    # against 6 messages and 57 MB at 8 MB. Sent by hand on gloo (no engine) those messages
+    # read 1.03x [1.01, 1.07] of 8 MB's speed at 2 ranks and 1.00x [0.97, 1.04] at 4 (6
+    # launches, paired); through the engine, over 15 launches of bench_fusion, 1.07x [1.02,
+    # 1.10] at 2 ranks and 0.97x [0.92, 1.04] at 4 (not resolved). 2 MB (19 messages) and 1 MB
+    # were no better at 2 ranks and worse at 4. AlexNet's and BERT-base's lists cut the same
+    # messages at 4 and 8 MB. (8 MB, the default of sessions 7-8, came from bench_fusion's
+    # sweep of 2 and 8 MB.) docs/DESIGN.md, Known gaps, Session 9.
     solo_threshold: int = 4 * 10**6
     # Synchronous allreduces smaller than this are fused (and agreed) like async ones, because
     # PyTorch's Join pairs a synchronous allreduce on one rank with an async one on another;
