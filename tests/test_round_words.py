@@ -70,4 +70,3 @@ def test_keyed_round_reads_keys_ready_everywhere_and_the_smallest_count(case):
     everywhere = set.intersection(*(set(r) for r, _ in ranks))
     assert mask == sum(1 << k for k in everywhere)
     assert done == min(d for _, d in ranks)
-
