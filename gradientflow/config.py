@@ -82,9 +82,9 @@ class Config:
     # 0.83x-0.91x of it on ResNet-50's list: every 16 MB of queued tensors started a round.
     fusion_threshold: int = 128 * 2**20
     # Tensors at least this big are sent alone, in place (no copy into the fusion buffer and
-    # back), while the fused message of the smaller ones goes on around them; they still wait
-    # for their batch's round. 0: the fusion threshold. A lower value trades the two copies of
-    # a big tensor for one more transport message. 4 MB (decimal), session 9: on ResNet-50's
+    # back), while the fused message of the smaller ones goes on around them (on CPU at once,
+    # on the solo channel below; on CUDA after their batch's round). 0: the fusion threshold.
+    # A lower value trades the two copies of a big tensor for one more transport message. 4 MB (decimal), session 9: on ResNet-50's
     # list it also sends the six 4.19 MB layer4 weights alone: 11 messages and 36 MB packed,
     # against 6 messages and 57 MB at 8 MB. Sent by hand on gloo (no engine) those messages
     # read 1.03x [1.01, 1.07] of 8 MB's speed at 2 ranks and 1.00x [0.97, 1.04] at 4 (6
@@ -94,6 +94,13 @@ class Config:
     # messages at 4 and 8 MB. (8 MB, the default of sessions 7-8, came from bench_fusion's
     # sweep of 2 and 8 MB.) docs/DESIGN.md, Known gaps, Session 9.
     solo_threshold: int = 4 * 10**6
+    # CPU: allreduces of at least the solo threshold go to the transport at once, on the
+    # caller's thread, over a second gloo group (the solo channel), instead of waiting in the
+    # queue for their batch's round. Their order there is the issue order, the same on every
+    # rank, so they need no agreement, and they leave during the issuing loop as DDP's buckets
+    # do. Session 10, ResNet-50's list, paired against the 25 MB buckets: see docs/DESIGN.md
+    # ("The solo channel"). CUDA tensors keep their solos in the batch (one NCCL communicator).
+    solo_channel: bool = True
     # Synchronous allreduces smaller than this are fused (and agreed) like async ones, because
     # PyTorch's Join pairs a synchronous allreduce on one rank with an async one on another;
     # larger synchronous ones skip the agreement round (must be synchronous on every rank).
@@ -142,6 +149,7 @@ class Config:
         return {
             "fusion_threshold": lambda v, n: parse_size(v, n),
             "solo_threshold": lambda v, n: parse_size(v, n),
+            "solo_channel": _parse_bool,
             "sync_fusion_limit": lambda v, n: parse_size(v, n),
             "fusion_segments": lambda v, n: _parse_int(v, n, 1, 8),
             "cycle_time_ms": lambda v, n: _parse_float(v, n, 0.0, 1000.0),

@@ -76,24 +76,61 @@ def random_programs(rank, world, n_examples):
 
     c = backend_of().engine.counters
     return {"rounds": c.rounds, "messages": c.messages, "fused": c.fused_tensors,
-            "deferred": c.deferred}
+            "deferred": c.deferred, "solo_channel": c.solo_channel}
 
 
 # A long cycle time makes rounds start only from waits, flushes, the threshold and other
 # collectives, so messages really fuse; the default cycle exercises timer-started rounds.
-# The 3-rank case sends tensors of 600 bytes and more alone, in place (the solo threshold), while
-# the smaller ones around them fuse.
-@pytest.mark.parametrize("world,threshold,cycle_ms,solo", [(2, "2KB", "1000", "0"),
-                                                           (3, "64KB", "1000", "600B"),
-                                                           (4, "1500B", "1", "0")])
-def test_random_programs_with_different_wait_points(pools, world, threshold, cycle_ms, solo):
+# The 3-rank cases send tensors of 600 bytes and more alone, in place (the solo threshold),
+# while the smaller ones around them fuse: at once on the solo channel, or (channel off, as
+# for CUDA tensors) in their batch's round. In the others, the tensors of at least the
+# threshold take the solo channel.
+@pytest.mark.parametrize("world,threshold,cycle_ms,solo,channel", [
+    (2, "2KB", "1000", "0", "1"), (3, "64KB", "1000", "600B", "1"),
+    (3, "64KB", "1000", "600B", "0"), (4, "1500B", "1", "0", "1")])
+def test_random_programs_with_different_wait_points(pools, world, threshold, cycle_ms, solo,
+                                                    channel):
     res = pools(world).run(random_programs, {2: 60, 3: 30, 4: 25}[world],
                            env={"GRADIENTFLOW_FUSION_THRESHOLD": threshold,
                                 "GRADIENTFLOW_SOLO_THRESHOLD": solo,
+                                "GRADIENTFLOW_SOLO_CHANNEL": channel,
                                 "GRADIENTFLOW_CYCLE_TIME_MS": cycle_ms}, timeout=400)
     r0 = res[0]
     assert r0["deferred"] > 0, r0
     assert all(r["rounds"] == r0["rounds"] for r in res), res  # rounds pair one-to-one
+    assert all(r["solo_channel"] == r0["solo_channel"] for r in res), res
+    assert (r0["solo_channel"] > 0) == (channel == "1"), r0
+
+
+def solo_overtakes(rank, world):
+    """Rank body: rank 0 waits on a deferred allreduce before it issues the solo one after it,
+    while the other ranks issue the solo first: the solo channel must not need rank 0's send
+    to finish the deferred op's round (no deadlock), and a barrier then makes both visible."""
+    import torch
+    import torch.distributed as dist
+
+    from gradientflow.backend.backend import backend_of
+
+    want = world * (world + 1) / 2
+    small = torch.full((10,), float(rank + 1))
+    big = torch.full((2**23,), float(rank + 1))  # 32 MB: long on the wire, past the barrier
+    w_small = dist.all_reduce(small, async_op=True)
+    if rank == 0:
+        w_small.wait()  # its round needs every rank's engine, none of their callers
+        assert bool((small == want).all())
+    w_big = dist.all_reduce(big, async_op=True)
+    dist.barrier()  # gloo's barrier waits for what its group has in flight: both channels here
+    visible = bool((small == want).all()) and bool((big == want).all())
+    w_small.wait()
+    w_big.wait()
+    c = backend_of().engine.counters
+    return visible, c.solo_channel, c.rounds
+
+
+def test_solo_allreduce_overtakes_the_deferred_batch_without_deadlock(pools):
+    res = pools(3).run(solo_overtakes, env={"GRADIENTFLOW_SOLO_THRESHOLD": "16KB",
+                                            "GRADIENTFLOW_CYCLE_TIME_MS": "1000"}, timeout=60)
+    assert res == [(True, 1, 1)] * 3, res
 
 
 def fuse_many(rank, world, n):

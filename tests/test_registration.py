@@ -81,6 +81,7 @@ def test_config_parses_sizes_and_refuses_bad_values():
                         ({"GRADIENTFLOW_FUSION_THRESHOLD": "-4"}, "GRADIENTFLOW_FUSION_THRESHOLD"),
                         ({"GRADIENTFLOW_CYCLE_TIME_MS": "-1"}, "valid range"),
                         ({"GRADIENTFLOW_DEBUG": "maybe"}, "boolean"),
+                        ({"GRADIENTFLOW_SOLO_CHANNEL": "sometimes"}, "GRADIENTFLOW_SOLO_CHANNEL"),
                         ({"GRADIENTFLOW_FUSION_TRESHOLD": "1"}, "unknown environment variable")]:
         with pytest.raises(ValueError, match=needle):
             Config.resolve({}, environ=env)

@@ -25,7 +25,7 @@ from gradientflow.backend import validate as V
 from gradientflow.config import Config, current_overrides
 from gradientflow.engine.engine import Engine
 from gradientflow.engine.stall import DEFERRED, Inspector, check_world
-from gradientflow.engine.work import FutureWork
+from gradientflow.engine.work import BothWork, FutureWork
 
 _UNSET = object()
 _DEFERRED_AR = "all_reduce" + DEFERRED  # fused path: differs on the wire from an eager one
@@ -69,12 +69,17 @@ class Transports:
     factories: dict[str, Callable[..., Any]] = {"cpu": _make_gloo, "cuda": _make_nccl}
 
     def __init__(self, store, rank: int, size: int, timeout: datetime.timedelta,
-                 prefix: str = "gradientflow/") -> None:
+                 prefix: str = "gradientflow/", connect_cpu: bool = True) -> None:
         self._args = (store, rank, size, timeout)
         self._prefix = prefix
         self._by_type: dict[str, Any] = {}
         self._lock = threading.Lock()
-        self.get(torch.device("cpu"))  # gloo eagerly: connecting it is part of init
+        if connect_cpu:
+            self.get(torch.device("cpu"))  # gloo eagerly: connecting it is part of init
+
+    def existing(self, device_type: str) -> Any:
+        """The transport for `device_type` if it was created, else None."""
+        return self._by_type.get(device_type)
 
     def get(self, device: torch.device) -> Any:
         """The transport for `device`, created on first use."""
@@ -116,6 +121,10 @@ class GradientFlowBackend(_CBackend):
         store = attempt_store(store)
         check_world(store, rank, size, timeout.total_seconds())
         self.transports = Transports(store, rank, size, timeout)
+        # The solo channel (Engine.on_solo_channel): a second gloo group, connected by every
+        # rank at its first solo allreduce, which is the same call on every rank.
+        self.solo_transports = Transports(store, rank, size, timeout,
+                                          prefix="gradientflow/solo-", connect_cpu=False)
         # A side group for the agreement rounds, so that they never pair with data messages.
         agree = _make_gloo(store, rank, size, timeout, "gradientflow/agree/")
         self._agree = agree
@@ -178,6 +187,7 @@ class GradientFlowBackend(_CBackend):
             self._sched_transports.shutdown()
         self.engine.close()
         self.transports.shutdown()
+        self.solo_transports.shutdown()
         try:
             self._agree.shutdown()
         except Exception:  # noqa: BLE001
@@ -250,6 +260,13 @@ class GradientFlowBackend(_CBackend):
         V.check_reduce(self._rank, "all_reduce", t, rop)
         async_op = getattr(opts, "asyncOp", True)
         engine = self.engine
+        if engine.on_solo_channel(t):
+            # Connected here on first use, outside the engine's lock: a rank that arrives first
+            # waits for the others, whose engine threads must still run their rounds.
+            tp = self.solo_transports.get(t.device)
+            self._seq_for_group += 1
+            return self._issue("all_reduce", lambda: engine.submit_solo(
+                lambda: tp.allreduce(tensors, opts), t), t, opts, t.device, rop)
         if engine.fusable(t, async_op):
             self._seq_for_group += 1
             insp = self.inspector
@@ -420,9 +437,14 @@ class GradientFlowBackend(_CBackend):
 
     def barrier(self, opts=None):
         # A barrier is a collective like any other: it goes through the sequence, after
-        # everything issued before it (and the deferred allreduces are agreed first).
-        return self._eager("barrier", torch.device("cpu"),
-                           lambda tp: tp.barrier(opts), [], opts)
+        # everything issued before it (and the deferred allreduces are agreed first). gloo's
+        # barrier also waits for the collectives before it on its own group; the solo
+        # channel's are on another, so it gets a barrier too (issued first, in its own issue
+        # order), and the barrier's Work waits for both.
+        solo = self.solo_transports.existing("cpu")
+        first = solo.barrier(opts) if solo is not None else None
+        work = self._eager("barrier", torch.device("cpu"), lambda tp: tp.barrier(opts), [], opts)
+        return work if first is None else BothWork(first, work)
 
     # ------------------------------------------------------------------ point to point
     # Point-to-point operations involve two ranks only, so they take no sequence number

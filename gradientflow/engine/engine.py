@@ -21,6 +21,12 @@ A round is *started* on each rank for a local reason (a wait on a queued op, flu
 threshold reached, another collective queued behind the batch, or the transport falling idle),
 but the rounds themselves pair one-to-one across ranks because every rank closes the same
 batches. See docs/DESIGN.md for why threshold cuts alone cannot skip the round.
+
+The solo channel (CPU). An allreduce of at least the solo threshold is sent alone anyway; on
+CPU it goes at once, on the caller's thread, over a transport of its own (a second gloo group),
+where the issue order is the agreed order. It overtakes the deferred batch before it, which is
+safe because the two transports never pair each other's messages (on_solo_channel says why no
+rank can wait for the other's solo), and it leaves during the issuing loop instead of after it.
 """
 from __future__ import annotations
 
@@ -118,6 +124,7 @@ class _Counters:
     deferred: int = 0
     eager: int = 0
     fast_path: int = 0
+    solo_channel: int = 0  # allreduces sent at once on the solo channel (CPU)
 
 
 class Engine:
@@ -164,6 +171,11 @@ class Engine:
         self._chain_lock = threading.Lock()
         self._reaper: threading.Thread | None = None
         self.counters = _Counters()
+        # Allreduces of at least this many bytes go alone (plan_messages' cut); on CPU with
+        # the solo channel on, at once (on_solo_channel, submit_solo).
+        thr, solo = config.fusion_threshold, config.solo_threshold
+        self.solo_bytes = min(solo, thr) if solo > 0 else thr
+        self._solo_channel = config.solo_channel and thr > 0
         # Set by the backend: turns a transport error into the inspector's explanation (which
         # rank is missing or died, what differed). Called once, on the first error only.
         self.explain: Callable[[BaseException], BaseException] | None = None
@@ -212,6 +224,35 @@ class Engine:
         thr = self.config.fusion_threshold
         limit = thr if async_op else min(thr, self.config.sync_fusion_limit)
         return tensor.numel() * tensor.element_size() < limit
+
+    def on_solo_channel(self, tensor: torch.Tensor) -> bool:
+        """Whether an allreduce of `tensor` goes at once on the solo channel (the same on every
+        rank: it depends on the call alone, the tensor's device and size, not on async_op).
+
+        A solo tensor is sent alone anyway (plan_messages); what the round would add is only
+        its place among the fused messages of its batch. On a transport of its own, in issue
+        order, it needs no place there: every rank sends the same solos in the same order, and
+        a rank blocked in a wait on an earlier deferred op still takes part in that op's round
+        (the engine thread runs it), so no rank waits for a solo that another cannot send.
+        """
+        return (self._solo_channel and tensor.device.type == "cpu"
+                and tensor.numel() * tensor.element_size() >= self.solo_bytes)
+
+    def submit_solo(self, launch: Callable[[], Any], tensor: torch.Tensor) -> Any:
+        """Send a solo allreduce now, on the caller's thread: `launch()` hands it to the solo
+        channel's transport and returns that Work. It takes its sequence number like every
+        collective (the inspector's records stay in issue order) but overtakes the deferred
+        batch before it, which travels on the main transport."""
+        with self._lock:
+            self._check_usable("allreduce")
+            self._seq += 1
+            self.counters.solo_channel += 1
+            self.counters.messages += 1
+            work = launch()
+        STATS.record_operation()
+        numel = tensor.numel()
+        STATS.record_message(1, numel * tensor.element_size(), numel * 4)  # time: not seen
+        return work
 
     def submit_allreduce(self, tensor: torch.Tensor, reduce_op: Any,
                          waited: bool = False) -> FusedWork:

@@ -174,3 +174,37 @@ class FusedWork(FutureWork):
         if self._public is None:
             self._public = self._owner.future_of(self._op, public=True)
         return self._public
+
+
+class BothWork(Work):
+    """Two Works as one, for an operation that runs on two transports (a barrier on the main
+    transport and the solo channel): wait() waits on both; the future is the second's value."""
+
+    def __init__(self, first: Any, second: Any) -> None:
+        super().__init__()
+        self._first = first
+        self._second = second
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:  # noqa: D401
+        """Block until both finished; raise the first error."""
+        for work in (self._first, self._second):
+            if timeout is None:
+                work.wait()
+            else:
+                work.wait(timeout)
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        """Completes with the second Work's value once both completed (errors re-raised)."""
+        both = torch.futures.collect_all([self._first.get_future(),
+                                          self._second.get_future()])
+        return both.then(_second_value)
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in (self._first, self._second))
+
+
+def _second_value(fut: torch.futures.Future) -> Any:
+    first, second = fut.value()
+    first.value()  # re-raises its error
+    return second.value()
