@@ -10,8 +10,10 @@ order, then waits for all of them:
     bound: the default engine with zero overhead);
   - gradientflow fused: the same per-tensor calls on gradientflow groups, at each fusion
     threshold of the sweep, plus solo thresholds and cycle times at the largest threshold
-    (the table's best is over all of them: the settings a tuned job would use), and
-    "gf default": a group made with no options at all, what a one-line adopter gets.
+    (the table's best is over all of them: the settings a tuned job would use),
+    "gf default": a group made with no options at all, what a one-line adopter gets, and
+    "gf default, solo channel off": the same with its solo tensors kept in their batch's
+    round (Config.solo_channel; what CUDA tensors do), to show what the channel is worth.
 All variants are timed alternately, rep by rep, in one run. On loopback for every model, and
 on the emulated switched network of benchmarks/netem.py (one namespace per rank, tbf both
 ways) for the models and tiers of --net-models/--tiers, where the wire, not the copies, is the
@@ -35,6 +37,7 @@ from benchmarks.netem import Cluster, ShapeConfig  # noqa: E402
 
 MB = 10**6
 DEFAULT = "gf default"  # the variant made with no options: Config's defaults
+NO_CHANNEL = "gf default, solo channel off"
 
 
 def gradient_shapes(model: str) -> list[tuple[int, ...]]:
@@ -86,6 +89,7 @@ def worker(rank: int, world_size: int, models: list[str], thresholds: list[int],
                     **({"cycle_time_ms": c} if c is not None else {})})
         for t, s, c in configs}
     gf[DEFAULT] = dist.new_group(backend="gradientflow")
+    gf[NO_CHANNEL] = dist.new_group(backend="gradientflow", pg_options={"solo_channel": False})
     cfg = backend_of(gf[DEFAULT]).config  # what the default group cuts (hand_fused below)
     out: dict = {}
     for model in models:
@@ -310,6 +314,7 @@ def _row(tier: str, n: int, model: str, r: dict) -> dict:
             "default ms": ms[DEFAULT], "buckets / default": ms["gloo 25MB buckets"] / ms[DEFAULT],
             "paired buckets / best fused (95% CI)": paired(best),
             "paired buckets / default (95% CI)": paired(DEFAULT),
+            "paired buckets / default, solo channel off (95% CI)": paired(NO_CHANNEL),
             "paired buckets / hand-fused (95% CI)": paired("gloo hand-fused"),
             **{k.replace("gf fused ", "gf "): v for k, v in fused.items()}}
 
