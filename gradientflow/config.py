@@ -113,7 +113,9 @@ class Config:
     # Horovod's cycle time: how long a partial batch may wait for more tensors, while the
     # transport is idle, before its agreement round starts (a wait(), flush(), the threshold or
     # another collective starts it at once): the caller must have been quiet this long, and
-    # the batch waits at most 5 cycles. 0 sends whatever is queued as soon as the transport
+    # the batch waits at most 5 cycles. While messages are in flight (the solo channel's
+    # included) the caller must have been quiet for 5 cycles instead, with no bound (Engine.
+    # _should_round says why). 0 sends whatever is queued as soon as the transport
     # falls idle, which in practice sends most tensors alone. 3 ms, not Horovod's 1 ms: a
     # per-tensor loop of 161 allreduces takes 5-10 ms to issue on a loaded machine, and
     # 5 x 1 ms cut it into two batches, each with its round (bench_fusion, ResNet-50 list,

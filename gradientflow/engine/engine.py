@@ -51,6 +51,7 @@ from gradientflow.observability.timeline import TIMELINE, now_us
 
 MAX_BATCH = 256  # most deferred ops one agreement round can close
 MAX_WAIT_CYCLES = 5  # longest a partial batch waits for a quiet caller, in cycle times
+BUSY_QUIET_CYCLES = 5  # how long a caller must be quiet while the transport is busy, in cycles
 _MASK = 2**61 - 1
 _FP_BITS = 40  # the round's words: (ops << 40) | 40-bit fingerprint (MAX_BATCH fits 9 bits)
 _FP_MASK = (1 << _FP_BITS) - 1
@@ -176,6 +177,7 @@ class Engine:
         thr, solo = config.fusion_threshold, config.solo_threshold
         self.solo_bytes = min(solo, thr) if solo > 0 else thr
         self._solo_channel = config.solo_channel and thr > 0
+        self._solo_last: Any = None  # the solo channel's last Work (still in flight?)
         # Set by the backend: turns a transport error into the inspector's explanation (which
         # rank is missing or died, what differed). Called once, on the first error only.
         self.explain: Callable[[BaseException], BaseException] | None = None
@@ -249,6 +251,10 @@ class Engine:
             self.counters.solo_channel += 1
             self.counters.messages += 1
             work = launch()
+            # The caller is not quiet, and the transport is not idle (_should_round): a
+            # per-tensor loop that sends solos between its small tensors is still issuing.
+            self._last_submit = time.monotonic()
+            self._solo_last = work
         STATS.record_operation()
         numel = tensor.numel()
         STATS.record_message(1, numel * tensor.element_size(), numel * 4)  # time: not seen
@@ -400,14 +406,21 @@ class Engine:
         # for one cycle: nothing more is coming soon. While the caller keeps issuing, the
         # batch keeps growing (bigger messages, fewer rounds: a per-tensor loop issues a tensor
         # every ~0.1 ms here, so "one cycle after the first tensor" cut a 24-tensor list into 3
-        # rounds), up to MAX_WAIT_CYCLES cycles when the transport is idle, so latency stays
-        # bounded. With messages in flight there is no such bound: the batch grows until the
-        # transport needs more, the threshold is reached or the caller pauses, and waiting
-        # for the transport to drain first would serialise the tail of a list behind
-        # everything in flight.
+        # rounds), up to MAX_WAIT_CYCLES cycles when the transport (solo channel included) is
+        # idle, so latency stays bounded. With messages in flight there is no such bound: the
+        # batch grows until the transport needs more, the threshold is reached or the caller
+        # pauses, and waiting for the transport to drain first would serialise the tail of a
+        # list behind everything in flight. A pause then counts only after BUSY_QUIET_CYCLES
+        # cycles: with solos on the wire during the issuing loop, a caller descheduled for a
+        # cycle is not a quiet one (ResNet-50's list, 3 ms cycle: 1.4-2.3 rounds per list at 2
+        # ranks and 2.2-3.1 at 4 instead of 1, each extra round also a smaller message; with 5
+        # quiet cycles 1.0-1.2 and 1.2-1.5, and 1.05x [1.01, 1.09] as fast at 4 ranks, 8
+        # launches, 1.05x [0.93, 1.19] at 2; docs/DESIGN.md, Known gaps, Session 10).
         cycle = self.config.cycle_time_ms / 1000.0
-        left = self._last_submit + cycle - now
-        if self._inflight == 0:
+        solo = self._solo_last
+        idle = self._inflight == 0 and (solo is None or solo.is_completed())
+        left = self._last_submit + (cycle if idle else BUSY_QUIET_CYCLES * cycle) - now
+        if idle:
             left = min(left, self._run_since + MAX_WAIT_CYCLES * cycle - now)
         return (left <= 0), (left if left > 0 else None)
 

@@ -192,8 +192,12 @@ def debug_size_mismatches(rank, world):
     return msgs
 
 
-def test_debug_refuses_every_fatal_size_mismatch_on_every_rank(pools):
-    results = pools(2).run(debug_size_mismatches, env={"GRADIENTFLOW_DEBUG": "1"},
+# With a 64 KB solo threshold the 80 KB allreduce takes the solo channel (no round: the
+# debug check is what stands between a size mismatch there and gloo's abort).
+@pytest.mark.parametrize("solo", ["4MB", "64KB"])
+def test_debug_refuses_every_fatal_size_mismatch_on_every_rank(pools, solo):
+    results = pools(2).run(debug_size_mismatches, env={"GRADIENTFLOW_DEBUG": "1",
+                                                       "GRADIENTFLOW_SOLO_THRESHOLD": solo},
                            pg_timeout_s=10, timeout=90)
     for rank, msgs in enumerate(results):
         assert msgs.keys() == FATAL_SIZE_MISMATCH.keys()
