@@ -84,9 +84,10 @@ class Config:
     # Tensors at least this big are sent alone, in place (no copy into the fusion buffer and
     # back), while the fused message of the smaller ones goes on around them (on CPU at once,
     # on the solo channel below; on CUDA after their batch's round). 0: the fusion threshold.
-    # A lower value trades the two copies of a big tensor for one more transport message. 4 MB (decimal), session 9: on ResNet-50's
-    # list it also sends the six 4.19 MB layer4 weights alone: 11 messages and 36 MB packed,
-    # against 6 messages and 57 MB at 8 MB. Sent by hand on gloo (no engine) those messages
+    # A lower value trades the two copies of a big tensor for one more transport message.
+    # 4 MB (decimal), session 9: on ResNet-50's list it also sends the six 4.19 MB layer4
+    # weights alone: 11 messages and 36 MB packed, against 6 messages and 57 MB at 8 MB.
+    # Sent by hand on gloo (no engine) those messages
     # read 1.03x [1.01, 1.07] of 8 MB's speed at 2 ranks and 1.00x [0.97, 1.04] at 4 (6
     # launches, paired); through the engine, over 15 launches of bench_fusion, 1.07x [1.02,
     # 1.10] at 2 ranks and 0.97x [0.92, 1.04] at 4 (not resolved). 2 MB (19 messages) and 1 MB

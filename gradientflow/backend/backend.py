@@ -441,10 +441,22 @@ class GradientFlowBackend(_CBackend):
         # barrier also waits for the collectives before it on its own group; the solo
         # channel's are on another, so it gets a barrier too (issued first, in its own issue
         # order), and the barrier's Work waits for both.
+        cpu = torch.device("cpu")
         solo = self.solo_transports.existing("cpu")
-        first = solo.barrier(opts) if solo is not None else None
-        work = self._eager("barrier", torch.device("cpu"), lambda tp: tp.barrier(opts), [], opts)
-        return work if first is None else BothWork(first, work)
+        if solo is None:
+            return self._eager("barrier", cpu, lambda tp: tp.barrier(opts), [], opts)
+        engine = self.engine
+
+        def submit():
+            # On the caller's thread, in issue order (the solo channel's order), after the
+            # debug check; nothing is posted on a group that already failed.
+            engine._check_usable("barrier")
+            first = solo.barrier(opts)
+            return BothWork(first, engine.submit_eager(
+                "barrier", lambda: self._tp(cpu).barrier(opts), [], cpu))
+
+        self._seq_for_group += 1
+        return self._issue("barrier", submit, None, opts, cpu)
 
     # ------------------------------------------------------------------ point to point
     # Point-to-point operations involve two ranks only, so they take no sequence number

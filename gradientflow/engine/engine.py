@@ -418,7 +418,9 @@ class Engine:
         # launches, 1.05x [0.93, 1.19] at 2; docs/DESIGN.md, Known gaps, Session 10).
         cycle = self.config.cycle_time_ms / 1000.0
         solo = self._solo_last
-        idle = self._inflight == 0 and (solo is None or solo.is_completed())
+        if solo is not None and solo.is_completed():
+            solo = self._solo_last = None  # (it keeps its tensor alive)
+        idle = self._inflight == 0 and solo is None
         left = self._last_submit + (cycle if idle else BUSY_QUIET_CYCLES * cycle) - now
         if idle:
             left = min(left, self._run_since + MAX_WAIT_CYCLES * cycle - now)
