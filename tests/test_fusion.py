@@ -256,8 +256,12 @@ def powersgd_training(rank, world, bucket_cap_mb, iters):
     return float((flat - ref).abs().max())
 
 
-def test_powersgd_one_bucket_trains(pools):
-    diffs = pools(2).run(powersgd_training, 100, 6, timeout=300)
+# With a 1 KB solo threshold the bucket and the hook's P and Q go on the solo channel, whose
+# futures complete on gloo's threads, and the hook's callbacks wait on the next allreduce there.
+@pytest.mark.parametrize("solo", ["4MB", "1KB"])
+def test_powersgd_one_bucket_trains(pools, solo):
+    diffs = pools(2).run(powersgd_training, 100, 6, timeout=300,
+                         env={"GRADIENTFLOW_SOLO_THRESHOLD": solo})
     assert max(diffs) < 1e-5, diffs
 
 
