@@ -260,14 +260,15 @@ class GradientFlowBackend(_CBackend):
         V.check_reduce(self._rank, "all_reduce", t, rop)
         async_op = getattr(opts, "asyncOp", True)
         engine = self.engine
-        if engine.on_solo_channel(t):
+        nbytes = _nbytes(t)  # both routes below read it: once per call of a per-tensor loop
+        if engine.on_solo_channel(t.device, nbytes):
             # Connected here on first use, outside the engine's lock: a rank that arrives first
             # waits for the others, whose engine threads must still run their rounds.
             tp = self.solo_transports.get(t.device)
             self._seq_for_group += 1
             return self._issue("all_reduce", lambda: engine.submit_solo(
                 lambda: tp.allreduce(tensors, opts), t), t, opts, t.device, rop)
-        if engine.fusable(t, async_op):
+        if engine.fusable(nbytes, async_op):
             self._seq_for_group += 1
             insp = self.inspector
             if insp.enabled and insp._debug_group is None:

@@ -41,7 +41,8 @@ from torch._C._distributed_c10d import AllreduceOptions, ReduceOp
 
 from gradientflow.config import Config
 from gradientflow.engine import completion, streams
-from gradientflow.engine.fusion import FusableOp, Message, SegmentPool, pack, plan_messages, unpack
+from gradientflow.engine.fusion import (FusableOp, Message, SegmentPool, pack, plan_messages,
+                                        solo_cut, unpack)
 from gradientflow.engine.stages import StageGen
 from gradientflow.engine.work import FusedWork, FutureWork
 from gradientflow.observability import timeline as tl
@@ -174,9 +175,8 @@ class Engine:
         self.counters = _Counters()
         # Allreduces of at least this many bytes go alone (plan_messages' cut); on CPU with
         # the solo channel on, at once (on_solo_channel, submit_solo).
-        thr, solo = config.fusion_threshold, config.solo_threshold
-        self.solo_bytes = min(solo, thr) if solo > 0 else thr
-        self._solo_channel = config.solo_channel and thr > 0
+        self.solo_bytes = solo_cut(config.fusion_threshold, config.solo_threshold)
+        self._solo_channel = config.solo_channel and config.fusion_threshold > 0
         self._solo_last: Any = None  # the solo channel's last Work (still in flight?)
         # Set by the backend: turns a transport error into the inspector's explanation (which
         # rank is missing or died, what differed). Called once, on the first error only.
@@ -213,8 +213,8 @@ class Engine:
                 f"{self._name} was destroyed. Create a new process group first."
             )
 
-    def fusable(self, tensor: torch.Tensor, async_op: bool = True) -> bool:
-        """Whether an allreduce of `tensor` is deferred for fusion (same on every rank).
+    def fusable(self, nbytes: int, async_op: bool = True) -> bool:
+        """Whether an allreduce of `nbytes` bytes is deferred for fusion (same on every rank).
 
         Async allreduces below the fusion threshold are deferred. Synchronous ones are deferred
         too below `sync_fusion_limit`: PyTorch itself pairs a synchronous allreduce on one rank
@@ -225,11 +225,11 @@ class Engine:
         """
         thr = self.config.fusion_threshold
         limit = thr if async_op else min(thr, self.config.sync_fusion_limit)
-        return tensor.numel() * tensor.element_size() < limit
+        return nbytes < limit
 
-    def on_solo_channel(self, tensor: torch.Tensor) -> bool:
-        """Whether an allreduce of `tensor` goes at once on the solo channel (the same on every
-        rank: it depends on the call alone, the tensor's device and size, not on async_op).
+    def on_solo_channel(self, device: torch.device, nbytes: int) -> bool:
+        """Whether an allreduce of `nbytes` bytes on `device` goes at once on the solo channel
+        (the same on every rank: it depends on the call alone, not on async_op).
 
         A solo tensor is sent alone anyway (plan_messages); what the round would add is only
         its place among the fused messages of its batch. On a transport of its own, in issue
@@ -237,8 +237,7 @@ class Engine:
         a rank blocked in a wait on an earlier deferred op still takes part in that op's round
         (the engine thread runs it), so no rank waits for a solo that another cannot send.
         """
-        return (self._solo_channel and tensor.device.type == "cpu"
-                and tensor.numel() * tensor.element_size() >= self.solo_bytes)
+        return self._solo_channel and device.type == "cpu" and nbytes >= self.solo_bytes
 
     def submit_solo(self, launch: Callable[[], Any], tensor: torch.Tensor) -> Any:
         """Send a solo allreduce now, on the caller's thread: `launch()` hands it to the solo

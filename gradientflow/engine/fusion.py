@@ -92,6 +92,11 @@ def unpack(buf: torch.Tensor, ops: Sequence[FusableOp]) -> None:
                          [src.view(op.tensor.shape) for src, op in zip(srcs, ops)])
 
 
+def solo_cut(threshold: int, solo_bytes: int) -> int:
+    """The size from which a tensor goes alone: `solo_bytes`, at most `threshold` (0: it)."""
+    return min(solo_bytes, threshold) if solo_bytes > 0 else threshold
+
+
 def plan_messages(batch: Sequence[FusableOp], threshold: int,
                   solo_bytes: int = 0) -> list[Message]:
     """Cut an agreed batch into messages: per key, greedy up to `threshold` bytes; a tensor of
@@ -102,7 +107,7 @@ def plan_messages(batch: Sequence[FusableOp], threshold: int,
     open at the end of the batch follow, in order of their keys' first appearance. Separate
     keys keep an fp16 tensor between fp32 ones from breaking the fp32 fusion.
     """
-    solo = min(solo_bytes, threshold) if solo_bytes > 0 else threshold
+    solo = solo_cut(threshold, solo_bytes)
     out: list[Message] = []
     open_msgs: dict[Hashable, Message] = {}
     for op in batch:

@@ -147,7 +147,7 @@ def all_reduce(t, op=dist.ReduceOp.SUM, async_op=False):
     eng = shim.engine
     opts = AllreduceOptions()
     opts.reduceOp = op
-    if eng.fusable(t, async_op):
+    if eng.fusable(t.numel() * t.element_size(), async_op):
         w = eng.submit_allreduce(t, opts.reduceOp, not async_op)
     else:
         w = eng.submit_eager("all_reduce", lambda: shim.transports.get(t.device).allreduce([t], opts), [t],
