@@ -8,7 +8,7 @@ the compute the model is told (compute_s), so what is fitted is the communicatio
 
 Fitted (4 constants): link_efficiency (share of the tbf rate a bulk transfer reaches),
 host_ms_per_mb (CPU time per MB of payload: copies, CPU reduction, TCP; it serialises with
-compute on these CPU ranks), inter_latency_us (per message step: gloo, the engine's agreement
+compute on these CPU ranks), host_latency_us (per message step: gloo, the engine's agreement
 round, the Python hook), and gpu_mem_gbps (here the CPU's memory bandwidth for FP16 casts and
 CSC kernels). Fitted on the 2-rank runs (e2e.json); the error is stated on the 4-rank runs,
 which the fit never sees.
@@ -35,10 +35,10 @@ RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 FIT_FILES = ("e2e.json",)
 HOLDOUT_FILES = ("e2e_4ranks/e2e.json", "e2e_4ranks_alexnet/e2e.json",
                  "e2e_4ranks_low/e2e.json", "e2e_4ranks_alexnet_low/e2e.json")
-PARAMS = ("link_efficiency", "host_ms_per_mb", "inter_latency_us", "gpu_mem_gbps")
+PARAMS = ("link_efficiency", "host_ms_per_mb", "host_latency_us", "gpu_mem_gbps")
 # The fit's result (python -m gradientflow.simulate.calibrate prints it; the test checks that a
 # refit lands near it). link_efficiency is also the default for GPU clusters.
-FITTED = {"link_efficiency": 0.9151, "host_ms_per_mb": 1.345, "inter_latency_us": 354.1,
+FITTED = {"link_efficiency": 0.9151, "host_ms_per_mb": 1.345, "host_latency_us": 354.1,
           "gpu_mem_gbps": 62.6}
 
 _DDP = dict(algorithm="ring", transport="host", fusion_threshold=25 * 2**20, solo_threshold=0,
@@ -101,7 +101,7 @@ def emulated_cluster(ranks: int, gbps: float, consts: dict, contention: float) -
     """One CPU rank per emulated node, its NIC shaped to `gbps`, CPU costs x contention."""
     c = dict(consts)
     c["host_ms_per_mb"] *= contention
-    c["inter_latency_us"] *= contention
+    c["host_latency_us"] *= contention
     c["gpu_mem_gbps"] /= contention
     return Cluster(gpus=ranks, gpus_per_node=1, inter_gbps=gbps, intra_gbps=gbps,
                    cpu_ranks=True, **c)

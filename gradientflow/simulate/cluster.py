@@ -38,7 +38,13 @@ class Cluster:
     # GPU nodes it lengthens each collective (the CPU is in the data path); with cpu_ranks (the
     # ranks compute on the CPU, as in our emulated runs) it delays compute instead.
     host_ms_per_mb: float = 1.345
+    # ... and its latency per message step (gloo's TCP round trip, the Python hook), also
+    # calibrated; it replaces inter/intra_latency_us for host-staged transports.
+    host_latency_us: float = 354.0
     cpu_ranks: bool = False
+    # Step-time jitter of one GPU (coefficient of variation): a synchronous step waits for the
+    # slowest of n, about mean x (1 + cv sqrt(2 ln n)) for Gaussian jitter. 0 = no stragglers.
+    straggler_cv: float = 0.0
     # GPU memory bandwidth for the compression kernels (CSC norms, pack, residual; FP16 casts).
     gpu_mem_gbps: float = 6400.0
 
@@ -51,7 +57,8 @@ class Cluster:
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and v > 0 and math.isfinite(v)):
                 raise ValueError(f"Cluster: {name}={v!r} must be a positive number (Gbit/s)")
-        for name in ("inter_latency_us", "intra_latency_us", "host_ms_per_mb"):
+        for name in ("inter_latency_us", "intra_latency_us", "host_ms_per_mb", "host_latency_us",
+                     "straggler_cv"):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and v >= 0 and math.isfinite(v)):
                 raise ValueError(f"Cluster: {name}={v!r} must be a number >= 0")
@@ -127,23 +134,28 @@ PRESETS: dict[str, Method] = {
     # 4 MB solo cut and a 3 ms cycle, FP16 wire, CSC 1% of 1024-element chunks, overlap, TicTac
     # priority; the paper's base collective is a ring.
     "gradientflow": Method(name="gradientflow"),
+    # The paper's GradientFlow as we read it: ring allreduce, lazy allreduce that launches when
+    # the pool holds the threshold or backward ends (no solo cut, no cycle; threshold value
+    # unverified, ours), FP16 wire, CSC at our 1% of 1024-element chunks (unverified), overlap.
+    "gradientflow-paper": Method(name="gradientflow-paper", solo_threshold=0, cycle_ms=math.inf,
+                                 priority=False),
     # A plain open-source ring allreduce: one FP32 allreduce per gradient tensor, overlapped
     # with backward (DDP/Horovod without fusion), no compression, no priority.
     "ring": Method(name="ring", fusion_threshold=0, solo_threshold=0, fp16=False,
                    csc_density=None, priority=False),
-    # Horovod 0.1x: Tensor Fusion (64 MB buffer), FP32, flat NCCL ring.
-    "horovod": Method(name="horovod", fusion_threshold=64 * 2**20, solo_threshold=0, fp16=False,
-                      csc_density=None, priority=False),
+    # Horovod 0.1x: Tensor Fusion (64 MB buffer, 5 ms cycle), FP32, flat NCCL ring.
+    "horovod": Method(name="horovod", fusion_threshold=64 * 2**20, solo_threshold=0,
+                      cycle_ms=5.0, fp16=False, csc_density=None, priority=False),
     # Horovod's hierarchical allreduce: reduce-scatter in the node, allreduce across nodes,
     # allgather in the node; Tensor Fusion, FP32.
     "hierarchical": Method(name="hierarchical", algorithm="hierarchical",
-                           fusion_threshold=64 * 2**20, solo_threshold=0, fp16=False,
-                           csc_density=None, priority=False),
+                           fusion_threshold=64 * 2**20, solo_threshold=0, cycle_ms=5.0,
+                           fp16=False, csc_density=None, priority=False),
     # Vertex AI's Reduction Server: every node sends its (node-reduced) gradient once to the
     # reducers and receives the sum once; FP32 dense, fused.
     "reduction_server": Method(name="reduction_server", algorithm="reduction_server",
-                               fusion_threshold=64 * 2**20, solo_threshold=0, fp16=False,
-                               csc_density=None, priority=False),
+                               fusion_threshold=64 * 2**20, solo_threshold=0, cycle_ms=5.0,
+                               fp16=False, csc_density=None, priority=False),
 }
 
 

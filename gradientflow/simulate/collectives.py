@@ -34,6 +34,8 @@ def allreduce_parts(cl: Cluster, method: Method, nbytes: float) -> tuple[float, 
     if algo != "ring" and N == 1:
         algo = "ring"  # one node: both two-level algorithms are the node's ring
     a_in, a_out = cl.intra_latency_us * 1e-6, cl.inter_latency_us * 1e-6
+    if method.transport == "host":
+        a_in = a_out = cl.host_latency_us * 1e-6
     if algo == "ring":
         b = _bw(cl, method, min(cl.inter_gbps, cl.intra_gbps) if N > 1 else cl.intra_gbps)
         return 2 * (n - 1) * (a_out if N > 1 else a_in), 2 * (n - 1) * nbytes / n / b

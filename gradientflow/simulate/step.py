@@ -148,8 +148,9 @@ def simulate(model: Model | str, cluster: Cluster, method: Method,
     n = cluster.gpus
     if compute_s is None:
         compute_s = model.batch / (cluster.throughput or model.throughput)
-    fwd = model.forward_fraction * compute_s
-    bwd = compute_s - fwd
+    slow = 1.0 + cluster.straggler_cv * math.sqrt(2 * math.log(n)) if n > 1 else 1.0
+    fwd = model.forward_fraction * compute_s * slow  # the slowest of n GPUs sets the pace
+    bwd = compute_s * slow - fwd
     msgs = plan(model, method, bwd) if n > 1 else []
     costs = [message_cost(cluster, method, m) for m in msgs]
     overhead = sum(c[1] for c in costs)
