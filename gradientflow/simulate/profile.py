@@ -69,27 +69,28 @@ def _bert_base():
     return Bert()
 
 
-def build(model: str):
+def build(model: str, batch: int | None = None):
     """The module and one input batch for a model name (alexnet, resnet50, bert-base)."""
     import torch
 
     if model == "bert-base":
-        return _bert_base(), torch.randint(0, BERT["vocab"], (2, 128))
+        return _bert_base(), torch.randint(0, BERT["vocab"], (batch or 2, 128))
     import torchvision
 
-    # AlexNet at 64: at small batches its FC layers take a share of backward far above what
-    # they take on a GPU at the paper's batch of 128 (their weight GEMMs are batch-bound).
-    batch = {"alexnet": 64, "resnet50": 4}.get(model, 4)
+    # AlexNet at 64: at small batches its FC layers (whose weight gradients read and write the
+    # whole 151 MB matrix whatever the batch) take a far larger share of backward than on a
+    # GPU at the paper's batch of 128.
+    batch = batch or {"alexnet": 64, "resnet50": 4}.get(model, 4)
     return getattr(torchvision.models, model)(), torch.randn(batch, 3, 224, 224)
 
 
-def measure(model: str, reps: int = 3) -> dict:
+def measure(model: str, reps: int = 3, batch: int | None = None) -> dict:
     """Per-layer sizes and time shares of one model, medians over `reps` fwd+bwd passes."""
     import torch
 
     torch.manual_seed(0)
     torch.set_num_threads(1)
-    net, x = build(model)
+    net, x = build(model, batch)
     layers = [(n, m) for n, m in net.named_modules()
               if any(True for _ in m.parameters(recurse=False))]
     fwd_ms: dict[str, list[float]] = {n: [] for n, _ in layers}
