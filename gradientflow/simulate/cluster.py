@@ -130,10 +130,14 @@ class Method:
 
 
 PRESETS: dict[str, Method] = {
-    # This project's defaults (Config and CompressionConfig): lazy allreduce at 128 MiB with a
-    # 4 MB solo cut and a 3 ms cycle, FP16 wire, CSC 1% of 1024-element chunks, overlap, TicTac
-    # priority; the paper's base collective is a ring.
-    "gradientflow": Method(name="gradientflow"),
+    # This project's DistributedOptimizer with its defaults (or DDP with our CSC hook): 25 MiB
+    # partitions (DDP's bucket size), each one message, FP16 wire, CSC 1% of 1024-element
+    # chunks (CompressionConfig), overlap with backward, TicTac priority; a ring underneath.
+    "gradientflow": Method(name="gradientflow", fusion_threshold=25 * 2**20, solo_threshold=0,
+                           cycle_ms=math.inf),
+    # Per-tensor allreduce calls on a gradientflow process group with Config's defaults: lazy
+    # allreduce at 128 MiB, tensors of 4 MB or more alone, a partial batch out after a 3 ms lull.
+    "gradientflow-engine": Method(name="gradientflow-engine"),
     # The paper's GradientFlow as we read it: ring allreduce, lazy allreduce that launches when
     # the pool holds the threshold or backward ends (no solo cut, no cycle; threshold value
     # unverified, ours), FP16 wire, CSC at our 1% of 1024-element chunks (unverified), overlap.

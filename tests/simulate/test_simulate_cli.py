@@ -33,6 +33,7 @@ def test_issue_command_prints_one_json_object():
 
 
 @pytest.mark.parametrize("method", ["ring", "hierarchical", "reduction_server", "gradientflow",
+                                    "gradientflow-engine",
                                     "gradientflow-paper", "horovod"])
 def test_every_method_is_accepted(method, capsys):
     assert main(["--model", "alexnet", "--gpus", "64", "--method", method, "--json"]) == 0
