@@ -14,7 +14,7 @@ import math
 import sys
 
 from gradientflow.simulate.cluster import PRESETS, Cluster, preset
-from gradientflow.simulate.models import ALIASES, MODELS, load
+from gradientflow.simulate.models import MODELS, load
 from gradientflow.simulate.step import simulate
 
 
@@ -40,7 +40,9 @@ def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m gradientflow.simulate",
                                  description="Predict step time, speedup and epoch time of "
                                              "data-parallel training on a GPU cluster.")
-    ap.add_argument("--model", default="resnet50", choices=list(MODELS) + list(ALIASES))
+    ap.add_argument("--model", default="resnet50",
+                    help=f"one of {', '.join(MODELS)}, or a profile .json "
+                         "(gradientflow.simulate.profile; then give --batch and --throughput)")
     ap.add_argument("--method", default="gradientflow", choices=sorted(PRESETS))
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     g = ap.add_argument_group("cluster")
@@ -112,7 +114,8 @@ def main(argv=None) -> int:
                       f"{r['predicted']:.3g} ({100 * r['error']:+.1f}%)")
         return 0 if all(r["ok"] for r in reps) else 1
     try:
-        model = load(args.model, batch=args.batch, dataset=args.dataset_size, epochs=args.epochs)
+        model = load(args.model, batch=args.batch, dataset=args.dataset_size, epochs=args.epochs,
+                     throughput=args.throughput)
         extra = {"link_efficiency": args.link_efficiency} if args.link_efficiency else {}
         cluster = Cluster(gpus=args.gpus, gpus_per_node=args.gpus_per_node,
                           inter_gbps=args.gbps, intra_gbps=args.intra_gbps,
@@ -120,7 +123,7 @@ def main(argv=None) -> int:
                           intra_latency_us=args.intra_latency_us, throughput=args.throughput,
                           straggler_cv=args.straggler_cv, **extra)
         method = _method(args)
-    except ValueError as e:
+    except (ValueError, OSError) as e:
         print(f"gradientflow.simulate: {e}", file=sys.stderr)
         return 2
     counts = [int(x) for x in args.sweep.split(",")] if args.sweep else [args.gpus]

@@ -9,7 +9,9 @@ per-GPU throughput stated per model below (and overridable: Cluster.throughput, 
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 from gradientflow.simulate.tables import PROFILES
 
@@ -71,14 +73,35 @@ ALIASES = {"resnet-50": "resnet50", "bert": "bert-base", "bert_base": "bert-base
 MODELS = tuple(GPU_DEFAULTS)
 
 
+def from_profile(prof: dict, **workload) -> Model:
+    """A Model from a profile dict (profile.measure_module's output) and its workload:
+    batch, throughput (samples/s of one GPU at that batch), dataset, epochs."""
+    try:
+        order = {n: i for i, n in enumerate(prof["forward_order"])}
+        layers = tuple(Layer(r["name"], r["numel"], r["numel_1d"], r["tensors"], r["ready"],
+                             order[r["name"]], r["fwd_share"]) for r in prof["layers"])
+        fraction = prof["forward_fraction"]
+    except (KeyError, TypeError) as e:
+        raise ValueError(f"model profile {prof.get('model', '?')!r} lacks {e}: write it with "
+                         "gradientflow.simulate.profile.measure_module") from None
+    missing = [k for k in ("batch", "throughput", "dataset", "epochs") if workload.get(k) is None]
+    if missing:
+        raise ValueError(f"model profile {prof.get('model', '?')!r}: give {missing} "
+                         "(--batch, --throughput, --dataset-size, --epochs)")
+    return Model(name=prof.get("model", "custom"), layers=layers, forward_fraction=fraction,
+                 **workload)
+
+
 def load(name: str, **overrides) -> Model:
-    """The model table `name` (alexnet, resnet50, bert-base), defaults optionally overridden."""
+    """A model by name (alexnet, resnet50, bert-base) or a profile JSON file (path ending .json),
+    its workload defaults optionally overridden (batch, throughput, dataset, epochs)."""
+    over = {k: v for k, v in overrides.items() if v is not None}
+    if name.endswith(".json"):
+        prof = json.loads(Path(name).read_text())
+        if "layers" not in prof and len(prof) == 1:  # profile --json writes {name: profile}
+            prof = next(iter(prof.values()))
+        return from_profile(prof, **{"dataset": IMAGENET, "epochs": 1, **over})
     key = ALIASES.get(name.lower(), name.lower())
     if key not in PROFILES:
-        raise ValueError(f"unknown model {name!r}; use one of {list(MODELS)}")
-    prof = PROFILES[key]
-    order = {n: i for i, n in enumerate(prof["forward_order"])}
-    layers = tuple(Layer(r["name"], r["numel"], r["numel_1d"], r["tensors"], r["ready"],
-                         order[r["name"]], r["fwd_share"]) for r in prof["layers"])
-    kw = {**GPU_DEFAULTS[key], **{k: v for k, v in overrides.items() if v is not None}}
-    return Model(name=key, layers=layers, forward_fraction=prof["forward_fraction"], **kw)
+        raise ValueError(f"unknown model {name!r}; use one of {list(MODELS)} or a profile .json")
+    return from_profile(PROFILES[key], **{**GPU_DEFAULTS[key], **over})

@@ -12,10 +12,15 @@ per parameter that stamps when its gradient is ready. Shares, not milliseconds, 
 table: the cost model scales them to a GPU with a stated per-GPU throughput.
 
     python -m gradientflow.simulate.profile [--models alexnet,resnet50,bert-base] [--reps 3]
+        [--json FILE]
+
+For your own model: json.dump(measure_module(net, example_batch, "mynet"), file), then
+`python -m gradientflow.simulate --model file.json --batch B --throughput SAMPLES_PER_S ...`.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import pprint
 import statistics
 import time
@@ -85,12 +90,23 @@ def build(model: str, batch: int | None = None):
 
 
 def measure(model: str, reps: int = 3, batch: int | None = None) -> dict:
-    """Per-layer sizes and time shares of one model, medians over `reps` fwd+bwd passes."""
+    """Per-layer sizes and time shares of one of our models (see build)."""
     import torch
 
     torch.manual_seed(0)
-    torch.set_num_threads(1)
     net, x = build(model, batch)
+    return measure_module(net, x, model, reps)
+
+
+def measure_module(net, x, label: str = "custom", reps: int = 3) -> dict:
+    """Per-layer sizes and time shares of any module on input `x`, medians over `reps` passes.
+
+    The loss is the mean square of the output, so no labels are needed. The result is what
+    `gradientflow.simulate.models.from_profile` (or a JSON file given to --model) reads.
+    """
+    import torch
+
+    torch.set_num_threads(1)
     layers = [(n, m) for n, m in net.named_modules()
               if any(True for _ in m.parameters(recurse=False))]
     fwd_ms: dict[str, list[float]] = {n: [] for n, _ in layers}
@@ -142,7 +158,7 @@ def measure(model: str, reps: int = 3, batch: int | None = None) -> dict:
     forward_order = [r["name"] for r in rows]
     rows.sort(key=lambda r: r["ready"])  # backward order: the order gradients become ready
     return {
-        "model": model,
+        "model": label,
         "batch": int(x.shape[0]),
         "cpu_fwd_ms": round(1e3 * fwd_s, 2),
         "cpu_bwd_ms": round(1e3 * bwd_s, 2),
@@ -168,9 +184,13 @@ def main(argv=None) -> None:
     ap.add_argument("--models", default="alexnet,resnet50,bert-base")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--out", default=str(Path(__file__).with_name("tables.py")))
+    ap.add_argument("--json", help="write the profiles to this JSON file instead of tables.py")
     args = ap.parse_args(argv)
     profiles = {m: measure(m, args.reps) for m in args.models.split(",")}
-    write_tables(profiles, Path(args.out))
+    if args.json:
+        Path(args.json).write_text(json.dumps(profiles, indent=1))
+    else:
+        write_tables(profiles, Path(args.out))
     for m, p in profiles.items():
         print(m, sum(r["numel"] for r in p["layers"]), "elements;", len(p["layers"]), "layers;",
               f"fwd {p['cpu_fwd_ms']} ms, bwd {p['cpu_bwd_ms']} ms")

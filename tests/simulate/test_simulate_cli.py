@@ -69,3 +69,19 @@ def test_bad_input_is_a_clear_error(capsys):
     assert "gpus=0" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["--csc-density", "2"])
+
+
+def test_a_profile_file_is_a_model(tmp_path, capsys):
+    torch = pytest.importorskip("torch")
+    from gradientflow.simulate.profile import measure_module
+
+    net = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 8))
+    path = tmp_path / "mlp.json"
+    path.write_text(json.dumps(measure_module(net, torch.randn(16, 64), "mlp", reps=1)))
+    assert main(["--model", str(path), "--gpus", "16", "--json"]) == 2  # no workload given
+    assert "throughput" in capsys.readouterr().err
+    assert main(["--model", str(path), "--gpus", "16", "--batch", "16", "--throughput", "1e4",
+                 "--dataset-size", "16000", "--json"]) == 0
+    obj = json.loads(capsys.readouterr().out)
+    assert obj["model"] == "mlp" and obj["batch"] == 16 and 1 < obj["speedup"] <= 16
+    assert obj["epoch_time_s"] == pytest.approx(16000 / (16 * 16) * obj["step_s"])
