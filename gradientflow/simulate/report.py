@@ -91,6 +91,12 @@ def _plot_calibration(cal: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def _spread(errs: list[dict], variant: str) -> float:
+    """Largest over smallest measured step of one variant's launches, minus 1."""
+    ms = [e["measured_ms"] for e in errs if e["variant"] == variant] or [1.0]
+    return max(ms) / min(ms) - 1
+
+
 def _per_variant(errs: list[dict]) -> list[list]:
     out = []
     for v in sorted({e["variant"] for e in errs}):
@@ -111,7 +117,8 @@ def write_report(out: Path, calibration: dict | None = None, quick: bool = False
     result = {"name": "simulate", "reproductions": reps, "sensitivity": sens, "sweeps": sweeps,
               "plots": [], "skipped_plots": []}
     if calibration is not None:
-        result["calibration"] = {k: calibration[k] for k in ("constants", "fit", "holdout")}
+        result["calibration"] = {k: calibration[k] for k in ("constants", "fit", "holdout", "new")
+                                 if k in calibration}
     md = ["## Scale-out cost model (`gradientflow.simulate`)", "",
           "Predictions, not measurements: see docs/SIMULATE.md for the model, its assumptions "
           "and where it is wrong. Regenerate with `python benchmarks/bench_simulate.py`.", "",
@@ -139,6 +146,14 @@ def write_report(out: Path, calibration: dict | None = None, quick: bool = False
                        f"{100 * s['max_abs_step_err']:.1f}%", s["median_abs_comm_err_ms"],
                        s["median_comm_measured_ms"]]
                       for name, s in (("fitted", c["fit"]), ("held out", c["holdout"]))]), "",
+               *([f"A new run made for this check (ResNet-50, 3 ranks, 2.5 Gbps, "
+                  f"benchmarks/results/simulate/e2e_3ranks_loaded) at a load of 24-27 from other "
+                  f"jobs on 2 cores: {c['new']['rows']} rows, median abs step error "
+                  f"{100 * c['new']['median_abs_step_err']:.1f}%, max "
+                  f"{100 * c['new']['max_abs_step_err']:.1f}%; its DDP launches differ by "
+                  f"{100 * _spread(c['new_rows'], 'ddp'):.0f}% from each other, so it measures "
+                  f"the load as much as the network.", ""]
+                 if "new" in c else []),
                "Held-out error per variant (median over tiers, models and launches):", "",
                table(["variant", "rows", "median step err", "median abs step err",
                       "measured comm ms", "predicted comm ms"], _per_variant(c["holdout_rows"])),
