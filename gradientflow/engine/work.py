@@ -26,9 +26,9 @@ class FutureWork(Work):
     collector off).
     """
 
-    # Set per Work by the group's inspector (stall.py): a fault it finds (collective mismatch,
-    # stall abort) ends a wait early with that fault, checked every `slice_s` seconds. Class
-    # defaults, so a Work without an inspector sets neither.
+    # Set per Work by the group's inspector (gradientflow/inspector): a fault it finds
+    # (collective mismatch, stall abort) ends a wait early with that fault, checked every
+    # `slice_s` seconds. Class defaults, so a Work without an inspector sets neither.
     inspector: Any = None
     slice_s = 1.0
 
@@ -136,7 +136,7 @@ class FutureWork(Work):
 
 class FusedWork(FutureWork):
     """The Work of a deferred (fused) allreduce: its op's `done` flag, no future of its own
-    until a blocking wait or get_future() asks the engine for one (Engine.future_of).
+    until a blocking wait or get_future() asks the engine for one (completion.FusedCompletion).
 
     A wait on a queued op closes its batch (Engine.want); its public future is made by the
     engine, which settles futures with user callbacks on the pool, never on its reaper.
@@ -172,7 +172,7 @@ class FusedWork(FutureWork):
 
     def get_future(self) -> torch.futures.Future:
         if self._public is None:
-            self._public = self._owner.future_of(self._op, public=True)
+            self._public = self._owner.future_of(self._op, for_user=True)
         return self._public
 
 

@@ -47,12 +47,14 @@ import socket
 import threading
 import time
 import weakref
-import zlib
 from typing import Any, Callable
 
 import torch
 
-from gradientflow.engine.engine import EngineError
+from gradientflow.errors import CollectiveMismatchError, EngineError, PeerFailureError, StallError
+from gradientflow.fingerprint import DEFERRED, describe, mix, name_id, text_fingerprint
+from gradientflow.inspector.debug import DebugCheck
+from gradientflow.inspector.world import pid_alive
 
 LOG = logging.getLogger("gradientflow")
 
@@ -60,67 +62,6 @@ HISTORY = 64  # collectives remembered in detail per rank (a stall is within a f
 MARK_EVERY = 64  # a chain checkpoint every 64 collectives, the last 64 kept: 4096 calls back
 _KEY = "gradientflow/checkin/"
 _FAULT_KEY = "gradientflow/fault"
-_MASK = 2**61 - 1
-DEFERRED = " (deferred)"  # the name suffix of an allreduce queued for fusion
-_IDS: dict = {}
-
-
-def _id(x: Any) -> int:
-    """A process-independent id for an op name or dtype (str hashes are salted per process)."""
-    v = _IDS.get(x)
-    if v is None:
-        v = _IDS[x] = zlib.crc32(str(x).encode())
-    return v
-
-
-class CollectiveMismatchError(EngineError):
-    """Ranks issued different collectives (op, dtype, shape, root, reduce op) or in another order."""
-
-
-class StallError(EngineError):
-    """A collective waited longer than stall_abort_s for ranks that never joined it."""
-
-
-class PeerFailureError(EngineError):
-    """A collective failed because a peer died or closed its connections."""
-
-
-def _redop_name(op: Any) -> str:
-    if op is None:
-        return ""
-    op = getattr(op, "op", op)
-    return str(op).rsplit(".", 1)[-1]
-
-
-def describe(name: str, tensor: Any, root: Any, reduce_op: Any) -> str:
-    """The descriptor of one collective: what every rank must issue identically."""
-    parts = [name]
-    if isinstance(tensor, tuple):  # (dtype, shape) recorded on the hot path
-        parts.append(f"{str(tensor[0]).replace('torch.', '')} {tuple(tensor[1])}")
-    if root is not None and root >= 0:
-        parts.append(f"root {root}")
-    if reduce_op is not None:
-        parts.append(_redop_name(reduce_op))
-    return " ".join(parts)
-
-
-def fingerprint(desc: str) -> str:
-    """A short, process-independent fingerprint of a descriptor (CRC-32, hex)."""
-    return f"{zlib.crc32(desc.encode()):08x}"
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a killed process stays a zombie until its parent reaps it
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except (OSError, IndexError):
-        return True
 
 
 class Inspector:
@@ -163,14 +104,17 @@ class Inspector:
         self._warned_seq = -1
         self._compared_n = 0
         self._read_at = 0.0
-        self._debug_n = 0
         self._peer_cache: dict[int, dict] = {}
         self._published = (None, None)
         self._published_at = 0.0
         self._host = socket.gethostname()
         self._stop = threading.Event()
         self._explain_lock = threading.RLock()
-        self._debug_group = make_group("gradientflow/debug/") if config.debug and make_group else None
+        # GRADIENTFLOW_DEBUG: every call checked before the transport (debug.py).
+        self.debug: DebugCheck | None = None
+        if config.debug and make_group is not None:
+            self.debug = DebugCheck(rank, world_size, name, self._store,
+                                    make_group("gradientflow/debug/"), self.explain)
         self._thread = None
         if self.interval > 0 and world_size > 1:
             self._thread = threading.Thread(target=_run, args=(weakref.ref(self), self._stop,
@@ -191,11 +135,11 @@ class Inspector:
         op = -1 if reduce_op is None else hash(reduce_op)  # a ReduceOp hashes to its op number
         if tensor is not None:
             sig = (tensor.dtype, tensor.shape)
-            fp = hash((_id(name), _id(sig[0]), sig[1], r, op))
+            fp = hash((name_id(name), name_id(sig[0]), sig[1], r, op))
         else:
             sig = None
-            fp = hash((_id(name), r, op))
-        self._h = h = ((self._h * 1_000_003) ^ fp) & _MASK
+            fp = hash((name_id(name), r, op))
+        self._h = h = mix(self._h, fp)
         self._n = n = self._n + 1
         self._hist.append((seq, n, h, name, sig, root, reduce_op))
         if n % MARK_EVERY == 0:
@@ -233,81 +177,6 @@ class Inspector:
 
     def probe(self) -> BaseException | None:
         return self.fault
-
-    # ------------------------------------------------------------------ debug: full check
-    def debug_check(self, seq: int, name: str, tensor: torch.Tensor | None, root: Any,
-                    reduce_op: Any, pair_bytes: Callable[[], tuple[list, list]] | None = None
-                    ) -> None:
-        """GRADIENTFLOW_DEBUG: agree on (sequence number, fingerprint) before the transport.
-
-        `pair_bytes` (all-to-all, whose sizes may differ between ranks): returns the bytes
-        this rank sends to and expects from each rank, checked pairwise in a second round.
-        """
-        if self._debug_group is None:
-            return
-        self._debug_fingerprint(seq, name, tensor, root, reduce_op)
-        if pair_bytes is not None:  # the fingerprints agree: every rank runs this round too
-            self._debug_pairs(seq, name, *pair_bytes())
-
-    def _debug_pairs(self, seq: int, name: str, send: list, recv: list) -> None:
-        """All-to-all: what rank i sends to rank j must be what j expects from i (gloo aborts
-        the receiving process otherwise: 'Received data size doesn't match expected size')."""
-        w = self.world_size
-        mine = torch.tensor(list(send) + list(recv), dtype=torch.int64)
-        outs = [torch.zeros(2 * w, dtype=torch.int64) for _ in range(w)]
-        try:
-            self._debug_group.allgather([outs], [mine]).wait()
-        except Exception as exc:  # noqa: BLE001
-            raise self.explain(exc, seq, name) from exc
-        bad = [(i, j, int(outs[i][j]), int(outs[j][w + i])) for i in range(w) for j in range(w)
-               if int(outs[i][j]) != int(outs[j][w + i])]
-        if not bad:
-            return
-        pairs = "; ".join(f"rank {i} sends {sb} bytes to rank {j}, which expects {rb}"
-                          for i, j, sb, rb in bad[:8])
-        raise CollectiveMismatchError(
-            f"gradientflow: rank {self.rank}: collective mismatch at sequence number {seq} on "
-            f"process group {self.name} (GRADIENTFLOW_DEBUG check): {name} sizes disagree "
-            f"between ranks: {pairs}{' ...' if len(bad) > 8 else ''}. Make each rank's input "
-            "split sizes match the output split sizes of the ranks it sends to; the call was "
-            "refused before reaching the transport on every rank.")
-
-    def _debug_fingerprint(self, seq: int, name: str, tensor: torch.Tensor | None, root: Any,
-                           reduce_op: Any) -> None:
-        desc = describe(name, (tensor.dtype, tensor.shape) if tensor is not None else None,
-                        root, reduce_op)
-        fp = int(fingerprint(desc), 16)
-        mine = torch.tensor([seq, fp], dtype=torch.int64)
-        outs = [torch.zeros(2, dtype=torch.int64) for _ in range(self.world_size)]
-        try:
-            self._debug_group.allgather([outs], [mine]).wait()
-        except Exception as exc:  # noqa: BLE001
-            raise self.explain(exc, seq, name) from exc
-        if all(torch.equal(o, mine) for o in outs):
-            return
-        # Every rank sees the same gathered values, so every rank raises here, and nothing
-        # reached the transport: the group stays usable.
-        # Keyed by the check's own count (the same on every rank: one allgather each), not by
-        # the sequence number, which a refused call does not advance.
-        self._debug_n += 1
-        key = f"gradientflow/debug/{self._debug_n}/"
-        self._store.set(f"{key}{self.rank}", f"#{seq} {desc}")
-        views = {}
-        for r in range(self.world_size):
-            try:
-                views[r] = self._store.get(f"{key}{r}").decode()
-            except Exception:  # noqa: BLE001
-                views[r] = f"#{int(outs[r][0])} (fingerprint {int(outs[r][1]):08x})"
-        diff = [r for r in range(self.world_size) if not torch.equal(outs[r], mine)]
-        other = diff[0]
-        raise CollectiveMismatchError(
-            f"gradientflow: rank {self.rank}: collective mismatch at sequence number {seq} on "
-            f"process group {self.name} (GRADIENTFLOW_DEBUG check): rank {self.rank} issued "
-            f"{views[self.rank]} [fingerprint {fp:08x}], rank {other} issued {views[other]} "
-            f"[fingerprint {int(outs[other][1]):08x}]. Every rank must issue the same "
-            "collectives (op, dtype, shape, root, reduce op) in the same order; the call was "
-            "refused before reaching the transport on every rank."
-            + "".join(f"\n  rank {r}: {v}" for r, v in sorted(views.items())))
 
     # ------------------------------------------------------------------ check-ins
     def _history(self) -> list:
@@ -391,7 +260,7 @@ class Inspector:
         return CollectiveMismatchError(
             f"gradientflow: rank {self.rank}: collective mismatch at sequence number {seq} on "
             f"process group {self.name}: rank {self.rank} issued {mine[seq]} [fingerprint "
-            f"{fingerprint(mine[seq])}], rank {r} issued {desc} [fingerprint {fingerprint(desc)}]. "
+            f"{text_fingerprint(mine[seq])}], rank {r} issued {desc} [fingerprint {text_fingerprint(desc)}]. "
             "Every rank must issue the same collectives (op, dtype, shape, root, reduce op) in "
             "the same order; collectives issued from several threads, or only on some ranks, "
             "break that. Set GRADIENTFLOW_DEBUG=1 to check every call before it is sent." + hint)
@@ -411,7 +280,7 @@ class Inspector:
         return ranks, notes
 
     def _dead(self, c: dict) -> bool:
-        return c.get("host") == self._host and not _pid_alive(int(c["pid"]))
+        return c.get("host") == self._host and not pid_alive(int(c["pid"]))
 
     def tick(self) -> None:
         """One pass of the background thread: check in; compare with the peers when this rank
@@ -590,11 +459,8 @@ class Inspector:
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=2.0)
-        if self._debug_group is not None:
-            try:
-                self._debug_group.shutdown()
-            except Exception:  # noqa: BLE001
-                pass
+        if self.debug is not None:
+            self.debug.close()
 
 
 def _completed(work: Any) -> bool:
@@ -615,38 +481,3 @@ def _run(ref: "weakref.ref[Inspector]", stop: threading.Event, interval: float) 
         except Exception as exc:  # noqa: BLE001 - e.g. the store is gone at teardown
             LOG.debug("gradientflow inspector: %s", exc)
         del insp
-
-
-def check_world(store: Any, rank: int, world_size: int, timeout_s: float) -> None:
-    """Refuse ranks started with different world sizes, with a sentence, before any transport.
-
-    Every rank writes its world size; rank 0 reads everyone's, the others read rank 0's. Left
-    to the transport, the ranks would fail after different timeouts with "Connect timeout".
-    """
-    store.set(f"gradientflow/world/{rank}", str(world_size))
-    peers = range(1, world_size) if rank == 0 else [0]
-    for r in peers:
-        key = f"gradientflow/world/{r}"
-        try:
-            store.wait([key], datetime.timedelta(seconds=timeout_s))
-        except Exception as exc:  # noqa: BLE001
-            raise EngineError(
-                f"gradientflow: rank {rank}: rank {r} of the {world_size} this rank was started "
-                f"with never joined within {timeout_s:.0f} s. Start every rank with the same "
-                "world_size (and check that all of them run)."
-            ) from exc
-        theirs = int(store.get(key))
-        if rank != 0:
-            # Tell rank 0 this rank has read its size: rank 0 hosts the store, and if it raised
-            # and exited first, this rank would only see "Connection reset by peer".
-            store.set(f"gradientflow/world-ack/{rank}", "1")
-        elif theirs != world_size:
-            try:
-                store.wait([f"gradientflow/world-ack/{r}"], datetime.timedelta(seconds=5))
-            except Exception:  # noqa: BLE001 - raise the clear error below regardless
-                pass
-        if theirs != world_size:
-            raise EngineError(
-                f"gradientflow: rank {rank}: mismatched world sizes: this rank was started with "
-                f"world_size={world_size}, rank {r} with world_size={theirs}. Start every rank "
-                "with the same world_size.")
