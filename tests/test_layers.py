@@ -109,7 +109,8 @@ def test_no_layer_imports_upward():
 
 
 @pytest.mark.parametrize("module,source", [
-    ("gradientflow.engine.api", "def f():\n    from gradientflow.backend.backend import backend_of\n"),
+    ("gradientflow.engine.api",
+     "def f():\n    from gradientflow.backend.backend import backend_of\n"),
     ("gradientflow.inspector.inspector", "from gradientflow.engine.engine import EngineError\n"),
     ("gradientflow.config", "from gradientflow.errors import EngineError\n"),
     ("gradientflow.hooks._state", "from ..optim import plan\n"),

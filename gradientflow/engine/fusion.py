@@ -78,9 +78,8 @@ def pack(ops: Sequence[FusableOp], buf: torch.Tensor) -> None:
 
 
 def unpack(buf: torch.Tensor, ops: Sequence[FusableOp]) -> None:
-    """Copy `buf`'s pieces back into the ops' tensors, in one call: a copy_ per tensor released
-    and re-took the GIL each time, a hand-off to the issuing thread per tensor (ResNet-50 list,
-    2 ranks, 64 MB: 121-123 vs 128 ms per list, alternated in one launch)."""
+    """Copy `buf`'s pieces back into the ops' tensors, in one call: a copy_ per tensor releases
+    and re-takes the GIL each time, a hand-off to the issuing thread per tensor."""
     srcs = buf.split([op.numel for op in ops])
     torch._foreach_copy_([op.tensor for op in ops],
                          [src.view(op.tensor.shape) for src, op in zip(srcs, ops)])

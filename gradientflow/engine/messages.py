@@ -35,13 +35,9 @@ class SegmentPool:
     particular one. Memory: at most `segments` buffers of `capacity` elements (the threshold)
     per key.
 
-    Where a round cuts a batch depends on timing, so message sizes vary from step to step, and
-    a segment sized to the largest message so far was reallocated whenever a larger one came:
-    each time, the new buffer's pages were faulted in again while packing (17 MB segments,
-    ~1,500 page faults per ResNet-50 list, averaged over the first 12 lists). A segment
-    therefore grows at least twofold (capped at `capacity`), so it is reallocated a few times
-    at most. (Allocating the full capacity at once on CPU, where untouched pages cost nothing,
-    measured no better in one A/B launch: within its +-5% noise.)
+    Where a round cuts a batch depends on timing, so message sizes vary from step to step; a
+    segment grows at least twofold (capped at `capacity`), so it is reallocated, and its pages
+    faulted in again while packing, a few times at most rather than at every larger message.
     """
 
     def __init__(self, dtype: torch.dtype, device: torch.device, segments: int,

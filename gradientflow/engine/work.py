@@ -20,10 +20,8 @@ class FutureWork(Work):
     is_completed() stays False there: use get_future().done().
 
     The public future (a chained copy whose errors are C++ errors, see completion.new_future)
-    is made only when get_future() asks for it. Every object an op keeps alive until it
-    completes costs the garbage collector: with 19 per op, its collections were a quarter of
-    the issuing cost (world of one, ResNet-50 list: 88 vs 66 us per all_reduce with the
-    collector off).
+    is made only when get_future() asks for it: every object an op keeps alive until it
+    completes costs the garbage collector, on the issuing thread.
     """
 
     # Set per Work by the group's inspector (gradientflow/inspector): a fault it finds

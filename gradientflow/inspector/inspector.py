@@ -29,12 +29,10 @@ posted, for all_reduce, reduce, reduce_scatter(_tensor), all_gather(_into_tensor
 all_to_all(_single); broadcast and scatter return silently with the receiver's tail untouched
 (the check-ins name the mismatch a couple of intervals later). Preventing that needs each
 rank to know its peers' sizes before gloo posts its buffers: a round per call, which is the
-debug check (benchmarks/soak.py --overhead, 2 ranks on a loaded 2-core machine, paired
-medians: +1.23 ms per synchronous all_reduce at 4 KB, 1.30 -> 2.50 ms, and +1.32 ms at 1 MB,
-2.39 -> 3.59 ms: one small collective's latency per call). So it
-stays in debug mode; on the default path the fused allreduces are checked by their agreement
-round, and a survivor's PeerFailureError says how to recognise a size mismatch and to rerun
-with GRADIENTFLOW_DEBUG=1.
+debug check (one small collective's latency per call; benchmarks/soak.py --overhead
+measures it). So it stays in debug mode; on the default path the fused allreduces are
+checked by their agreement round, and a survivor's PeerFailureError says how to recognise a
+size mismatch and to rerun with GRADIENTFLOW_DEBUG=1.
 """
 from __future__ import annotations
 
@@ -52,7 +50,8 @@ from typing import Any, Callable
 import torch
 
 from gradientflow.errors import CollectiveMismatchError, EngineError, PeerFailureError, StallError
-from gradientflow.fingerprint import DEFERRED, describe, mix, name_id, text_fingerprint
+from gradientflow.fingerprint import DEFERRED, describe, mix, name_id
+from gradientflow.inspector.compare import first_mismatch
 from gradientflow.inspector.debug import DebugCheck
 from gradientflow.inspector.world import pid_alive
 
@@ -214,56 +213,8 @@ class Inspector:
 
     def find_mismatch(self, peers: dict[int, dict | None]) -> CollectiveMismatchError | None:
         """The first sequence number at which another rank issued a different collective."""
-        hist = self._history()
-        mine = {seq: desc for seq, _n, _h, desc in hist}
-        chain = {n: (seq, h) for seq, n, h, _d in hist}
-        chain.update({n: (seq, h) for n, seq, h in list(self._marks)})
-        first = None
-        diverged = None
-        for r, c in peers.items():
-            if not c:
-                continue
-            for seq, _n, _h, desc in c["hist"]:
-                if seq in mine and mine[seq] != desc and (first is None or seq < first[0]):
-                    first = (seq, r, desc)
-            theirs = {n: (seq, h) for seq, n, h, _d in c["hist"]}
-            theirs.update({n: (seq, h) for n, seq, h in c.get("marks", [])})
-            common = sorted(set(chain) & set(theirs))
-            bad = [n for n in common if chain[n][1] != theirs[n][1]]
-            if bad and diverged is None:
-                good = [n for n in common if n < bad[0]]
-                diverged = (r, chain[good[-1]][0] if good else None, chain[bad[0]][0],
-                            chain[bad[0]][1], theirs[bad[0]][1])
-        if first is None and diverged is not None:
-            r, lo, hi, h_mine, h_theirs = diverged
-            return CollectiveMismatchError(
-                f"gradientflow: rank {self.rank}: collective mismatch on process group "
-                f"{self.name}: rank {self.rank} and rank {r} issued different collectives "
-                f"{'after sequence number %d and ' % lo if lo is not None else ''}at or before "
-                f"sequence number {hi} (fingerprint chains {h_mine & 0xffffffff:08x} vs "
-                f"{h_theirs & 0xffffffff:08x} there; the calls themselves are older than the "
-                f"{HISTORY} this rank keeps). Every rank must issue the same collectives (op, "
-                "dtype, shape, root, reduce op) in the same order; set GRADIENTFLOW_DEBUG=1 to "
-                "stop at the first differing call.")
-        if first is None:
-            return None
-        seq, r, desc = first
-        hint = ""
-        if diverged is not None and diverged[2] < seq:
-            hint += (f" (The calls already differed at or before sequence number {diverged[2]}, "
-                     "older than the history kept.)")
-        if mine[seq].replace(DEFERRED, "") == desc.replace(DEFERRED, ""):
-            hint += (" The calls differ only in whether gradientflow deferred them for fusion, "
-                     "which follows from async_op for allreduces between sync_fusion_limit and "
-                     "the fusion threshold: issue this allreduce with the same async_op on every "
-                     "rank.")
-        return CollectiveMismatchError(
-            f"gradientflow: rank {self.rank}: collective mismatch at sequence number {seq} on "
-            f"process group {self.name}: rank {self.rank} issued {mine[seq]} [fingerprint "
-            f"{text_fingerprint(mine[seq])}], rank {r} issued {desc} [fingerprint {text_fingerprint(desc)}]. "
-            "Every rank must issue the same collectives (op, dtype, shape, root, reduce op) in "
-            "the same order; collectives issued from several threads, or only on some ranks, "
-            "break that. Set GRADIENTFLOW_DEBUG=1 to check every call before it is sent." + hint)
+        return first_mismatch(self.rank, self.name, self._history(), list(self._marks), peers,
+                              HISTORY)
 
     def _missing(self, seq: int, peers: dict[int, dict | None]) -> tuple[list[int], list[str]]:
         """Ranks that have not issued collective `seq` yet, with what is known of each."""
