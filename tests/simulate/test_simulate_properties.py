@@ -140,3 +140,13 @@ def test_bad_configurations_name_the_field():
         Method(csc_density=0.0)
     with pytest.raises(ValueError, match="unknown model"):
         load("vgg16")
+
+
+@SETTINGS
+@given(models, clusters, methods)
+def test_priority_changes_the_step_only_through_forward_gating(model, cl, method):
+    # one channel that never idles while work is ready finishes at the same time in any order
+    method = dataclasses.replace(method, forward_gating=False)
+    m = MODELS[model]
+    fifo = simulate(m, cl, dataclasses.replace(method, priority=False)).step_s
+    assert simulate(m, cl, dataclasses.replace(method, priority=True)).step_s == pytest.approx(fifo)
