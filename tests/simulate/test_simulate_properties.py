@@ -69,6 +69,7 @@ def test_fp16_never_sends_more_bytes_than_fp32(model, cl, method):
 def test_speedup_is_at_most_linear_and_step_covers_compute(model, cl, method):
     r = simulate(MODELS[model], cl, method)
     assert r.step_s >= r.compute_s * (1 - 1e-12)
+    assert 0 <= r.exposed_comm_s <= r.comm_s * (1 + 1e-9) + 1e-12  # hiding never adds time
     assert 0 < r.speedup <= cl.gpus * (1 + 1e-9)
     assert r.scaling_efficiency == pytest.approx(r.speedup / cl.gpus)
     assert r.epoch_time_s == pytest.approx(MODELS[model].dataset / (cl.gpus * r.batch) * r.step_s)
