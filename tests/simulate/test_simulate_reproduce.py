@@ -1,11 +1,19 @@
 """The papers' numbers stay within 15%; the fit and the model tables stay what the docs say."""
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from gradientflow.simulate import load, preset, simulate
-from gradientflow.simulate.calibrate import FITTED, calibrate
+from gradientflow.simulate.calibrate import FITTED
 from gradientflow.simulate.reproduce import PAPER, REPRODUCTIONS, TOLERANCE
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("rep", REPRODUCTIONS, ids=lambda r: r.key)
@@ -24,9 +32,12 @@ def test_gradientflow_beats_the_plain_ring_at_the_papers_scale():
         assert gf > 2 * ring
 
 
-def test_refit_lands_on_the_stated_constants_and_error():
+def test_bench_refits_the_stated_constants_and_writes_the_report(tmp_path):
     pytest.importorskip("scipy")  # the fit's least squares (scikit-learn's dependency)
-    res = calibrate()
+    from benchmarks.bench_simulate import main as bench
+
+    result = bench(["--quick", "--out", str(tmp_path)])
+    res = json.loads((tmp_path / "calibration.json").read_text())
     for k, v in FITTED.items():
         assert res["constants"][k] == pytest.approx(v, rel=0.1), k
     # docs/SIMULATE.md states these numbers for the runs the fit never saw
@@ -34,6 +45,23 @@ def test_refit_lands_on_the_stated_constants_and_error():
     assert res["holdout"]["median_abs_step_err"] < 0.10
     assert res["holdout"]["p90_abs_step_err"] < 0.30
     assert res["fit"]["median_abs_step_err"] < 0.10
+    assert all(r["ok"] for r in result["reproductions"])
+    md = (tmp_path / "simulate.md").read_text()
+    assert "### Reproductions" in md and "### Calibration" in md
+    assert "### resnet50" in md and "### alexnet" not in md  # --quick: one model's sweep
+    for name in result["plots"]:
+        assert (tmp_path / name).stat().st_size > 1000
+    assert result["plots"] or result["skipped_plots"]
+
+
+def test_importing_the_model_needs_no_plotting_or_fitting_library():
+    code = ("import sys, gradientflow.simulate, gradientflow.simulate.report, "
+            "gradientflow.simulate.calibrate; "
+            "print(sorted(m for m in ('matplotlib', 'scipy', 'torch') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0, out.stderr
+    assert "matplotlib" not in out.stdout and "scipy" not in out.stdout
 
 
 @pytest.mark.parametrize("model,numel", [("alexnet", 61_100_840), ("resnet50", 25_557_032),
