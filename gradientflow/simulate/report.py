@@ -11,8 +11,9 @@ from pathlib import Path
 
 from gradientflow.simulate.cluster import Cluster
 from gradientflow.simulate.cluster import preset as method_preset
+from gradientflow.simulate.collectives import algorithm_bandwidth
 from gradientflow.simulate.models import MODELS, load
-from gradientflow.simulate.reproduce import PAPER, run_all, sensitivity
+from gradientflow.simulate.reproduce import PAPER, RS, run_all, sensitivity
 from gradientflow.simulate.step import simulate
 
 GPU_COUNTS = (1, 8, 16, 32, 64, 128, 256, 512, 1024)
@@ -60,6 +61,29 @@ def _plot_speedup(rows: list[dict], model: str, path: Path) -> None:
     ax.set_ylabel("speedup over one GPU")
     ax.set_title(f"{model}: predicted speedup, 56 Gbps between nodes")
     ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _plot_algbw(path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sizes = [2**k for k in range(12, 32)]
+    fig, ax = plt.subplots(figsize=(6, 4.2))
+    for name in ("ring", "hierarchical", "reduction_server"):
+        ax.plot(sizes, [algorithm_bandwidth(RS, method_preset(name), s) for s in sizes],
+                marker="o", ms=3, label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("allreduce payload per GPU (bytes)")
+    ax.set_ylabel("algorithm bandwidth (Gbit/s)")
+    ax.set_title("8 nodes x 8 GPUs, 100 Gbps per node")
+    ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -178,6 +202,8 @@ def write_report(out: Path, calibration: dict | None = None, quick: bool = False
             name = f"simulate_speedup_{m}.png"
             _plot_speedup(rows, m, out / name)
             result["plots"].append(name)
+        _plot_algbw(out / "simulate_algbw.png")
+        result["plots"].append("simulate_algbw.png")
         if calibration is not None:
             _plot_calibration(calibration, out / "simulate_calibration.png")
             result["plots"].append("simulate_calibration.png")
