@@ -1,10 +1,12 @@
-"""Configuration, resolved once: arguments, then GRADIENTFLOW_* environment, then defaults.
+"""Configuration, resolved once: arguments, then GRADIENTFLOW_* environment, then a settings
+file (GRADIENTFLOW_CONFIG, e.g. one written by gradientflow.autotune), then defaults.
 
 This is the only module that reads the environment. Everything else receives a frozen `Config`.
 """
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import re
 from typing import Any, Mapping
@@ -17,6 +19,9 @@ _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
 
 ENV_PREFIX = "GRADIENTFLOW_"
+# Fields whose environment name is not ENV_PREFIX + the field's name in capitals.
+_ENV_NAMES = {"config_file": "GRADIENTFLOW_CONFIG"}
+CONFIG_FILE_VERSION = 1
 
 
 def parse_size(value: Any, name: str = "size") -> int:
@@ -57,6 +62,15 @@ def _parse_float(value: Any, name: str, lo: float, hi: float) -> float:
     if not lo <= out <= hi:
         raise ValueError(f"{name}={value!r} is out of range; valid range [{lo}, {hi}]")
     return out
+
+
+def _parse_choice(choices: tuple[str, ...]) -> Any:
+    def parse(value: Any, name: str) -> str:
+        s = str(value).strip().lower()
+        if s not in choices:
+            raise ValueError(f"{name}={value!r} is not one of {', '.join(choices)}")
+        return s
+    return parse
 
 
 def _parse_int(value: Any, name: str, lo: int, hi: int) -> int:
@@ -124,6 +138,24 @@ class Config:
     inspect_interval_s: float = 1.0
     # Chrome-trace timeline path ("" disables); {rank} is substituted.
     timeline: str = ""
+    # A settings file (JSON, written by gradientflow.autotune or by hand) read below the
+    # environment and explicit options (GRADIENTFLOW_CONFIG; "" none).
+    config_file: str = ""
+
+    # --- autotune (gradientflow/autotune; docs/AUTOTUNE.md) ---
+    # Search the engine's settings during the first steps of training (rank 0 decides).
+    autotune: bool = False
+    # JSON-lines log of every trial and of the final choice ("" none); {rank} is substituted.
+    autotune_log: str = ""
+    # Where the chosen settings are written, for a later run's GRADIENTFLOW_CONFIG ("" none).
+    autotune_out: str = ""
+    # Trials (the defaults are the first), steps measured per trial, steps discarded first.
+    autotune_trials: int = 16
+    autotune_steps: int = 5
+    autotune_warmup: int = 2
+    # Seed of the sampler, and which one: "tpe" (optuna's TPE) or "gp" (its Gaussian process).
+    autotune_seed: int = 0
+    autotune_sampler: str = "tpe"
 
     # Fields, their env names and parsers, in one table so validation is uniform.
     @staticmethod
@@ -143,20 +175,51 @@ class Config:
             "stall_abort_s": lambda v, n: _parse_float(v, n, 0.0, 86400.0),
             "inspect_interval_s": lambda v, n: _parse_float(v, n, 0.0, 3600.0),
             "timeline": lambda v, n: str(v),
+            "config_file": lambda v, n: str(v),
+            "autotune": _parse_bool,
+            "autotune_log": lambda v, n: str(v),
+            "autotune_out": lambda v, n: str(v),
+            "autotune_trials": lambda v, n: _parse_int(v, n, 1, 10000),
+            "autotune_steps": lambda v, n: _parse_int(v, n, 1, 10000),
+            "autotune_warmup": lambda v, n: _parse_int(v, n, 0, 10000),
+            "autotune_seed": lambda v, n: _parse_int(v, n, 0, 2**31 - 1),
+            "autotune_sampler": _parse_choice(("tpe", "gp")),
         }
+
+    @staticmethod
+    def env_name(field: str) -> str:
+        """The environment variable of option `field`."""
+        return _ENV_NAMES.get(field, ENV_PREFIX + field.upper())
+
+    def replace(self, **changes: Any) -> "Config":
+        """A copy with `changes` applied, each validated like an explicit option."""
+        parsers = self._parsers()
+        parsed = {}
+        for field, value in changes.items():
+            if field not in parsers:
+                raise ValueError(f"unknown gradientflow option {field!r}: valid options are "
+                                 f"{', '.join(sorted(parsers))}")
+            parsed[field] = parsers[field](value, field)
+        return dataclasses.replace(self, **parsed)
 
     @classmethod
     def resolve(cls, overrides: Mapping[str, Any] | None = None,
                 environ: Mapping[str, str] | None = None) -> "Config":
-        """Build the config: explicit overrides win over GRADIENTFLOW_* variables over defaults.
+        """Build the config. Highest first: explicit overrides, GRADIENTFLOW_* variables, the
+        settings file (the `config_file` option, else GRADIENTFLOW_CONFIG), defaults.
 
-        Raises ValueError naming the variable or option and its valid range; an unknown
-        GRADIENTFLOW_* variable is an error too (a typo would otherwise be silently ignored).
+        The file sits below the environment so that one variable can still try another value
+        on top of a tuned file. Raises ValueError naming the variable, option or file entry
+        and its valid range; an unknown GRADIENTFLOW_* variable is an error too (a typo would
+        otherwise be silently ignored).
         """
         environ = os.environ if environ is None else environ
         parsers = cls._parsers()
         values: dict[str, Any] = {}
-        known_env = {ENV_PREFIX + f.upper() for f in parsers}
+        path = (overrides or {}).get("config_file") or environ.get(_ENV_NAMES["config_file"])
+        if path:
+            values.update(read_config_file(str(path))["settings"])
+        known_env = {cls.env_name(f) for f in parsers}
         for key in environ:
             if key.startswith(ENV_PREFIX) and key not in known_env:
                 raise ValueError(
@@ -164,7 +227,7 @@ class Config:
                     f"{', '.join(sorted(known_env))}"
                 )
         for field, parse in parsers.items():
-            env_name = ENV_PREFIX + field.upper()
+            env_name = cls.env_name(field)
             if env_name in environ:
                 values[field] = parse(environ[env_name], env_name)
         if "LOCAL_WORLD_SIZE" in environ and "local_world_size" not in values:
@@ -179,6 +242,55 @@ class Config:
             if value is not None:
                 values[field] = parsers[field](value, field)
         return cls(**values)
+
+
+# Options a settings file may not hold: where files are, and whether to tune (a tuned file
+# must not start another search).
+_NOT_IN_FILE = {"config_file", "autotune", "autotune_log", "autotune_out"}
+
+
+def read_config_file(path: str) -> dict[str, Any]:
+    """Read a settings file: {"gradientflow_config": 1, "settings": {...}, ...}.
+
+    Returns the document with "settings" parsed (values validated like options). Other keys
+    (an "autotune" summary) are returned as they are. Raises ValueError naming the file.
+    """
+    try:
+        with open(path, encoding="utf-8") as f:
+            doc = json.load(f)
+    except OSError as exc:
+        raise ValueError(f"GRADIENTFLOW_CONFIG={path!r} cannot be read: {exc}") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"GRADIENTFLOW_CONFIG={path!r} is not JSON: {exc}") from None
+    if not isinstance(doc, dict) or doc.get("gradientflow_config") != CONFIG_FILE_VERSION:
+        raise ValueError(f"GRADIENTFLOW_CONFIG={path!r} is not a gradientflow settings file "
+                         f'(expected an object with "gradientflow_config": {CONFIG_FILE_VERSION}'
+                         ' and "settings")')
+    parsers = Config._parsers()
+    settings = {}
+    for field, value in dict(doc.get("settings") or {}).items():
+        if field not in parsers or field in _NOT_IN_FILE:
+            allowed = sorted(set(parsers) - _NOT_IN_FILE)
+            raise ValueError(f"GRADIENTFLOW_CONFIG={path!r}: unknown setting {field!r}; a "
+                             f"settings file may hold {', '.join(allowed)}")
+        settings[field] = parsers[field](value, f"{path}: {field}")
+    return {**doc, "settings": settings}
+
+
+def write_config_file(path: str, settings: Mapping[str, Any],
+                      extra: Mapping[str, Any] | None = None) -> None:
+    """Write `settings` (validated) to `path` for a later run's GRADIENTFLOW_CONFIG.
+
+    Written to a temporary file then renamed, so a reader never sees half a file.
+    """
+    Config().replace(**settings)  # validate before anything is written
+    doc = {"gradientflow_config": CONFIG_FILE_VERSION, "settings": dict(settings),
+           **dict(extra or {})}
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(doc, f, indent=1, sort_keys=False)
+        f.write("\n")
+    os.replace(tmp, path)
 
 
 _user_overrides: dict[str, Any] = {}
