@@ -61,6 +61,7 @@ class GradientFlowBackend(_CBackend):
         self._store = store
         self._scheduler = None
         self._scheduler_lock = threading.Lock()
+        self.tuner = None  # gradientflow.autotune's Tuner of this group, if any
 
     # ------------------------------------------------------------------ plumbing
     def _get_backend_name(self) -> str:
@@ -97,6 +98,8 @@ class GradientFlowBackend(_CBackend):
 
     def shutdown(self) -> None:
         """Close the engine (failing queued operations clearly) and the transports."""
+        if self.tuner is not None:
+            self.tuner.close()
         self.inspector.close()
         if self._scheduler is not None:
             self._scheduler.close()
@@ -113,6 +116,18 @@ class GradientFlowBackend(_CBackend):
     def flush(self) -> None:
         """Agree on every queued allreduce now (a local hint: results never change)."""
         self.engine.flush()
+
+    def reconfigure(self, config: Config) -> None:
+        """Drain the engine and use `config` from the next collective on (engine.reconfigure).
+
+        Every rank must call it at the same point of its collective sequence, with no other
+        thread issuing on this group; gradientflow.autotune does so at a step boundary.
+        """
+        self.engine.drain()
+        self.engine.reconfigure(config)
+        if self._scheduler is not None:
+            self._scheduler.set_credit(config.schedule_credit)
+        self.config = config
 
     def _abort(self, err: BaseException) -> None:
         """The inspector found a fault: fail what is queued and refuse new work with `err`."""
@@ -348,6 +363,10 @@ def create_backend(dist_backend_opts, pg_options) -> GradientFlowBackend:
         dist_backend_opts.timeout, config, str(dist_backend_opts.group_id),
     )
     registry.add(backend.group_name, backend)
+    if config.autotune:
+        from gradientflow.autotune import attach_auto
+
+        attach_auto(backend)
     if config.timeline:
         from gradientflow.observability.timeline import TIMELINE
 

@@ -26,6 +26,12 @@ def remove(name: str, backend: Any) -> None:
             del _BACKENDS[name]
 
 
+def backends() -> list:
+    """Every live gradientflow backend of this process."""
+    with _LOCK:
+        return list(_BACKENDS.values())
+
+
 def backend_of(group: Any = None) -> Any:
     """The gradientflow backend of `group` (default: the world group), or None.
 

@@ -23,11 +23,12 @@ another collective behind the batch, or a quiet caller), but rounds pair one-to-
 ranks because every rank closes the same batches.
 
 Entry points (one per operation kind, bound from Issue): `allreduce`, `collective`,
-`barrier`, `stages`; and `flush`, `abort`, `close`.
+`barrier`, `stages`; and `flush`, `drain`, `reconfigure`, `abort`, `close`.
 """
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any, Callable
 
 import torch
@@ -140,6 +141,56 @@ class Engine:
         with self.cv:
             self.queue.wanted_upto = max(self.queue.wanted_upto, self.issue.seq - 1)
             self.cv.notify_all()
+
+    def drain(self, timeout_s: float | None = None) -> None:
+        """Wait until nothing is queued or in flight (everything issued so far is finished).
+
+        Raises the group's error if it failed meanwhile, and EngineError after `timeout_s`
+        (default: the group's timeout) naming what is still pending.
+        """
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout_s
+        self.flush()
+        with self.cv:
+            while True:
+                self.check_usable("drain()")
+                if self._quiet():
+                    return
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise EngineError(
+                        f"gradientflow: rank {self.rank}: drain() of process group "
+                        f"{self._name} timed out after {timeout_s:.0f} s with "
+                        f"{len(self.queue.issued)} op(s) unagreed, {len(self.queue.agreed)} "
+                        f"agreed and {self.messages.inflight} message(s) in flight: another "
+                        "rank has not issued the collectives this rank is waiting for")
+                # The solo channel's last Work completes without notifying the engine.
+                self.cv.wait(min(left, 0.01))
+
+    def _quiet(self) -> bool:
+        """Nothing queued, running or in flight (lock held)."""
+        return self.queue.idle() and not self.queue.busy and not self.messages.busy()
+
+    def reconfigure(self, config: Config) -> None:
+        """Use `config` from the next issued collective on (its fusion, routing, cycle time).
+
+        Valid only while the engine is quiet (drain() first), so that no batch or message
+        straddles two configurations; raises EngineError otherwise. Every rank must call it
+        at the same point of its collective sequence (gradientflow.autotune does, after an
+        ordered collective that hands every rank the same `config`), or the ranks route and
+        cut the following ops differently.
+        """
+        with self.cv:
+            self.check_usable("reconfigure()")
+            if not self._quiet():
+                raise EngineError(
+                    f"gradientflow: rank {self.rank}: reconfigure() of process group "
+                    f"{self._name} while collectives are queued or in flight; call drain() "
+                    "first, with no other thread issuing collectives on this group")
+            self.config = config
+            self.issue.configure(config)
+            self.queue.configure(config)
+            self.messages.configure(config)
 
     def fusion_memory_bytes(self) -> int:
         """Bytes held by persistent fusion buffers."""

@@ -58,10 +58,14 @@ class Issue:
         self._insp = inspector if inspector is not None and inspector.enabled else None
         self._debug_lock = threading.Lock()  # the debug check and the submission in one order
         self.seq = 0  # the next sequence number
+        self.configure(config)
+
+    def configure(self, config: Any) -> None:
+        """Take the routing settings of `config` (at creation, or Engine.reconfigure)."""
         self._threshold = config.fusion_threshold
         self._sync_limit = min(config.fusion_threshold, config.sync_fusion_limit)
         self.solo_bytes = solo_cut(config.fusion_threshold, config.solo_threshold)
-        self._solo_channel = (solo is not None and config.solo_channel
+        self._solo_channel = (self._solo is not None and config.solo_channel
                               and config.fusion_threshold > 0)
 
     # ------------------------------------------------------------------ routing

@@ -104,6 +104,16 @@ class Messages:
         self._reaper: threading.Thread | None = None
         self._closing = False
 
+    def configure(self, config: Any) -> None:
+        """Take `config`'s segment count and size (nothing in flight, engine lock held).
+
+        Pools are dropped when those change, and made again at the next message's size.
+        """
+        old, self._config = self._config, config
+        if (old.fusion_segments, old.fusion_threshold) != (config.fusion_segments,
+                                                           config.fusion_threshold):
+            self._pools.clear()
+
     # ------------------------------------------------------------------ engine thread
     def busy(self) -> bool:
         """Whether messages are in flight, the solo channel's last one included (lock held)."""

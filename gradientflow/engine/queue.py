@@ -31,9 +31,7 @@ class OrderedQueue:
 
     def __init__(self, config: Any, acquire: Callable[[Message], Any],
                  in_flight: Callable[[], bool]) -> None:
-        self._threshold = config.fusion_threshold
-        self._solo_threshold = config.solo_threshold
-        self._cycle = config.cycle_time_ms / 1000.0
+        self.configure(config)
         self._acquire = acquire  # a free segment for a message, or None (messages.py)
         self._in_flight = in_flight  # whether messages (the solo channel's too) are in flight
         self.issued: collections.deque = collections.deque()
@@ -44,6 +42,12 @@ class OrderedQueue:
         self.last_submit = 0.0  # when the last deferred or solo op was issued (the quiet rule)
         self.wanted_upto = -1  # highest seq somebody waits on (or flushed)
         self.busy = False  # the engine thread is running a job
+
+    def configure(self, config: Any) -> None:
+        """Take the cut and the cycle time of `config` (at creation, or Engine.reconfigure)."""
+        self._threshold = config.fusion_threshold
+        self._solo_threshold = config.solo_threshold
+        self._cycle = config.cycle_time_ms / 1000.0
 
     def idle(self) -> bool:
         """Nothing queued: an eager op may go on the caller's thread."""

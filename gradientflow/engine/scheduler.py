@@ -236,6 +236,17 @@ class KeyedScheduler:
         with self._cv:
             return len(self._outstanding)
 
+    def set_credit(self, credit_bytes: int) -> None:
+        """Use `credit_bytes` from the next step on; only between steps (nothing declared or
+        waiting for credit), at the same step on every rank, since launches follow from it."""
+        with self._cv:
+            if self._outstanding or self._pool:
+                raise RuntimeError(
+                    f"gradientflow: rank {self.rank}: the scheduler's credit of process group "
+                    f"{self._name} was changed with {len(self._outstanding)} key(s) of this "
+                    "step not launched; change it between steps")
+            self.credit_bytes = credit_bytes
+
     def close(self) -> None:
         """Fail what is still waiting and stop the thread."""
         with self._cv:
