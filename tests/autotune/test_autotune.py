@@ -269,3 +269,38 @@ def test_space_never_tunes_density_and_round_trips_values():
             "fusion_segments": 2}
     assert space.decode(ps, space.encode(ps, vals)) == vals
     assert space.decode(ps, [1e12, 0, 1e9, 7])["fusion_segments"] == 4
+
+
+def reconfigure_only_when_quiet(rank, world):
+    import torch
+    import torch.distributed as dist
+
+    from gradientflow.backend import backend_of
+    from gradientflow.errors import EngineError
+
+    backend = backend_of()
+    engine = backend.engine
+    t = torch.ones(5)
+    # Holding the engine's (reentrant) lock keeps its thread from taking the deferred op.
+    with engine.lock:
+        work = dist.all_reduce(t, async_op=True)
+        try:
+            engine.reconfigure(backend.config.replace(fusion_segments=1))
+            raised = None
+        except EngineError as exc:
+            raised = str(exc)
+    work.wait()
+    assert torch.equal(t, torch.full((5,), float(world)))
+    backend.reconfigure(backend.config.replace(fusion_segments=1, fusion_threshold=64))
+    assert engine.config.fusion_segments == 1 and engine.queue._threshold == 64
+    xs = [torch.full((20,), float(i)) for i in range(4)]  # now each is its own eager op
+    works = [dist.all_reduce(x, async_op=True) for x in xs]
+    for i, (w, x) in enumerate(zip(works, xs)):
+        w.wait()
+        assert torch.equal(x, torch.full((20,), float(i * world)))
+    return raised
+
+
+def test_reconfigure_refuses_while_ops_are_queued(pools):
+    for r, msg in enumerate(pools(2).run(reconfigure_only_when_quiet, timeout=60)):
+        assert msg is not None and f"rank {r}: reconfigure()" in msg and "drain()" in msg
