@@ -17,14 +17,13 @@ network of benchmarks/netem.py.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import itertools
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.bench_fusion import gradient_shapes  # noqa: E402
+from benchmarks.bench_fusion import _tier_label, gradient_shapes  # noqa: E402
 from benchmarks.common import machine_line, markdown_table, median, paired_ratio, write_result  # noqa: E402,E501
 from benchmarks.launch import launch  # noqa: E402
 from benchmarks.netem import Cluster, ShapeConfig  # noqa: E402
@@ -100,8 +99,16 @@ def worker(rank: int, world_size: int, models: list[str], grid: list[dict], reps
     return out
 
 
-def _tier_label(rate: float | None) -> str:
-    return "loopback" if rate is None else f"{rate:g} Gbit/s"
+def _launch_on(rate: float | None, n: int, kwargs: dict, notes: list) -> object | None:
+    """One launch on loopback (rate None) or the emulated network; None where not emulated."""
+    target = "benchmarks.bench_autotune:worker"
+    if rate is None:
+        return launch(target, world_size=n, kwargs=kwargs, timeout_s=3000)
+    with Cluster(n, ShapeConfig(rate_gbps=rate)) as cluster:
+        if not cluster.shaped:
+            notes.append(f"{_tier_label(rate)} not emulated ({cluster.reason}): skipped")
+            return None
+        return launch(target, world_size=n, kwargs=kwargs, cluster=cluster, timeout_s=3000)
 
 
 def _row(tier: str, n: int, model: str, r: dict) -> dict:
@@ -150,25 +157,17 @@ def main(argv=None) -> int:
                  for t in args.tiers.split(",")]
     reps = args.reps or reps
     grid = grid_points(args.quick)
+    kwargs = {"models": models, "grid": grid, "reps": reps, "tuner": tuner}
     rows, raw, notes = [], {}, []
-    for rate in tiers:
-        for n in worlds:
-            ctx = (contextlib.nullcontext(None) if rate is None
-                   else Cluster(n, ShapeConfig(rate_gbps=rate)))
-            with ctx as cluster:
-                if rate is not None and not cluster.shaped:
-                    notes.append(f"{_tier_label(rate)} not emulated ({cluster.reason}): skipped")
-                    continue
-                res = launch("benchmarks.bench_autotune:worker", world_size=n,
-                             kwargs={"models": models, "grid": grid, "reps": reps,
-                                     "tuner": tuner},
-                             cluster=cluster, timeout_s=3000)
-            if not res.ok:
-                print(res.error)
-                return 1
-            raw[f"{_tier_label(rate)} {n}"] = res.results[0]
-            for model, r in res.results[0].items():
-                rows.append(_row(_tier_label(rate), n, model, r))
+    for rate, n in itertools.product(tiers, worlds):
+        res = _launch_on(rate, n, kwargs, notes)
+        if res is None:
+            continue
+        if not res.ok:
+            print(res.error)
+            return 1
+        raw[f"{_tier_label(rate)} {n}"] = res.results[0]
+        rows += [_row(_tier_label(rate), n, model, r) for model, r in res.results[0].items()]
     cols = list(rows[0].keys()) if rows else []
     md = (f"## Autotune against a grid of the same settings (median ms per step: the whole "
           f"gradient list, one async allreduce per tensor)\n\n{machine_line()} The machine "
