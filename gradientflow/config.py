@@ -149,10 +149,11 @@ class Config:
     autotune_log: str = ""
     # Where the chosen settings are written, for a later run's GRADIENTFLOW_CONFIG ("" none).
     autotune_out: str = ""
-    # Trials (the defaults are the first), steps measured per trial, steps discarded first.
-    autotune_trials: int = 16
-    autotune_steps: int = 5
-    autotune_warmup: int = 2
+    # Trials (the defaults are the first), steps measured per trial, steps discarded first:
+    # with 2 confirmation rounds, (12 + 4) * (1 + 4) + 1 = 81 steps, within 100.
+    autotune_trials: int = 12
+    autotune_steps: int = 4
+    autotune_warmup: int = 1
     # Seed of the sampler, and which one: "tpe" (optuna's TPE) or "gp" (its Gaussian process).
     autotune_seed: int = 0
     autotune_sampler: str = "tpe"
