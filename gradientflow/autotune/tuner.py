@@ -184,8 +184,9 @@ class Tuner:
         self.history.append((self.calls, dict(settings)))
 
     def _finish(self) -> None:
+        # The optimizer hook stays (a no-op now) until the group is destroyed: torch cannot
+        # remove a hook while it runs its hooks.
         self.done = True
-        self.close()
         if self.rank != 0:
             return
         summary = self.summary
@@ -202,14 +203,14 @@ class Tuner:
 
     # ------------------------------------------------------------------ hooks
     def attach_optimizer_hook(self) -> None:
-        """Call step() after every optimizer.step() of this process (removed when done)."""
+        """Call step() after every optimizer.step() of this process (until close())."""
         from torch.optim.optimizer import register_optimizer_step_post_hook
 
         if self._hook is None and not self.done:
             self._hook = register_optimizer_step_post_hook(lambda *_: self.step())
 
     def close(self) -> None:
-        """Stop marking steps from the optimizer hook."""
+        """Stop marking steps from the optimizer hook (the backend's shutdown calls it)."""
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
