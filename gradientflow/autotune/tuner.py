@@ -36,6 +36,7 @@ log = logging.getLogger("gradientflow.autotune")
 
 MAGIC = 271828.0  # first word of every row: a row from anything else is a mismatch
 REPORT, DECIDE = 1.0, 2.0
+FAILED = -1.0  # rank 0's done flag when its search raised
 _HEAD = 5  # MAGIC, phase, trial, fingerprint, value (a median, or rank 0's done flag)
 
 
@@ -96,12 +97,24 @@ class Tuner:
         self._t_last: float | None = None
         self._search: Search | None = None
         self._hook = None
-        if cfg.config_file and "autotune" in read_config_file(cfg.config_file):
+        loaded = self.done_loading(cfg)
+        if self.rank == 0 and not loaded:
+            try:
+                import optuna  # noqa: F401 - fail here, not at the first trial boundary
+            except ImportError:
+                raise ImportError("autotune needs optuna on rank 0: pip install "
+                                  "'gradientflow[autotune]' (or optuna)") from None
+        if loaded:
             # Settings a previous search chose: use them, do not search again.
             self.loaded_from = cfg.config_file
             self.done = True
             if self.rank == 0:
                 log.info("autotune: using the settings tuned earlier in %s", cfg.config_file)
+
+    @staticmethod
+    def done_loading(cfg: Any) -> bool:
+        """Whether `cfg` was loaded from a file autotune wrote (then it does not tune again)."""
+        return bool(cfg.config_file) and "autotune" in read_config_file(cfg.config_file)
 
     # ------------------------------------------------------------------ the protocol
     def step(self) -> None:
@@ -122,19 +135,20 @@ class Tuner:
         rank_medians = [float(r) for r in rows[:, 4]]
         decision: list[float] = []
         done = 0.0
+        failure: BaseException | None = None
         if self.rank == 0:
-            if self._search is None:
-                self._search = Search(self.params, self.defaults, self.trials, self.seed,
-                                      self.sampler, self.confirm)
-            record = self._search.record(max(rank_medians), rank_medians, measured)
-            self._log({"event": "trial", **record})
-            nxt = self._search.next()
-            if nxt is None:
-                done = 1.0
-                self.summary = self._search.summary()
-                nxt = self.summary["settings"]
-            decision = space.encode(self.params, nxt)
+            try:
+                done, decision = self._decide(max(rank_medians), rank_medians, measured)
+            except Exception as exc:  # noqa: BLE001 - every rank must hear of it, not hang
+                failure, done, decision = exc, FAILED, space.encode(self.params, self.defaults)
         rows = self._exchange(DECIDE, done, decision)
+        if rows[0, 4] == FAILED:
+            self.done = True
+            cause = repr(failure) if failure is not None else "rank 0's error says why"
+            raise RuntimeError(
+                f"gradientflow autotune: rank {self.rank}: rank 0's search failed at trial "
+                f"{self.trial} ({cause}); tuning stopped on every rank with the settings "
+                "unchanged, and the group is still usable") from failure
         settings = space.decode(self.params, rows[0, _HEAD:].tolist())
         self._apply(settings)
         self.trial += 1
@@ -142,6 +156,22 @@ class Tuner:
         if rows[0, 4] == 1.0:
             self._finish()
         self._t_last = time.perf_counter()  # the exchange and the drain are not a step
+
+    def _decide(self, score: float, rank_medians: list[float],
+                samples: list[float]) -> tuple[float, list[float]]:
+        """Rank 0: record the trial, pick the next one; (done flag, its settings encoded)."""
+        if self._search is None:
+            self._search = Search(self.params, self.defaults, self.trials, self.seed,
+                                  self.sampler, self.confirm)
+        record = self._search.record(score, rank_medians, samples)
+        self._log({"event": "trial", **record})
+        nxt = self._search.next()
+        done = 0.0
+        if nxt is None:
+            done = 1.0
+            self.summary = self._search.summary()
+            nxt = self.summary["settings"]
+        return done, space.encode(self.params, nxt)
 
     def _exchange(self, phase: float, value: float, values: list[float]) -> torch.Tensor:
         """All-gather this rank's row; check every rank is at the same point; all rows."""

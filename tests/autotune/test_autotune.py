@@ -2,12 +2,16 @@
 exact, a mismatch raises on every rank, the log and the settings file."""
 from __future__ import annotations
 
+import importlib.util
 import json
-import os
 
 import pytest
 
 from harness import RankFailure
+
+# Rank 0's study needs optuna (the `autotune` extra); the config tests do not.
+needs_optuna = pytest.mark.skipif(importlib.util.find_spec("optuna") is None,
+                                  reason="optuna is not installed (pip install .[autotune])")
 
 def narrow_params():
     """Ranges far narrower than the real ones, so that the cut, the routes (solo or fused)
@@ -72,6 +76,7 @@ def retune_under_load(rank, world, n_examples):
             "summary": tuner.summary}
 
 
+@needs_optuna
 @pytest.mark.parametrize("world", [2, 3])
 def test_settings_change_under_load_the_same_on_every_rank(pools, world):
     n = 24
@@ -103,11 +108,43 @@ def mismatched_tuners(rank, world):
     return None
 
 
+@needs_optuna
 def test_different_tuner_arguments_raise_on_every_rank(pools):
     msgs = pools(2).run(mismatched_tuners, timeout=120)
     for r, msg in enumerate(msgs):
         assert msg is not None, f"rank {r} did not raise"
         assert f"rank {r}:" in msg and "rank 0: trial 0" in msg and "rank 1: trial 0" in msg
+
+
+def failing_search(rank, world):
+    import torch
+    import torch.distributed as dist
+
+    from gradientflow.autotune import Tuner
+
+    tuner = Tuner(trials=3, steps=1, warmup=0)
+    if rank == 0:
+        tuner._decide = lambda *_: 1 / 0  # the study breaks on rank 0 only
+    try:
+        for _ in range(3):
+            t = torch.ones(4)
+            dist.all_reduce(t)
+            tuner.step()
+    except RuntimeError as exc:
+        # The group still works: the failure was agreed, not a broken exchange.
+        t = torch.ones(4)
+        dist.all_reduce(t)
+        assert torch.equal(t, torch.full((4,), float(world)))
+        return str(exc), tuner.done
+    return None, tuner.done
+
+
+@needs_optuna
+def test_a_failing_search_on_rank_0_raises_on_every_rank(pools):
+    for r, (msg, done) in enumerate(pools(2).run(failing_search, timeout=120)):
+        assert msg is not None and done, f"rank {r} did not raise"
+        assert f"rank {r}: rank 0's search failed at trial 0" in msg
+        assert ("ZeroDivisionError" in msg) == (r == 0)
 
 
 def mismatched_steps(rank, world):
@@ -126,6 +163,7 @@ def mismatched_steps(rank, world):
         tuner.step()
 
 
+@needs_optuna
 def test_a_rank_a_step_ahead_fails_every_rank_not_a_hang(pools):
     with pytest.raises(RankFailure) as info:
         pools(2).run(mismatched_steps, timeout=120, pg_timeout_s=20)
@@ -182,6 +220,7 @@ def load_tuned(rank, world):
                        cfg.fusion_segments]}
 
 
+@needs_optuna
 def test_env_autotune_logs_every_trial_and_a_later_run_loads_the_choice(pools, tmp_path):
     log_path, out_path = str(tmp_path / "tune.jsonl"), str(tmp_path / "tuned.json")
     env = {"GRADIENTFLOW_AUTOTUNE": "1", "GRADIENTFLOW_AUTOTUNE_LOG": log_path,

@@ -2,13 +2,17 @@
 checked: the machine is shared)."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import sys
 
+import pytest
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
+@pytest.mark.skipif(importlib.util.find_spec("optuna") is None, reason="optuna is not installed")
 def test_quick_benchmark_reports_grid_choice_and_gain(tmp_path):
     from benchmarks import bench_autotune
 
