@@ -91,18 +91,25 @@ def test_settings_change_under_load_the_same_on_every_rank(pools, world):
     assert all(o["done"] for o in out)
 
 
-def mismatched_tuners(rank, world):
+def allreduce_steps(tuner, n, world):
+    """`n` steps of one checked allreduce each, marked on `tuner` (None: none)."""
     import torch
     import torch.distributed as dist
 
+    for _ in range(n):
+        t = torch.ones(4)
+        dist.all_reduce(t)
+        assert torch.equal(t, torch.full((4,), float(world)))
+        if tuner is not None:
+            tuner.step()
+
+
+def mismatched_tuners(rank, world):
     from gradientflow.autotune import AutotuneMismatch, Tuner
 
     tuner = Tuner(trials=3, steps=1, warmup=0, confirm=rank)  # rank 1 differs
     try:
-        for _ in range(2):
-            t = torch.ones(10)
-            dist.all_reduce(t)
-            tuner.step()
+        allreduce_steps(tuner, 2, world)
     except AutotuneMismatch as exc:
         return str(exc)
     return None
@@ -117,24 +124,16 @@ def test_different_tuner_arguments_raise_on_every_rank(pools):
 
 
 def failing_search(rank, world):
-    import torch
-    import torch.distributed as dist
-
     from gradientflow.autotune import Tuner
 
     tuner = Tuner(trials=3, steps=1, warmup=0)
     if rank == 0:
         tuner._decide = lambda *_: 1 / 0  # the study breaks on rank 0 only
     try:
-        for _ in range(3):
-            t = torch.ones(4)
-            dist.all_reduce(t)
-            tuner.step()
+        allreduce_steps(tuner, 3, world)
     except RuntimeError as exc:
         # The group still works: the failure was agreed, not a broken exchange.
-        t = torch.ones(4)
-        dist.all_reduce(t)
-        assert torch.equal(t, torch.full((4,), float(world)))
+        allreduce_steps(None, 1, world)
         return str(exc), tuner.done
     return None, tuner.done
 
