@@ -517,6 +517,8 @@ def _rows_of(rows: int, n: int) -> list[int]:
 
 def _reducescatter_handle(tensor, op, prescale, postscale, process_set) -> int:
     _check_tensor(tensor, "reducescatter")
+    if op not in (Average, Sum):
+        raise ValueError("Reducescatter currently only supports AVERAGE and SUM.")
     group, n, me = _group(process_set, "reducescatter")
     if tensor.dim() == 0:
         raise ValueError("reducescatter: tensor must have at least one dimension (rows are "

@@ -248,6 +248,8 @@ def reducescatter_body(rank, world):
         assert all(torch.equal(g, mine) for g in got)
         got = hvd.synchronize(hvd.grouped_reducescatter_async([value(rank)], op=hvd.Sum))
         torch.testing.assert_close(got[0], mine)
+        _raises(ValueError, "Reducescatter currently only supports AVERAGE and SUM.",
+                hvd.reducescatter, value(rank), op=hvd.Max)
         out = hvd.reducescatter(value(rank), compression=hvd.Compression.fp16)
         torch.testing.assert_close(out, mine / world, atol=0.05, rtol=1e-3)
         # Autograd (Horovod's rule): Average -> allgather of the gradient.
