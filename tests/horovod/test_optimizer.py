@@ -138,6 +138,20 @@ def errors_body(rank, world):
                 compression=Mine)
         with pytest.warns(DeprecationWarning):
             make(num_groups=2).close()
+        # A process set: its members average among themselves, others may not build one.
+        last = hvd.add_process_set([world - 1])
+        if rank == world - 1:
+            opt = make(named_parameters=model.named_parameters(), process_set=last)
+            x, y = _batch(torch, 0, 0, rank)
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            want = [p.grad.clone() for p in model.parameters()]
+            opt.step()  # a set of one: the average is the rank's own gradient
+            for p, w in zip(model.parameters(), want):
+                torch.testing.assert_close(p.grad, w)
+            opt.close()
+        else:
+            _raises(ValueError, "is not a member of", make, process_set=last)
+        hvd.remove_process_set(last)
         return True
     finally:
         hvd.shutdown()
