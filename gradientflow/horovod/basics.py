@@ -240,6 +240,8 @@ def shutdown() -> None:
     if _STATE.topo is None:
         return
     for ps in list(_STATE.sets.values()):
+        if ps._group is not None and dist.is_initialized():
+            dist.destroy_process_group(ps._group)
         ps._invalidate()
     _STATE.sets.clear()
     _STATE.next_set_id = 1

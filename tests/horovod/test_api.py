@@ -302,6 +302,10 @@ def process_set_body(rank, world):
                 list(range(world)))
         assert hvd.remove_process_set(last) and last.process_set_id is None
         assert not hvd.remove_process_set(hvd.global_process_set)
+        kept = hvd.add_process_set([0])  # still registered at shutdown, which destroys it
+        hvd.shutdown()
+        assert kept.process_set_id is None and not hvd.is_initialized()
+        hvd.init()
         _raises(ValueError, "ProcessSet should be initialized with a list of process ranks",
                 hvd.ProcessSet, ["a"])
         return True
