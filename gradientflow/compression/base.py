@@ -26,6 +26,13 @@ class Compressor(abc.ABC):
     """
 
     name: ClassVar[str] = "?"
+    # True only for the plain dense average: the optimizer then sums in the gradients' own dtype
+    # without a compressor (and without its float32-only limit).
+    dense_average: ClassVar[bool] = False
+
+    @classmethod
+    def check_config(cls, config: CompressionConfig) -> None:
+        """Refuse a config this method cannot run (called by CompressionConfig at construction)."""
 
     def __init__(self, config: CompressionConfig, world_size: int) -> None:
         if not isinstance(config, CompressionConfig):

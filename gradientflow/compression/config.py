@@ -10,7 +10,9 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["CompressionConfig", "WIRE_DTYPES", "METHODS"]
+from . import registry
+
+__all__ = ["CompressionConfig", "WIRE_DTYPES"]
 
 # Names the wire dtype is given by in configs, flags and the environment.
 WIRE_DTYPES: dict[str, torch.dtype] = {
@@ -19,10 +21,6 @@ WIRE_DTYPES: dict[str, torch.dtype] = {
     "bf16": torch.bfloat16,
 }
 _DTYPE_NAMES = {v: k for k, v in WIRE_DTYPES.items()}
-
-# Kept in step with the registry (compression/registry.py checks it at import); a literal here
-# lets the config be validated without importing any compressor.
-METHODS = ("none", "fp16", "csc")
 
 # Deep Gradient Compression's warm-up (Lin et al. 2018, section 3.3): 75%, 93.75%, 98.4375%,
 # 99.6% sparsity over the first four epochs, then the target.
@@ -107,8 +105,12 @@ class CompressionConfig:
     min_numel: int = 1024
 
     def __post_init__(self) -> None:
-        if self.method not in METHODS:
-            raise ValueError(f"CompressionConfig: method={self.method!r} is unknown; use one of {list(METHODS)}")
+        try:
+            entry = registry.lookup(self.method)
+        except ValueError:
+            raise ValueError(f"CompressionConfig: method={self.method!r} is unknown; use one of "
+                             f"{registry.available()} (or register_compressor a new one)") from None
+        object.__setattr__(self, "method", entry.name)
         if not isinstance(self.density, (int, float)) or not (0.0 < float(self.density) <= 1.0) or math.isnan(self.density):
             raise ValueError(f"CompressionConfig: density={self.density!r} must be in (0, 1] (the fraction of chunks sent)")
         if not isinstance(self.chunk_size, int) or isinstance(self.chunk_size, bool) or self.chunk_size < 1:
@@ -118,10 +120,7 @@ class CompressionConfig:
         object.__setattr__(self, "wire_dtype", _dtype_name(self.wire_dtype, "wire_dtype"))
         if self.dense_wire_dtype is not None:
             object.__setattr__(self, "dense_wire_dtype", _dtype_name(self.dense_wire_dtype, "dense_wire_dtype"))
-        if self.method == "fp16" and self.wire_dtype == "fp32":
-            raise ValueError(
-                "CompressionConfig: method 'fp16' casts to a half-precision wire, but wire_dtype='fp32'; "
-                "use wire_dtype 'fp16' or 'bf16' (or method 'none' for the dense FP32 average)")
+        entry.compressor.check_config(self)
         stages = tuple(self.warmup_densities)
         for d in stages:
             if not isinstance(d, (int, float)) or not (0.0 < float(d) <= 1.0):

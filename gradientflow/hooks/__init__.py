@@ -8,14 +8,17 @@ The one-line common case::
 """
 from __future__ import annotations
 
-from ..compression import CompressionConfig
+from ..compression import CompressionConfig, attach_hook, lookup
 from ._state import CompressionState, compression_hook
 from .csc_hook import CSCState, csc_hook
 from .fp16_hook import FP16State, fp16_hook
 
 __all__ = ["CompressionState", "compression_hook", "CSCState", "csc_hook", "FP16State", "fp16_hook", "register"]
 
-_STATES = {"csc": (CSCState, csc_hook), "fp16": (FP16State, fp16_hook), "none": (CompressionState, compression_hook)}
+# The built-in methods' own states; a method registered without one gets CompressionState.
+attach_hook("csc", CSCState, csc_hook)
+attach_hook("fp16", FP16State, fp16_hook)
+attach_hook("none", CompressionState, compression_hook)
 
 
 def register(ddp_model, config: CompressionConfig, process_group=None, *, grad_scaler=None) -> CompressionState:
@@ -27,7 +30,8 @@ def register(ddp_model, config: CompressionConfig, process_group=None, *, grad_s
     """
     if not isinstance(config, CompressionConfig):
         raise TypeError(f"register: config must be a CompressionConfig, got {type(config).__name__}")
-    state_cls, hook = _STATES.get(config.method, (CompressionState, compression_hook))
+    entry = lookup(config.method)
+    state_cls, hook = entry.state or CompressionState, entry.hook or compression_hook
     state = state_cls(process_group if process_group is not None else getattr(ddp_model, "process_group", None),
                       config, grad_scaler=grad_scaler)
     state.bind_parameter_names(ddp_model.module)

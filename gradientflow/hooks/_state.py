@@ -35,12 +35,25 @@ def submit(process_group, key, gen: StageGen, device: torch.device | None = None
     return submit_stages(process_group, key, gen, device=device, dense_bytes=dense_bytes)
 
 
-def _share_cores(world_size: int) -> None:
+def group_config(process_group):
+    """Return the gradientflow Config `process_group` was created with.
+
+    A group of another backend (gloo, nccl) carries none: it gets the options of
+    `gradientflow.configure()` and the environment, resolved by config.py as for a new group.
+    """
+    from ..backend.backend import backend_of  # the one place that knows where groups live
+    from ..config import Config, current_overrides
+
+    backend = backend_of(process_group)
+    return backend.config if backend is not None else Config.resolve(current_overrides())
+
+
+def _share_cores(process_group, world_size: int) -> None:
     """Give the compression kernels this rank's share of the host's cores (config.kernel_threads)."""
     from .. import kernels
-    from ..config import Config, current_overrides, kernel_threads
+    from ..config import kernel_threads
 
-    kernels.set_num_threads(kernel_threads(Config.resolve(current_overrides()), world_size))
+    kernels.set_num_threads(kernel_threads(group_config(process_group), world_size))
 
 
 class CompressionState:
@@ -83,7 +96,7 @@ class CompressionState:
         initialized = dist.is_available() and dist.is_initialized()
         self.world_size = world_size if world_size is not None else (dist.get_world_size(process_group) if initialized else 1)
         self.rank = rank if rank is not None else (dist.get_rank(process_group) if initialized else 0)
-        _share_cores(self.world_size)
+        _share_cores(process_group, self.world_size)
         self.compressor: Compressor = make_compressor(config, self.world_size)
         self._uid = next(_uid)
         self._names: dict[int, str] = {}  # id(parameter) -> name

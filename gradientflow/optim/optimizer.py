@@ -44,7 +44,7 @@ from typing import Any, Iterable
 import torch
 import torch.distributed as dist
 
-from gradientflow.compression import CompressionConfig, make_compressor
+from gradientflow.compression import CompressionConfig, available, lookup, make_compressor
 from gradientflow.engine.api import scheduler_of, submit_stages
 from gradientflow.engine.scheduler import MAX_KEYS
 from gradientflow.optim.plan import ParamSpec, Partition, build_plan
@@ -64,8 +64,6 @@ class ReduceOp(enum.Enum):
 
 Average = ReduceOp.Average
 Sum = ReduceOp.Sum
-
-_COMPRESSION_NAMES = {"none": None, "fp16": "fp16", "csc": "csc"}
 
 
 @dataclass(frozen=True)
@@ -110,15 +108,19 @@ class OptimizerOptions:
 
 
 def _resolve_compression(compression) -> CompressionConfig | None:
+    if isinstance(compression, str):
+        try:
+            compression = CompressionConfig(method=lookup(compression).name)
+        except ValueError:
+            raise ValueError(f"{_PREFIX}: compression={compression!r} is not understood; pass "
+                             f"None, one of {available()} or a "
+                             "gradientflow.compression.CompressionConfig") from None
     if compression is None or isinstance(compression, CompressionConfig):
-        if isinstance(compression, CompressionConfig) and compression.method == "none":
+        if compression is not None and lookup(compression.method).dense:
             return None  # the dense path is the same average, without the float32-only limit
         return compression
-    if isinstance(compression, str) and compression in _COMPRESSION_NAMES:
-        method = _COMPRESSION_NAMES[compression]
-        return None if method is None else CompressionConfig(method=method)
     raise ValueError(f"{_PREFIX}: compression={compression!r} is not understood; pass None, "
-                     "'none', 'fp16', 'csc' or a gradientflow.compression.CompressionConfig")
+                     f"one of {available()} or a gradientflow.compression.CompressionConfig")
 
 
 class _DistributedOptimizer:

@@ -16,7 +16,7 @@ from gradientflow.compression import CompressionConfig, available, compressor_cl
     (dict(norm="l3"), r"'l1' or 'l2'"),
     (dict(wire_dtype="fp8"), r"one of \['bf16', 'fp16', 'fp32'\]"),
     (dict(wire_dtype=torch.int8), r"not a wire dtype"),
-    (dict(method="topk"), r"one of \['none', 'fp16', 'csc'\]"),
+    (dict(method="topk"), r"unknown; use one of \[.csc., .fp16., .none.\]"),
     (dict(method="fp16", wire_dtype="fp32"), r"half-precision"),
     (dict(warmup_densities=(0.5, 0.0)), r"every stage must be in \(0, 1\]"),
     (dict(warmup_unit="batch"), r"'epoch' or 'step'"),
@@ -57,7 +57,7 @@ def test_dense_rule():
 
 
 def test_registry_builds_by_name():
-    assert available() == ["csc", "fp16", "none"]
+    assert set(available()) >= {"csc", "fp16", "none"}
     assert make_compressor(CompressionConfig(method="fp16"), 2).name == "fp16"
     with pytest.raises(ValueError, match="not registered"):
         compressor_class("powersgd")

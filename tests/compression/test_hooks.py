@@ -133,3 +133,19 @@ def test_epoch_drives_the_warmup_and_stats_report_it():
     st = s.stats()
     assert st["density_in_force"] == 0.05 and st["steady_steps"] == 1 and st["steps"] == 2
     assert st["steady"]["ratio"] > st["average"]["ratio"] > 1
+
+
+def test_state_takes_kernel_threads_from_its_groups_config(monkeypatch):
+    """The group's own Config (its pg_options) sets the kernels' threads, not the environment."""
+    import dataclasses
+
+    import gradientflow.backend.backend as backend_mod
+    from gradientflow import kernels
+    from gradientflow.config import Config
+
+    cfg = dataclasses.replace(Config.resolve({}), kernel_threads=1)
+    monkeypatch.setattr(backend_mod, "backend_of", lambda group=None: type("B", (), {"config": cfg})())
+    seen = []
+    monkeypatch.setattr(kernels, "set_num_threads", seen.append)
+    CSCState(None, density=0.5)
+    assert seen == [1]
