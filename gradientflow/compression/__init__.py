@@ -4,7 +4,8 @@ A compressor turns one flat float32 gradient buffer and its layout into a StageG
 gradientflow.engine.stages); `make_compressor(config, world_size)` builds the one a
 `CompressionConfig` names, through the one table of methods (registry.py).
 """
-from .config import CompressionConfig, DGC_WARMUP, WIRE_DTYPES
+from .config import (DEFAULT_MOMENTUM, DENSE_FIRST_WARMUP, DGC_WARMUP, WIRE_DTYPES,
+                     CompressionConfig)
 from .layout import Layout
 from .memory import ResidualMemory
 from .stats import CompressionStats
@@ -18,7 +19,7 @@ from .csc import CSCCompressor
 from .checkpoint import RESIZE_POLICIES, gather_shards, shard_for_rank
 
 __all__ = [
-    "CompressionConfig", "DGC_WARMUP", "WIRE_DTYPES", "Layout", "ResidualMemory",
+    "CompressionConfig", "DEFAULT_MOMENTUM", "DENSE_FIRST_WARMUP", "DGC_WARMUP", "WIRE_DTYPES", "Layout", "ResidualMemory",
     "CompressionStats", "Compressor", "NoCompression", "HalfCompressor", "CSCCompressor",
     "Method", "attach_hook", "available", "compressor_class", "lookup", "make_compressor",
     "register_compressor",
