@@ -14,6 +14,7 @@ keeps the parameter's trailing dimensions, so a compressor still sees a matrix, 
 from __future__ import annotations
 
 import functools
+import hashlib
 import math
 from dataclasses import dataclass
 from typing import Sequence
@@ -22,7 +23,7 @@ import torch
 
 from gradientflow.compression.layout import Layout
 
-__all__ = ["ParamSpec", "Segment", "Partition", "build_plan"]
+__all__ = ["ParamSpec", "Segment", "Partition", "build_plan", "plan_fingerprint"]
 
 
 @dataclass(frozen=True)
@@ -141,3 +142,15 @@ def build_plan(specs: Sequence[ParamSpec], partition_bytes: int) -> list[Partiti
     close()
     return [Partition(k, tuple(segs), dt, dev) for k, (segs, (dt, dev)) in
             enumerate(zip(parts, meta))]
+
+
+def plan_fingerprint(specs: Sequence[ParamSpec], options: str) -> bytes:
+    """A sha256 digest of the parameters (names, shapes, dtypes) and the options that shape the plan.
+
+    Ranks compare it to find out, with one fixed-size message, whether they build the same plan.
+    """
+    h = hashlib.sha256()
+    for s in specs:
+        h.update(f"{s.name}|{s.shape}|{s.dtype}|".encode())
+    h.update(options.encode())
+    return h.digest()
