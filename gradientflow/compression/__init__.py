@@ -17,11 +17,12 @@ from .none import NoCompression
 from .half import HalfCompressor
 from .csc import CSCCompressor
 from .checkpoint import RESIZE_POLICIES, gather_shards, shard_for_rank
+from .selection import QUOTAS, select_pool
 
 __all__ = [
     "CompressionConfig", "DEFAULT_MOMENTUM", "DENSE_FIRST_WARMUP", "DGC_WARMUP", "WIRE_DTYPES", "Layout", "ResidualMemory",
     "CompressionStats", "Compressor", "NoCompression", "HalfCompressor", "CSCCompressor",
     "Method", "attach_hook", "available", "compressor_class", "lookup", "make_compressor",
     "register_compressor",
-    "RESIZE_POLICIES", "gather_shards", "shard_for_rank",
+    "RESIZE_POLICIES", "gather_shards", "shard_for_rank", "QUOTAS", "select_pool",
 ]
