@@ -14,8 +14,8 @@ import torch.distributed as dist
 
 from ..compression import CompressionConfig, Compressor, Layout, make_compressor
 from ..compression import checkpoint as _ckpt
+from ..backend.api import submit_stages
 from ..compression.momentum import guard_momentum, take_momentum
-from ..engine.api import submit_stages
 from ..engine.stages import StageGen
 
 __all__ = ["CompressionState", "compression_hook", "submit"]
@@ -42,11 +42,11 @@ def group_config(process_group):
     A group of another backend (gloo, nccl) carries none: it gets the options of
     `gradientflow.configure()` and the environment, resolved by config.py as for a new group.
     """
-    from ..backend.backend import backend_of  # the one place that knows where groups live
+    from ..backend.registry import config_of
     from ..config import Config, current_overrides
 
-    backend = backend_of(process_group)
-    return backend.config if backend is not None else Config.resolve(current_overrides())
+    config = config_of(process_group)
+    return config if config is not None else Config.resolve(current_overrides())
 
 
 def _share_cores(process_group, world_size: int) -> None:

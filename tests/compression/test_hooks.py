@@ -141,12 +141,12 @@ def test_state_takes_kernel_threads_from_its_groups_config(monkeypatch):
     """The group's own Config (its pg_options) sets the kernels' threads, not the environment."""
     import dataclasses
 
-    import gradientflow.backend.backend as backend_mod
+    import gradientflow.backend.registry as registry
     from gradientflow import kernels
     from gradientflow.config import Config
 
     cfg = dataclasses.replace(Config.resolve({}), kernel_threads=1)
-    monkeypatch.setattr(backend_mod, "backend_of", lambda group=None: type("B", (), {"config": cfg})())
+    monkeypatch.setattr(registry, "config_of", lambda group=None: cfg)
     seen = []
     monkeypatch.setattr(kernels, "set_num_threads", seen.append)
     CSCState(None, density=0.5)
