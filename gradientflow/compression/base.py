@@ -29,6 +29,8 @@ class Compressor(abc.ABC):
     # True only for the plain dense average: the optimizer then sums in the gradients' own dtype
     # without a compressor (and without its float32-only limit).
     dense_average: ClassVar[bool] = False
+    # Whether the density follows the config's warm-up schedule (CSC); others ignore it.
+    uses_warmup: ClassVar[bool] = False
 
     @classmethod
     def check_config(cls, config: CompressionConfig) -> None:
@@ -103,7 +105,8 @@ class Compressor(abc.ABC):
         bucket, so the error reaches the caller instead of an engine thread.
         """
         cfg = self.config
-        if cfg.warmup_unit == "epoch" and cfg.warmup_densities and not self._epoch_told:
+        if (self.uses_warmup and cfg.warmup_unit == "epoch" and cfg.warmup_densities
+                and not self._epoch_told):
             raise RuntimeError(
                 f"{type(self).__name__}: the warm-up counts epochs (warmup_unit='epoch') but no "
                 "epoch was set, so it would stay at its first stage "

@@ -103,6 +103,8 @@ def _fill_chunks(dst: torch.Tensor, idx: torch.Tensor, values: torch.Tensor, chu
 class CSCCompressor(Compressor):
     """Send the top ceil(density x chunks) chunks of grad + residual, agreed through allreduced chunk norms."""
 
+    uses_warmup = True
+
     @classmethod
     def applies_momentum(cls, config) -> bool:
         """Under momentum correction the velocity lives here, not in the optimizer."""
