@@ -39,7 +39,7 @@ class Method:
 
     @property
     def dense(self) -> bool:
-        """Whether the method is the plain dense average (the optimizer then skips the compressor)."""
+        """Whether the method is the plain dense average (the optimizer needs no compressor)."""
         return bool(getattr(self.compressor, "dense_average", False))
 
 

@@ -79,7 +79,8 @@ def select_pool(norms: Sequence[torch.Tensor], density: float, *, quota: str = "
     start = 0
     for i in live:
         end = start + norms[i].numel()
-        lo, hi = torch.searchsorted(chosen, torch.tensor([start, end], device=chosen.device)).tolist()
+        bounds = torch.tensor([start, end], device=chosen.device)
+        lo, hi = torch.searchsorted(chosen, bounds).tolist()
         out[i] = chosen[lo:hi] - start
         start = end
     return out

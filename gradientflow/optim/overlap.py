@@ -59,7 +59,7 @@ class NextForwardOverlap:
         self._hook = torch.nn.modules.module.register_module_forward_pre_hook(
             lambda module, args: _forward_pre_hook(ref, module))
 
-    # --- the reducer's target ----------------------------------------------------------------------
+    # --- the reducer's target ---------------------------------------------------------------
     def write(self, seg, value: torch.Tensor, used: bool) -> None:
         """Keep segment `seg`'s average in our own buffer until its update is applied."""
         with self._lock:
@@ -74,7 +74,7 @@ class NextForwardOverlap:
         self._reduced[index] = value
         self._unused[index] = value is None
 
-    # --- the optimizer's side ----------------------------------------------------------------------
+    # --- the optimizer's side ---------------------------------------------------------------
     def defer(self) -> None:
         """step(): everything is submitted; remember the hyperparameters and return at once."""
         self._snapshot = [{k: v for k, v in g.items() if k != "params"}

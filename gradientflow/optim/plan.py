@@ -145,7 +145,7 @@ def build_plan(specs: Sequence[ParamSpec], partition_bytes: int) -> list[Partiti
 
 
 def plan_fingerprint(specs: Sequence[ParamSpec], options: str) -> bytes:
-    """A SHA-256 digest of the parameters (names, shapes, dtypes) and the options that shape the plan.
+    """A SHA-256 digest of the parameters (names, shapes, dtypes) and the plan's options.
 
     Ranks compare it to find out, with one fixed-size message, whether they build the same plan.
     """

@@ -191,8 +191,8 @@ class GradientReducer:
         self._unpack: dict[int, Any] = {}
         self.step_open = False  # compressor step not closed yet
         ref = weakref.ref(self)
-        self._hooks = [p.register_post_accumulate_grad_hook(functools.partial(_on_grad_hook, ref, i))
-                       for i, p in enumerate(self.params)]
+        self._hooks = [p.register_post_accumulate_grad_hook(
+            functools.partial(_on_grad_hook, ref, i)) for i, p in enumerate(self.params)]
 
     # ------------------------------------------------------------------ backward side
     def _on_grad(self, i: int) -> None:

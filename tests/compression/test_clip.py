@@ -11,7 +11,8 @@ from gradientflow.compression import CompressionConfig, make_compressor
 from gradientflow.engine.stages import drive_lockstep
 
 
-def clip_reference(flat: torch.Tensor, layout, clip_norm: float, world: int, scale: float) -> torch.Tensor:
+def clip_reference(flat: torch.Tensor, layout, clip_norm: float, world: int,
+                   scale: float) -> torch.Tensor:
     """Each parameter's slice scaled to L2 norm <= clip_norm * scale / sqrt(world), in float64."""
     out = flat.double().clone()
     bound = clip_norm * scale / math.sqrt(world)

@@ -1,4 +1,4 @@
-"""One registry entry per method: registering a new one makes it usable from config, hook and optimizer."""
+"""One registry entry per method: a newly registered one is usable from config, hook, optimizer."""
 from __future__ import annotations
 
 import pytest
@@ -68,7 +68,8 @@ def test_a_registered_method_is_usable_from_config_hook_and_optimizer(toy):
         def is_last(self):
             return True
 
-    grads = [[torch.full(p.shape, float(r + 1)) for p in m.parameters()] for r, m in enumerate(models)]
+    grads = [[torch.full(p.shape, float(r + 1)) for p in m.parameters()]
+             for r, m in enumerate(models)]
     outs = drive_lockstep([s._stages(Bucket(list(m.parameters()), g))
                            for s, m, g in zip(states, models, grads)])
     assert all(torch.allclose(o, torch.full_like(o, 1.5)) for o in outs)

@@ -39,7 +39,8 @@ def test_select_pool_equals_the_reference(lists, density, quota, data):
 
 @SETTINGS
 @given(values=st.lists(st.integers(0, 9).map(float), min_size=1, max_size=120), density=densities,
-       cuts_a=st.lists(st.integers(1, 119), max_size=5), cuts_b=st.lists(st.integers(1, 119), max_size=5))
+       cuts_a=st.lists(st.integers(1, 119), max_size=5),
+       cuts_b=st.lists(st.integers(1, 119), max_size=5))
 def test_pool_selection_does_not_depend_on_the_bucketing(values, density, cuts_a, cuts_b):
     """The same chunks cut into buckets two ways: the pool picks the same global chunks."""
     flat = torch.tensor(values, dtype=torch.float32)

@@ -1,4 +1,4 @@
-"""Compression statistics reach the process-wide sink: gradientflow.stats() reports the density used."""
+"""Compression statistics reach the process-wide sink: stats() gives the density really used."""
 from __future__ import annotations
 
 import math

@@ -62,14 +62,16 @@ def resume(rank, world, epochs: bool):
     train(resumed, opt, range(5, 10))
     density = opt._compressor.density_in_force()
     opt.close()
-    worst = max(float((a - b).abs().max()) for a, b in zip(straight.parameters(), resumed.parameters()))
+    worst = max(float((a - b).abs().max())
+                for a, b in zip(straight.parameters(), resumed.parameters()))
     # The control: the same resume without the compression state lands elsewhere.
     lost, opt = build()
     lost.load_state_dict(saved["model"])
     opt.load_state_dict({k: v for k, v in saved["opt"].items() if k != "gradientflow"})
     train(lost, opt, range(5, 10))
     opt.close()
-    control = max(float((a - b).abs().max()) for a, b in zip(straight.parameters(), lost.parameters()))
+    control = max(float((a - b).abs().max())
+                  for a, b in zip(straight.parameters(), lost.parameters()))
     return worst, control, density
 
 
