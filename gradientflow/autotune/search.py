@@ -29,7 +29,8 @@ class Search:
         if sampler == "gp":
             smp = optuna.samplers.GPSampler(seed=seed)
         else:
-            smp = optuna.samplers.TPESampler(seed=seed, n_startup_trials=max(1, min(4, trials // 3)))
+            smp = optuna.samplers.TPESampler(seed=seed,
+                                             n_startup_trials=max(1, min(4, trials // 3)))
         self.study = optuna.create_study(direction="minimize", sampler=smp)
         d = optuna.distributions
         self.dists = {p.name: (d.IntDistribution(int(p.low), int(p.high), log=p.log)
@@ -90,10 +91,10 @@ class Search:
         chosen, score = (best, b) if b < dflt else (self.defaults, dflt)
         importance, method = self.importance()
         searched = [r for r in self.records if r["kind"] in ("default", "search")]
-        return {"spread": spread(self.params, searched), "settings": dict(chosen), "score_s": score, "default_score_s": dflt,
+        return {"settings": dict(chosen), "score_s": score, "default_score_s": dflt,
                 "gain": dflt / score - 1.0, "best_searched": dict(best),
                 "trials": len(self.records), "importance": importance,
-                "importance_method": method}
+                "importance_method": method, "spread": spread(self.params, searched)}
 
     def importance(self) -> tuple[dict, str]:
         """Per-setting importance: optuna's PED-ANOVA where it can (fast: no forest to fit,
