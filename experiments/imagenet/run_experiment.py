@@ -177,6 +177,11 @@ def plot(runs: dict, summary: dict, out: Path) -> list:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if any(a.split("=")[0] in ("--densities", "--chunk-sizes") for a in argv):
+        import sweep  # the density x chunk-size grid (issue: tuning the sparsity)
+
+        return sweep.main(argv)
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--demo", action="store_true", help="short version: CSC 1%% (momentum correction), one seed, 6 epochs")
     p.add_argument("--settings", nargs="+", choices=list(SETTINGS), default=None)
