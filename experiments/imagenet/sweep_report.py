@@ -2,15 +2,18 @@
 
 Step time on a link (`predict_step_s`) is a bandwidth model, no overlap assumed:
 
-    t(link) = t_measured + rounds * 2(n-1) * latency + 2(n-1)/n * bytes * 8 / link
+    t(link) = t_compute + t_codec + rounds * 2(n-1) * latency + 2(n-1)/n * bytes * 8 / link
 
-t_measured is the setting's mean step time here in its fastest epoch (the one least disturbed
-by other jobs on a shared machine): forward, backward, the compressor's work and the transfer
-over loopback, an upper bound on its compute. bytes are the steady-state bytes one rank hands
-to allreduce per step, 2(n-1)/n the share of them a ring allreduce moves over each rank's link,
-rounds the collective rounds per step (1 dense or FP16, 2 for CSC: the chunk norms, then the
-chunks) and 2(n-1) the ring's steps per round. Overlap with backward would hide part of the
-communication term, most of it for the settings that send the most.
+t_compute is the same for every setting (same model, batch and data): the dense runs' fastest
+epoch's mean step time (forward, backward, optimiser and the dense transfer over loopback, so
+an upper bound). t_codec is the setting's own CPU work, the engine's codec time per step
+(median over epochs 1 and later; 0 for dense). Each setting's whole measured step is not used:
+on a shared machine it moves by a third between epochs of one run, more than the settings
+differ. bytes are the steady-state bytes one rank hands to allreduce per step, 2(n-1)/n the
+share of them a ring allreduce moves over each rank's link, rounds the collective rounds per
+step (1 dense or FP16, 2 for CSC: the chunk norms, then the chunks) and 2(n-1) the ring's steps
+per round. Overlap with backward would hide part of the communication term, most of it for the
+settings that send the most.
 """
 from __future__ import annotations
 
@@ -53,8 +56,11 @@ def summarise(runs: dict) -> list:
                 sum(r["wire_bytes"] for r in log) / sum(r["steps"] for r in log) for log in logs),
             "dense_bytes_per_step": _last_median(logs, "dense_bytes_per_step"),
             "images_per_s": statistics.median(r["images_per_s"] for r in later),
+            "step_s": statistics.median(r["train_time_s"] / r["steps"] for r in later),
             # The fastest epoch: on a shared machine the least disturbed estimate of the step.
-            "step_s": min(r["train_time_s"] / r["steps"] for r in later),
+            "fastest_step_s": min(r["train_time_s"] / r["steps"] for r in later),
+            "codec_s": statistics.median(
+                r.get("engine", {}).get("codec_time_s", 0.0) / r["steps"] for r in later),
         })
     return rows
 
@@ -64,11 +70,24 @@ def _last_median(logs: list, field: str) -> float:
     return statistics.median(log[-1][field] for log in logs)
 
 
-def predict_step_s(row: dict, gbps: float, ranks: int, latency_us: float = 0.0) -> float:
-    """Predicted step time of a setting on a `gbps` link with `ranks` ranks (module docstring)."""
+def compute_time(rows: list) -> float:
+    """t_compute of the model: the dense runs' fastest epoch (else the least codec-free step)."""
+    dense = [r["fastest_step_s"] for r in rows if r["method"] == "dense"]
+    return min(dense) if dense else min(r["fastest_step_s"] - r["codec_s"] for r in rows)
+
+
+def predict_step_s(row: dict, gbps: float, ranks: int, latency_us: float = 0.0,
+                   compute_s: float | None = None) -> float:
+    """Predicted step time of a setting on a `gbps` link with `ranks` ranks (module docstring).
+
+    compute_s: t_compute, shared by every setting (compute_time(rows)); default the row's own
+    fastest step less its codec time.
+    """
+    if compute_s is None:
+        compute_s = row["fastest_step_s"] - row["codec_s"]
     rounds = 2 if row["method"] == "csc" else 1
     share = 2 * (ranks - 1) / ranks
-    return (row["step_s"] + rounds * 2 * (ranks - 1) * latency_us * 1e-6
+    return (compute_s + row["codec_s"] + rounds * 2 * (ranks - 1) * latency_us * 1e-6
             + share * row["wire_bytes_per_step"] * 8 / (gbps * 1e9))
 
 
@@ -79,7 +98,8 @@ def recommend(rows: list, gbps: float, within_pct: float, ranks: int,
     Ties in accuracy go to the faster setting. Returns the choice, the fastest, and every
     setting's predicted time.
     """
-    times = {r["key"]: predict_step_s(r, gbps, ranks, latency_us) for r in rows}
+    compute_s = compute_time(rows)
+    times = {r["key"]: predict_step_s(r, gbps, ranks, latency_us, compute_s) for r in rows}
     fastest = min(rows, key=lambda r: times[r["key"]])
     limit = times[fastest["key"]] * (1 + within_pct / 100)
     eligible = [r for r in rows if times[r["key"]] <= limit]
@@ -104,21 +124,23 @@ def markdown(rows: list, recs: list, links: list, ranks: int, within_pct: float,
              latency_us: float, header: str) -> str:
     dense = next((r["top1_mean"] for r in rows if r["method"] == "dense"), None)
     head = ("| setting | density | chunk | top-1 (%) | Δ vs dense | wire bytes/step | "
-            "fewer bytes | run avg bytes/step | images/s | step ms (here) | "
+            "fewer bytes | run avg bytes/step | images/s | step ms (here) | codec ms | "
             + " | ".join(f"ms @ {g:g} Gb/s" for g in links) + " |")
-    lines = [header, "", head, "|" + "---|" * (10 + len(links))]
+    lines = [header, "", head, "|" + "---|" * (11 + len(links))]
+    compute_s = compute_time(rows)
     for r in rows:
         delta = f"{r['top1_mean'] - dense:+.2f}" if dense is not None else "n/a"
-        predicted = " | ".join(f"{1e3 * predict_step_s(r, g, ranks, latency_us):.0f}"
-                               for g in links)
+        predicted = " | ".join(
+            f"{1e3 * predict_step_s(r, g, ranks, latency_us, compute_s):.0f}" for g in links)
         lines.append(
             f"| {r['label']} | {r['density']:g} | {r['chunk_size'] or '-'} | "
             f"{r['top1_mean']:.2f} ± {r['top1_sd']:.2f} (n={r['seeds']}) | {delta} | "
             f"{_bytes(r['wire_bytes_per_step'])} | "
             f"{r['dense_bytes_per_step'] / max(r['wire_bytes_per_step'], 1):.0f}x | "
             f"{_bytes(r['wire_bytes_per_step_run'])} | {r['images_per_s']:.0f} | "
-            f"{1e3 * r['step_s']:.0f} | {predicted} |")
-    lines += ["", f"Recommendation (most accurate setting predicted within {within_pct:g}% of the "
+            f"{1e3 * r['step_s']:.0f} | {1e3 * r['codec_s']:.0f} | {predicted} |")
+    lines += ["", f"t_compute = {1e3 * compute_s:.0f} ms (the dense runs' fastest epoch).", "",
+              f"Recommendation (most accurate setting predicted within {within_pct:g}% of the "
               f"fastest step; {ranks} ranks, ring allreduce, latency {latency_us:g} µs per ring "
               f"step):",
               ""]
@@ -190,9 +212,10 @@ def report(grid: list, seeds: list, args, links: list, common: list,
         f"Every run: `train.py {' '.join(common)} --epochs {args.epochs} --seed S` plus the "
         f"setting's flags; CSC runs add `{' '.join(csc_recipe)}`. Top-1 is the last epoch's, "
         f"mean ± sd over seeds; wire bytes are what one rank hands to allreduce per step once "
-        f"the warm-up is over (the run average includes it); images/s is the median and step ms "
-        f"the fastest epoch's over epochs 1 and later, measured here; 'ms @ link' is the model "
-        f"in sweep_report.py."])
+        f"the warm-up is over (the run average includes it); images/s, step ms and codec ms "
+        f"(the engine's compression time per step) are medians over epochs 1 and later, measured "
+        f"here; 'ms @ link' is the model in sweep_report.py: t_compute + codec + bytes over the "
+        f"link."])
     text = markdown(rows, recs, links, ranks, args.within, args.latency_us, header)
     (out / "sweep.md").write_text(text)
     (out / "sweep.json").write_text(json.dumps(

@@ -132,25 +132,28 @@ def test_a_run_with_other_arguments_is_not_reused(tmp_path):
 
 
 # ---- the report ---------------------------------------------------------------------------------
-def _row(key, method, top1, wire, step_s=0.1, sd=0.0):
+def _row(key, method, top1, wire, step_s=0.1, codec_s=0.0, sd=0.0):
     return {"key": key, "label": key, "method": method, "top1_mean": top1, "top1_sd": sd,
-            "wire_bytes_per_step": wire, "step_s": step_s}
+            "wire_bytes_per_step": wire, "fastest_step_s": step_s, "codec_s": codec_s}
 
 
-def test_step_time_model_is_compute_plus_ring_bytes_over_the_link():
+def test_step_time_model_is_compute_plus_codec_plus_ring_bytes_over_the_link():
     row = _row("dense", "dense", 97.0, 1.25e8, step_s=0.2)
     # 2 ranks: each link carries the whole buffer once; 1e9 bit/s moves 1.25e8 bytes in 1 s.
     assert sweep_report.predict_step_s(row, 1.0, 2) == pytest.approx(1.2)
     assert sweep_report.predict_step_s(row, 1.0, 4) == pytest.approx(0.2 + 1.5)
-    csc = _row("csc", "csc", 97.0, 0.0, step_s=0.2)
-    # Two rounds (norms, chunks) of 2(n-1) ring steps, 10 us each.
-    assert sweep_report.predict_step_s(csc, 1.0, 2, latency_us=10) == pytest.approx(0.2 + 4e-5)
+    csc = _row("csc", "csc", 97.0, 0.0, step_s=0.5, codec_s=0.05)
+    # Two rounds (norms, chunks) of 2(n-1) ring steps, 10 us each; compute shared, codec its own.
+    assert sweep_report.predict_step_s(csc, 1.0, 2, latency_us=10, compute_s=0.2) == \
+        pytest.approx(0.2 + 0.05 + 4e-5)
+    # The shared compute is the dense runs' fastest step, however slow the others ran.
+    assert sweep_report.compute_time([row, csc]) == pytest.approx(0.2)
 
 
 def test_recommendation_takes_the_most_accurate_within_the_margin():
     rows = [_row("dense", "dense", 98.0, 4.4e7, step_s=0.30),
-            _row("csc-1%", "csc", 97.5, 3e5, step_s=0.32),
-            _row("csc-0.1%", "csc", 95.0, 9e4, step_s=0.31)]
+            _row("csc-1%", "csc", 97.5, 3e5, step_s=0.9, codec_s=0.02),
+            _row("csc-0.1%", "csc", 95.0, 9e4, step_s=0.9, codec_s=0.01)]
     slow = sweep_report.recommend(rows, 1.0, 10.0, 2)
     assert slow["fastest"]["key"] == "csc-0.1%" and slow["choice"]["key"] == "csc-1%"
     fast = sweep_report.recommend(rows, 56.0, 10.0, 2)
