@@ -17,7 +17,6 @@ import json
 import math
 import os
 import shlex
-import statistics
 import subprocess
 import sys
 import time
