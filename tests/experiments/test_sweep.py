@@ -131,6 +131,19 @@ def test_a_run_with_other_arguments_is_not_reused(tmp_path):
     assert "resnet50" in json.loads(meta.read_text())["train_args"]
 
 
+def test_logs_of_the_builtin_data_are_reused_from_another_checkout(tmp_path):
+    grid = [Setting("dense")]
+    here = "/one/clone/experiments/imagenet/data/digits"
+    there = "/another/clone/experiments/imagenet/data/digits"
+    _run(tmp_path, FakeLauncher(epochs=1), grid, seeds=(0,), common=(here, "-a", "resnet18"))
+    moved = FakeLauncher(epochs=1)
+    _run(tmp_path, moved, grid, seeds=(0,), common=(there, "-a", "resnet18"))
+    assert moved.calls == []
+    other_data = FakeLauncher(epochs=1)
+    _run(tmp_path, other_data, grid, seeds=(0,), common=("/data/imagenet", "-a", "resnet18"))
+    assert other_data.calls == [("dense-seed0.jsonl", 0)]
+
+
 # ---- the report ---------------------------------------------------------------------------------
 def _row(key, method, top1, wire, step_s=0.1, codec_s=0.0, sd=0.0):
     return {"key": key, "label": key, "method": method, "top1_mean": top1, "top1_sd": sd,
