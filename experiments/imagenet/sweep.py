@@ -180,39 +180,51 @@ def launch(train_args: list, log: Path, console: Path, nproc: int, timeout: floa
 
 def run_grid(grid: list, seeds: list, common_args: list, epochs: int, out: Path, *,
              nproc: int = 2, timeout: float = 1800, csc_args: list = (), extra_args: list = (),
-             progress: bool = True, launcher=launch) -> dict:
+             jobs: int = 1, progress: bool = True, launcher=launch) -> dict:
     """Run every (setting, seed) whose log is not finished; return {(key, seed): error}.
 
     Seed-major order: an interrupted sweep has every setting at the first seeds. Runs that fail
     are recorded and skipped (the next call retries them). One tqdm bar counts the runs.
+    jobs: runs at a time (each is its own torchrun; they share the machine's cores).
     """
+    from concurrent.futures import ThreadPoolExecutor, as_completed
+
     from tqdm import tqdm
 
-    jobs = [(s, seed) for seed in seeds for s in grid]
+    runs = [(s, seed) for seed in seeds for s in grid]
     args_of = {(s, seed): run_args(s, seed, common_args, epochs, csc_args, extra_args)
-               for s, seed in jobs}
-    todo = [j for j in jobs if not finished(out, *j, args_of[j], epochs)]
+               for s, seed in runs}
+    todo = [j for j in runs if not finished(out, *j, args_of[j], epochs)]
     failures = {}
     (out / "logs").mkdir(parents=True, exist_ok=True)
-    bar = tqdm(total=len(jobs), initial=len(jobs) - len(todo), desc="sweep", unit="run",
+    bar = tqdm(total=len(runs), initial=len(runs) - len(todo), desc="sweep", unit="run",
                disable=not progress, dynamic_ncols=True, file=sys.stdout)
-    for setting, seed in todo:
-        bar.set_postfix_str(f"{setting.label} seed {seed}")
+
+    def one(setting: Setting, seed: int) -> float:
         log, meta, console = log_paths(out, setting, seed)
         meta.unlink(missing_ok=True)
         t0 = time.perf_counter()
-        try:
-            launcher(args_of[setting, seed], log, console, nproc, timeout)
-        except RuntimeError as exc:
-            failures[setting.key, seed] = str(exc)
-            bar.write(f"  {setting.label} seed {seed} failed: {exc} (see {console})")
-        else:
-            meta.write_text(json.dumps({"train_args": args_of[setting, seed], "nproc": nproc,
-                                        "wall_s": round(time.perf_counter() - t0, 1)}) + "\n")
-            last = read_log(log)[-1]
-            bar.write(f"  {setting.label:<18} seed {seed}: top-1 {last['val_top1']:6.2f}  "
-                      f"{time.perf_counter() - t0:5.0f} s")
-        bar.update(1)
+        launcher(args_of[setting, seed], log, console, nproc, timeout)
+        meta.write_text(json.dumps({"train_args": args_of[setting, seed], "nproc": nproc,
+                                    "wall_s": round(time.perf_counter() - t0, 1)}) + "\n")
+        return time.perf_counter() - t0
+
+    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        pending = {pool.submit(one, *job): job for job in todo}
+        for done in as_completed(pending):
+            setting, seed = pending[done]
+            try:
+                wall = done.result()
+            except RuntimeError as exc:
+                failures[setting.key, seed] = str(exc)
+                bar.write(f"  {setting.label} seed {seed} failed: {exc} "
+                          f"(see {log_paths(out, setting, seed)[2]})")
+            else:
+                last = read_log(log_paths(out, setting, seed)[0])[-1]
+                bar.write(f"  {setting.label:<18} seed {seed}: top-1 {last['val_top1']:6.2f}  "
+                          f"{wall:5.0f} s")
+            bar.set_postfix_str(f"last: {setting.label} seed {seed}")
+            bar.update(1)
     bar.close()
     return failures
 
@@ -267,6 +279,7 @@ def parse_args(argv=None):
     p.add_argument("--nproc", default=2, type=int, help="ranks per run (CPU processes or GPUs)")
     p.add_argument("--dist-backend", default="gradientflow")
     p.add_argument("--timeout", default=1800, type=float, help="seconds allowed per run")
+    p.add_argument("--jobs", default=1, type=int, help="runs at a time (they share the cores)")
     p.add_argument("--out", type=Path, default=HERE / "results" / "sweep", help="results folder")
     p.add_argument("--no-run", action="store_true", help="only report from OUT/logs")
     p.add_argument("--link-gbps", default="1,10,56", help="link speeds to recommend a setting for")
@@ -317,7 +330,7 @@ def main(argv=None) -> int:
     if not args.no_run:
         failures = run_grid(grid, seeds, common, args.epochs, args.out, nproc=args.nproc,
                             timeout=args.timeout, csc_args=CSC_RECIPE,
-                            extra_args=shlex.split(args.train_args))
+                            extra_args=shlex.split(args.train_args), jobs=args.jobs)
     from sweep_report import report
 
     report(grid, seeds, args, links, common + shlex.split(args.train_args), CSC_RECIPE)

@@ -121,6 +121,19 @@ def test_an_interrupted_sweep_reruns_only_what_is_unfinished(tmp_path):
     assert len(longer.calls) == 8  # another epoch count is another run
 
 
+def test_runs_at_a_time_run_each_job_once_and_resume_the_same(tmp_path):
+    grid = sweep.build_grid([0.1, 0.01], [1024])
+    launcher = FakeLauncher(epochs=1, fail={"fp16-seed1.jsonl"})
+    failures = sweep.run_grid(grid, [0, 1], ["data"], 1, tmp_path, jobs=3, progress=False,
+                              launcher=launcher)
+    assert sorted(launcher.calls) == sorted(
+        (f"{s.key}-seed{seed}.jsonl", seed) for seed in (0, 1) for s in grid)
+    assert list(failures) == [("fp16", 1)]
+    again = FakeLauncher(epochs=1)
+    sweep.run_grid(grid, [0, 1], ["data"], 1, tmp_path, jobs=3, progress=False, launcher=again)
+    assert again.calls == [("fp16-seed1.jsonl", 1)]
+
+
 def test_a_run_with_other_arguments_is_not_reused(tmp_path):
     grid = [Setting("dense")]
     _run(tmp_path, FakeLauncher(epochs=1), grid, seeds=(0,))
