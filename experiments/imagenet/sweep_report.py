@@ -21,7 +21,7 @@ import json
 import statistics
 from pathlib import Path
 
-from sweep import log_paths, read_log
+from sweep import BUILTIN_DATA_SUFFIX, log_paths, read_log
 
 
 def collect(grid: list, seeds: list, out: Path, epochs: int) -> dict:
@@ -206,6 +206,8 @@ def report(grid: list, seeds: list, args, links: list, common: list,
     rows = summarise(runs)
     ranks = args.ranks or args.nproc
     recs = [recommend(rows, g, args.within, ranks, args.latency_us) for g in links]
+    # The built-in data's path names the checkout: show it from the repository root.
+    common = [BUILTIN_DATA_SUFFIX if str(a).endswith(BUILTIN_DATA_SUFFIX) else a for a in common]
     header = "\n".join([
         f"## CSC sweep: {args.epochs} epochs per run, {args.nproc} ranks, seeds "
         f"{', '.join(map(str, seeds))}", "",
