@@ -32,12 +32,15 @@ CSC = ["--compression", "csc", "--wire-dtype", "fp16", "--warmup", "3", "--warmu
 SETTINGS = {
     "dense": ("dense FP32", ["--compression", "none"]),
     "fp16": ("FP16", ["--compression", "fp16", "--wire-dtype", "fp16"]),
-    "csc-10%": ("CSC 10%", CSC + ["--density", "0.1"]),
-    "csc-1%": ("CSC 1%", CSC + ["--density", "0.01"]),
-    "csc-0.1%": ("CSC 0.1%", CSC + ["--density", "0.001"]),
-    # DGC's momentum correction: the compressor accumulates velocity (SGD then runs without
-    # momentum), so what waits in the residual is the momentum-corrected update, not the raw gradient.
+    # Error feedback alone: the optimizer keeps its momentum.
+    "csc-10%": ("CSC 10%", CSC + ["--density", "0.1", "--no-momentum-correction"]),
+    "csc-1%": ("CSC 1%", CSC + ["--density", "0.01", "--no-momentum-correction"]),
+    "csc-0.1%": ("CSC 0.1%", CSC + ["--density", "0.001", "--no-momentum-correction"]),
+    # DGC's momentum correction: the compressor accumulates velocity (SGD's momentum moves into
+    # it), so what waits in the residual is the momentum-corrected update, not the raw gradient.
     "csc-1%-mc": ("CSC 1% + MC", CSC + ["--density", "0.01", "--momentum-correction"]),
+    # The library's default recipe, nothing else set.
+    "csc-default": ("CSC 1% default", ["--compression", "csc", "--density", "0.01"]),
 }
 
 # One schedule for every setting (RECIPE, shared with the sweep): ResNet-18 (torchvision,

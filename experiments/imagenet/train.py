@@ -102,8 +102,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup-period", default=None, type=int,
                    help="epochs (or steps) per warm-up stage (default: the library's)")
     p.add_argument("--momentum-correction", default=None, action=argparse.BooleanOptionalAction,
-                   help="CSC: DGC momentum correction (the compressor keeps the momentum; SGD then runs "
-                   "without) (default: the library's)")
+                   help="CSC: DGC momentum correction: the hook takes SGD's --momentum into the "
+                   "compressor (default: the library's, on)")
+    p.add_argument("--clip-norm", default=None, type=float,
+                   help="CSC: DGC's local gradient clipping, the L2 bound of the summed gradient "
+                   "(default: none)")
     p.add_argument("--fusion-threshold", default=None, help="lazy-allreduce fusion threshold, e.g. 64MB "
                    "(passed to the gradientflow backend as pg_options)")
     p.add_argument("--bucket-cap-mb", default=25.0, type=float, help="DDP bucket size in MB (a compressed unit)")
@@ -157,7 +160,6 @@ class Config:
     lr_schedule: str
     lr_steps: tuple
     momentum: float
-    sgd_momentum: float       # 0 when the compressor applies the momentum (--momentum-correction)
     weight_decay: float
     lars: bool
     lars_eta: float
@@ -210,11 +212,11 @@ def build_compression_config(args, warmup: tuple):
     # Only what the user set is passed: the rest is the library's default recipe.
     kwargs = dict(method=args.compression, wire_dtype=args.wire_dtype or "fp16")
     if args.compression == "csc":
+        # No momentum: under momentum correction the hook takes the optimizer's.
         given = dict(warmup_densities=warmup, warmup_unit=args.warmup_unit,
                      warmup_period=args.warmup_period, momentum_correction=args.momentum_correction,
-                     chunk_size=args.chunk_size)
-        kwargs.update(density=args.density, momentum=args.momentum,
-                      **{k: v for k, v in given.items() if v is not None})
+                     chunk_size=args.chunk_size, clip_norm=args.clip_norm)
+        kwargs.update(density=args.density, **{k: v for k, v in given.items() if v is not None})
     try:
         return CompressionConfig(**kwargs)
     except (TypeError, ValueError) as exc:
@@ -274,7 +276,6 @@ def resolve(args: argparse.Namespace, env=os.environ) -> Config:
         batch_size=args.batch_size, per_rank_batch=args.batch_size // world_size,
         peak_lr=args.lr * args.batch_size / args.lr_base_batch, lr_warmup_epochs=args.lr_warmup_epochs,
         lr_schedule=args.lr_schedule, lr_steps=lr_steps, momentum=args.momentum,
-        sgd_momentum=0.0 if getattr(comp, "momentum_correction", False) and comp.method == "csc" else args.momentum,
         weight_decay=args.weight_decay, lars=args.lars, lars_eta=args.lars_eta,
         label_smoothing=args.label_smoothing, amp=args.amp, seed=args.seed,
         world_size=world_size, rank=int(env.get("RANK", "0")), local_rank=int(env.get("LOCAL_RANK", "0")),
@@ -386,11 +387,11 @@ class LARS(torch.optim.SGD):
 
 def build_optimizer(model: nn.Module, cfg: Config) -> torch.optim.Optimizer:
     if not cfg.lars:
-        return torch.optim.SGD(model.parameters(), lr=cfg.peak_lr, momentum=cfg.sgd_momentum, weight_decay=cfg.weight_decay)
+        return torch.optim.SGD(model.parameters(), lr=cfg.peak_lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
     matrices = [p for p in model.parameters() if p.ndim > 1]
     vectors = [p for p in model.parameters() if p.ndim <= 1]
     return LARS([{"params": matrices, "lars": True}, {"params": vectors, "lars": False, "weight_decay": 0.0}],
-                lr=cfg.peak_lr, momentum=cfg.sgd_momentum, weight_decay=cfg.weight_decay, eta=cfg.lars_eta)
+                lr=cfg.peak_lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay, eta=cfg.lars_eta)
 
 
 def learning_rate(cfg: Config, epoch: float) -> float:
@@ -459,12 +460,13 @@ class DenseAllreduce:
 class GradientFlowHook:
     """gradientflow.hooks.register's state, seen through the same four calls as DenseAllreduce."""
 
-    def __init__(self, ddp_model: TimedDDP, config, grad_scaler):
+    def __init__(self, ddp_model: TimedDDP, config, grad_scaler, optimizer):
         import gradientflow.hooks
 
         self.ddp = ddp_model
         self.state = gradientflow.hooks.register(
-            ddp_model, config, grad_scaler=grad_scaler if grad_scaler.is_enabled() else None)
+            ddp_model, config, optimizer=optimizer,  # momentum correction takes its momentum
+            grad_scaler=grad_scaler if grad_scaler.is_enabled() else None)
 
     def set_epoch(self, epoch: int) -> None:
         self.state.set_epoch(epoch)  # drives the dense warm-up
@@ -675,7 +677,7 @@ def main(argv=None) -> int:
         optimizer = build_optimizer(model, cfg)
         scaler = torch.amp.GradScaler(device.type, enabled=cfg.amp and device.type == "cuda")
         comm = (DenseAllreduce(ddp) if cfg.compression == "none"
-                else GradientFlowHook(ddp, cfg.compression_config, scaler))
+                else GradientFlowHook(ddp, cfg.compression_config, scaler, optimizer))
         start_epoch, best_acc1 = cfg.start_epoch, 0.0
         if cfg.resume:
             start_epoch, best_acc1 = load_checkpoint(cfg, ddp, optimizer, scaler, comm, device)

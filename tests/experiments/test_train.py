@@ -117,16 +117,15 @@ def test_unset_csc_flags_leave_the_library_defaults():
     default = CompressionConfig(method="csc")
     comp = cfg.compression_config
     for field in ("warmup_densities", "warmup_unit", "warmup_period", "momentum_correction",
-                  "chunk_size"):
+                  "chunk_size", "momentum", "clip_norm"):
         assert getattr(comp, field) == getattr(default, field), field
-    assert cfg.sgd_momentum == (0.0 if default.momentum_correction else cfg.momentum)
-    on = train.resolve(train.parse_args(["--dummy", "--compression", "csc",
-                                         "--momentum-correction", "--chunk-size", "256"]), env={})
-    assert on.compression_config.momentum_correction and on.sgd_momentum == 0.0
-    assert on.compression_config.chunk_size == 256
+    on = train.resolve(train.parse_args(["--dummy", "--compression", "csc", "--momentum-correction",
+                                         "--chunk-size", "256", "--clip-norm", "2"]), env={})
+    assert on.compression_config.momentum_correction and on.compression_config.chunk_size == 256
+    assert on.compression_config.clip_norm == 2.0
     off = train.resolve(train.parse_args(["--dummy", "--compression", "csc",
                                           "--no-momentum-correction"]), env={})
-    assert not off.compression_config.momentum_correction and off.sgd_momentum == cfg.momentum
+    assert not off.compression_config.momentum_correction
 
 
 def test_alexnet_bn_is_an_arch_with_batch_norm_after_every_hidden_layer():
