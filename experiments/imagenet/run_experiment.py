@@ -13,10 +13,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -24,6 +22,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from prepare import DEFAULT_OUT as DIGITS, prepare  # noqa: E402
+from sweep import DIGITS_RECIPE as RECIPE, launch  # noqa: E402
 
 # The only thing that differs between settings: how gradients cross the wire. CSC sends FP16
 # values (the paper's mixed-precision wire) after a short dense warm-up in steps (DGC's first three
@@ -33,36 +32,32 @@ CSC = ["--compression", "csc", "--wire-dtype", "fp16", "--warmup", "3", "--warmu
 SETTINGS = {
     "dense": ("dense FP32", ["--compression", "none"]),
     "fp16": ("FP16", ["--compression", "fp16", "--wire-dtype", "fp16"]),
-    "csc-10%": ("CSC 10%", CSC + ["--density", "0.1"]),
-    "csc-1%": ("CSC 1%", CSC + ["--density", "0.01"]),
-    "csc-0.1%": ("CSC 0.1%", CSC + ["--density", "0.001"]),
-    # DGC's momentum correction: the compressor accumulates velocity (SGD then runs without
-    # momentum), so what waits in the residual is the momentum-corrected update, not the raw gradient.
+    # Error feedback alone: the optimizer keeps its momentum.
+    "csc-10%": ("CSC 10%", CSC + ["--density", "0.1", "--no-momentum-correction"]),
+    "csc-1%": ("CSC 1%", CSC + ["--density", "0.01", "--no-momentum-correction"]),
+    "csc-0.1%": ("CSC 0.1%", CSC + ["--density", "0.001", "--no-momentum-correction"]),
+    # DGC's momentum correction: the compressor accumulates velocity (SGD's momentum moves into
+    # it), so what waits in the residual is the momentum-corrected update, not the raw gradient.
     "csc-1%-mc": ("CSC 1% + MC", CSC + ["--density", "0.01", "--momentum-correction"]),
+    # The library's default recipe, nothing else set.
+    "csc-default": ("CSC 1% default", ["--compression", "csc", "--density", "0.01"]),
 }
 
-# One schedule for every setting: ResNet-18 (torchvision, unchanged) on 32x32 upscaled digits,
-# global batch 64 (32 per rank), SGD momentum 0.9, cosine LR from 0.05 after a one-epoch warm-up.
-RECIPE = ["-a", "resnet18", "--image-size", "32", "--num-classes", "10", "--augment", "light",
-          "-b", "64", "--lr", "0.05", "--lr-base-batch", "64", "--lr-schedule", "cosine",
-          "--lr-warmup-epochs", "1", "--wd", "5e-4", "-j", "0", "--no-checkpoint"]
+# One schedule for every setting (RECIPE, shared with the sweep): ResNet-18 (torchvision,
+# unchanged) on 32x32 upscaled digits, global batch 64 (32 per rank), SGD momentum 0.9, cosine LR
+# from 0.05 after a one-epoch warm-up.
 
 
 def run_one(key: str, seed: int, epochs: int, out: Path, nproc: int, backend: str, timeout: float) -> Path:
     """Train one (setting, seed) and return its JSON-lines log."""
     log = out / "logs" / f"{key}-seed{seed}.jsonl"
-    log.parent.mkdir(parents=True, exist_ok=True)
-    log.unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           str(HERE / "train.py"), str(DIGITS), *RECIPE, *SETTINGS[key][1], "--epochs", str(epochs),
-           "--seed", str(seed), "--dist-backend", backend, "--json-log", str(log)]
-    env = dict(os.environ, OMP_NUM_THREADS="1")  # ranks share the cores: one thread each
+    args = [str(DIGITS), *RECIPE, *SETTINGS[key][1], "--epochs", str(epochs), "--seed", str(seed),
+            "--dist-backend", backend]
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-    (out / "logs" / f"{key}-seed{seed}.out").write_text(proc.stdout + proc.stderr)
-    if proc.returncode != 0:
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-5:]
-        raise RuntimeError(f"run {key} seed {seed} failed (exit {proc.returncode}): " + " | ".join(tail))
+    try:
+        launch(args, log, out / "logs" / f"{key}-seed{seed}.out", nproc, timeout)
+    except RuntimeError as exc:
+        raise RuntimeError(f"run {key} seed {seed} failed ({exc})") from None
     print(f"  {SETTINGS[key][0]:<12} seed {seed}: {time.perf_counter() - t0:5.1f} s, "
           f"top-1 {read_log(log)[-1]['val_top1']:.2f}", flush=True)
     return log
@@ -177,6 +172,11 @@ def plot(runs: dict, summary: dict, out: Path) -> list:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if any(a.split("=")[0] in ("--densities", "--chunk-sizes") for a in argv):
+        import sweep  # the density x chunk-size grid (issue: tuning the sparsity)
+
+        return sweep.main(argv)
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--demo", action="store_true", help="short version: CSC 1%% (momentum correction), one seed, 6 epochs")
     p.add_argument("--settings", nargs="+", choices=list(SETTINGS), default=None)
@@ -204,7 +204,7 @@ def main(argv=None) -> int:
             runs[key] = [read_log(out / "logs" / f"{key}-seed{s}.jsonl") if args.no_run else
                          read_log(run_one(key, s, epochs, out, args.nproc, args.dist_backend, args.timeout))
                          for s in seeds]
-    except (RuntimeError, subprocess.TimeoutExpired) as exc:
+    except RuntimeError as exc:
         print(f"run_experiment.py: error: {exc}; logs in {out / 'logs'}", file=sys.stderr)
         return 1
     summary = summarise(runs, {key: backend_of(out, key, seeds) for key in runs})

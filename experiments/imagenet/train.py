@@ -48,6 +48,9 @@ import torch.distributed as dist
 import torch.nn as nn
 import torchvision.models as tv_models
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from models import ARCHS  # noqa: E402  (models.py sits beside this script)
+
 PROG = "train.py"
 
 
@@ -67,7 +70,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = _Parser(prog=PROG, description="Train a torchvision model with GradientFlow (see the module docstring).")
     # --- pytorch/examples imagenet/main.py flags, names and meanings kept ---
     p.add_argument("data", nargs="?", default="imagenet", help="dataset root with train/ and val/ (ImageFolder)")
-    p.add_argument("-a", "--arch", default="resnet18", help="torchvision.models classification model name")
+    p.add_argument("-a", "--arch", default="resnet18", help="torchvision.models classification model "
+                   "name, or alexnet_bn (AlexNet with batch normalisation, the large-batch variant)")
     p.add_argument("-j", "--workers", default=4, type=int, help="DataLoader workers per rank (started by forkserver/spawn)")
     p.add_argument("--epochs", default=90, type=int, help="number of total epochs to run")
     p.add_argument("--start-epoch", default=0, type=int, help="manual epoch number (useful on restarts)")
@@ -89,14 +93,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--chunk-size", default=None, type=int, help="CSC: elements per chunk (default: the library's)")
     p.add_argument("--wire-dtype", default=None, choices=["fp32", "fp16", "bf16"],
                    help="dtype of the values on the wire (default: fp16 for fp16, the library's for csc)")
-    p.add_argument("--warmup", default="4", help="CSC dense warm-up: N stages of DGC's decaying density "
-                   "(0.25, 0.0625, 0.0156, 0.0039; never below --density), a comma list of densities, or none")
-    p.add_argument("--warmup-unit", default="epoch", choices=["epoch", "step"], help="what one warm-up stage counts")
-    p.add_argument("--warmup-period", default=1, type=int, help="epochs (or steps) per warm-up stage")
-    p.add_argument("--momentum-correction", action="store_true",
-                   help="CSC: DGC momentum correction (the compressor keeps the momentum; SGD then runs without)")
+    # The CSC recipe flags default to None: unset, the library's own defaults apply.
+    p.add_argument("--warmup", default=None, help="CSC dense warm-up: N stages of DGC's decaying density "
+                   "(0.25, 0.0625, 0.0156, 0.0039; never below --density), a comma list of densities, or none "
+                   "(default: the library's)")
+    p.add_argument("--warmup-unit", default=None, choices=["epoch", "step"],
+                   help="what one warm-up stage counts (default: the library's)")
+    p.add_argument("--warmup-period", default=None, type=int,
+                   help="epochs (or steps) per warm-up stage (default: the library's)")
+    p.add_argument("--momentum-correction", default=None, action=argparse.BooleanOptionalAction,
+                   help="CSC: DGC momentum correction: the hook takes SGD's --momentum into the "
+                   "compressor (default: the library's, on)")
+    p.add_argument("--clip-norm", default=None, type=float,
+                   help="CSC: DGC's local gradient clipping, the L2 bound of the summed gradient "
+                   "(default: none)")
     p.add_argument("--fusion-threshold", default=None, help="lazy-allreduce fusion threshold, e.g. 64MB "
-                   "(exported as GRADIENTFLOW_FUSION_THRESHOLD before init)")
+                   "(passed to the gradientflow backend as pg_options)")
     p.add_argument("--bucket-cap-mb", default=25.0, type=float, help="DDP bucket size in MB (a compressed unit)")
     # --- training recipe ---
     p.add_argument("--amp", action="store_true", help="mixed precision (fp16+GradScaler on CUDA, bf16 on CPU)")
@@ -148,7 +160,6 @@ class Config:
     lr_schedule: str
     lr_steps: tuple
     momentum: float
-    sgd_momentum: float       # 0 when the compressor applies the momentum (--momentum-correction)
     weight_decay: float
     lars: bool
     lars_eta: float
@@ -162,7 +173,7 @@ class Config:
     dist_backend: str
     compression: str
     compression_config: object  # gradientflow.compression.CompressionConfig, or None for "none"
-    fusion_threshold: str | None
+    backend_options: dict | None  # gradientflow options for init_process_group's pg_options
     bucket_cap_mb: float
     # output
     resume: str
@@ -172,9 +183,6 @@ class Config:
     checkpoint_dir: str
     checkpoint: bool
     fault_kill_at_step: int   # -1: no fault injected
-
-
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMG]i?B|B)?\s*$", re.IGNORECASE)
 
 
 def dgc_warmup(spec: str, target: float) -> tuple:
@@ -201,13 +209,14 @@ def build_compression_config(args, warmup: tuple):
     except ImportError as exc:
         raise ConfigError(f"--compression {args.compression} is waiting on gradientflow.hooks.register and "
                           f"gradientflow.compression.CompressionConfig ({exc}); use --compression none for now")
+    # Only what the user set is passed: the rest is the library's default recipe.
     kwargs = dict(method=args.compression, wire_dtype=args.wire_dtype or "fp16")
     if args.compression == "csc":
-        kwargs.update(density=args.density, warmup_densities=warmup, warmup_unit=args.warmup_unit,
-                      warmup_period=args.warmup_period, momentum_correction=args.momentum_correction,
-                      momentum=args.momentum)
-        if args.chunk_size is not None:
-            kwargs["chunk_size"] = args.chunk_size
+        # No momentum: under momentum correction the hook takes the optimizer's.
+        given = dict(warmup_densities=warmup, warmup_unit=args.warmup_unit,
+                     warmup_period=args.warmup_period, momentum_correction=args.momentum_correction,
+                     chunk_size=args.chunk_size, clip_norm=args.clip_norm)
+        kwargs.update(density=args.density, **{k: v for k, v in given.items() if v is not None})
     try:
         return CompressionConfig(**kwargs)
     except (TypeError, ValueError) as exc:
@@ -216,9 +225,9 @@ def build_compression_config(args, warmup: tuple):
 
 def resolve(args: argparse.Namespace, env=os.environ) -> Config:
     """Validate the arguments and derive the run's values; raise ConfigError with one sentence."""
-    if args.arch not in tv_models.list_models(module=tv_models):
+    if args.arch not in ARCHS and args.arch not in tv_models.list_models(module=tv_models):
         raise ConfigError(f"unknown arch {args.arch!r}: choose a torchvision.models classification model, "
-                          f"e.g. alexnet, resnet18, resnet50")
+                          f"e.g. alexnet, resnet18, resnet50, or one of {', '.join(ARCHS)}")
     if not args.dummy:
         for split in ("train", "val"):
             if not os.path.isdir(os.path.join(args.data, split)):
@@ -228,8 +237,16 @@ def resolve(args: argparse.Namespace, env=os.environ) -> Config:
         raise ConfigError(f"--density must lie in (0, 1] (the fraction of chunks sent), got {args.density}")
     if args.chunk_size is not None and args.chunk_size < 1:
         raise ConfigError(f"--chunk-size must be a positive number of elements, got {args.chunk_size}")
-    if args.fusion_threshold is not None and not _SIZE.match(args.fusion_threshold):
-        raise ConfigError(f"--fusion-threshold {args.fusion_threshold!r} is not a size such as 64MB or 1048576")
+    backend_options = None
+    if args.fusion_threshold is not None:
+        if args.dist_backend != "gradientflow":
+            raise ConfigError(f"--fusion-threshold is a gradientflow option; --dist-backend is {args.dist_backend}")
+        from gradientflow.config import parse_size
+
+        try:  # the backend's own parser: one meaning of "64MB" everywhere
+            backend_options = {"fusion_threshold": parse_size(args.fusion_threshold, "--fusion-threshold")}
+        except ValueError as exc:
+            raise ConfigError(str(exc))
     resume = args.resume
     if resume == "auto":  # the same command line starts a run and resumes it after a restart
         resume = os.path.join(args.checkpoint_dir, "checkpoint.pth.tar")
@@ -250,7 +267,7 @@ def resolve(args: argparse.Namespace, env=os.environ) -> Config:
     world_size = int(env.get("WORLD_SIZE", "1"))
     if args.batch_size < world_size or args.batch_size % world_size:
         raise ConfigError(f"-b {args.batch_size} (the global batch) must be a multiple of the world size {world_size}")
-    warmup = dgc_warmup(args.warmup, args.density)
+    warmup = None if args.warmup is None else dgc_warmup(args.warmup, args.density)
     comp = None if args.compression == "none" else build_compression_config(args, warmup)
     return Config(
         data=args.data, dummy=args.dummy, arch=args.arch, num_classes=args.num_classes,
@@ -259,12 +276,11 @@ def resolve(args: argparse.Namespace, env=os.environ) -> Config:
         batch_size=args.batch_size, per_rank_batch=args.batch_size // world_size,
         peak_lr=args.lr * args.batch_size / args.lr_base_batch, lr_warmup_epochs=args.lr_warmup_epochs,
         lr_schedule=args.lr_schedule, lr_steps=lr_steps, momentum=args.momentum,
-        sgd_momentum=0.0 if (args.momentum_correction and args.compression == "csc") else args.momentum,
         weight_decay=args.weight_decay, lars=args.lars, lars_eta=args.lars_eta,
         label_smoothing=args.label_smoothing, amp=args.amp, seed=args.seed,
         world_size=world_size, rank=int(env.get("RANK", "0")), local_rank=int(env.get("LOCAL_RANK", "0")),
         dist_backend=args.dist_backend, compression=args.compression, compression_config=comp,
-        fusion_threshold=args.fusion_threshold, bucket_cap_mb=args.bucket_cap_mb,
+        backend_options=backend_options, bucket_cap_mb=args.bucket_cap_mb,
         resume=resume, evaluate=args.evaluate, print_freq=args.print_freq, log=args.log,
         checkpoint_dir=args.checkpoint_dir, checkpoint=not args.no_checkpoint,
         fault_kill_at_step=args.fault_kill_at_step,
@@ -275,15 +291,15 @@ def resolve(args: argparse.Namespace, env=os.environ) -> Config:
 # Process group, data, model, optimiser.
 # --------------------------------------------------------------------------------------------
 def init_distributed(cfg: Config) -> torch.device:
-    """Create the process group (env://, set by torchrun; a free local port when run alone)."""
+    """Create the process group (env://, set by torchrun; a free local port when run alone).
+
+    Backend options travel as pg_options, which the backend resolves once with its defaults.
+    """
+    init_method = "env://"
     if "MASTER_ADDR" not in os.environ:  # plain `python train.py`: a one-rank group on this machine
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
-            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(s.getsockname()[1]),
-                              RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-    if cfg.fusion_threshold is not None:
-        # The backend reads its configuration once, at init, from GRADIENTFLOW_* variables.
-        os.environ["GRADIENTFLOW_FUSION_THRESHOLD"] = cfg.fusion_threshold.strip()
+            init_method = f"tcp://127.0.0.1:{s.getsockname()[1]}"
     if cfg.dist_backend == "gradientflow":
         import gradientflow  # noqa: F401  registers the backend (the entry point does too)
     if torch.cuda.is_available():
@@ -291,8 +307,9 @@ def init_distributed(cfg: Config) -> torch.device:
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-    dist.init_process_group(backend=cfg.dist_backend, init_method="env://",
-                            world_size=cfg.world_size, rank=cfg.rank)
+    options = {"pg_options": cfg.backend_options} if cfg.backend_options else {}
+    dist.init_process_group(backend=cfg.dist_backend, init_method=init_method,
+                            world_size=cfg.world_size, rank=cfg.rank, **options)
     return device
 
 
@@ -332,6 +349,13 @@ def make_loader(dataset, cfg: Config, sampler, device) -> torch.utils.data.DataL
         pin_memory=device.type == "cuda", drop_last=sampler is not None)
 
 
+def build_model(cfg: Config) -> nn.Module:
+    """The --arch model, randomly initialised: ours (ARCHS) or torchvision's."""
+    if cfg.arch in ARCHS:
+        return ARCHS[cfg.arch](num_classes=cfg.num_classes)
+    return tv_models.get_model(cfg.arch, weights=None, num_classes=cfg.num_classes)
+
+
 class LARS(torch.optim.SGD):
     """SGD whose update of each weight matrix is scaled by eta*||w|| / (||g + wd*w||) (You et al. 2017).
 
@@ -363,11 +387,11 @@ class LARS(torch.optim.SGD):
 
 def build_optimizer(model: nn.Module, cfg: Config) -> torch.optim.Optimizer:
     if not cfg.lars:
-        return torch.optim.SGD(model.parameters(), lr=cfg.peak_lr, momentum=cfg.sgd_momentum, weight_decay=cfg.weight_decay)
+        return torch.optim.SGD(model.parameters(), lr=cfg.peak_lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
     matrices = [p for p in model.parameters() if p.ndim > 1]
     vectors = [p for p in model.parameters() if p.ndim <= 1]
     return LARS([{"params": matrices, "lars": True}, {"params": vectors, "lars": False, "weight_decay": 0.0}],
-                lr=cfg.peak_lr, momentum=cfg.sgd_momentum, weight_decay=cfg.weight_decay, eta=cfg.lars_eta)
+                lr=cfg.peak_lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay, eta=cfg.lars_eta)
 
 
 def learning_rate(cfg: Config, epoch: float) -> float:
@@ -436,12 +460,13 @@ class DenseAllreduce:
 class GradientFlowHook:
     """gradientflow.hooks.register's state, seen through the same four calls as DenseAllreduce."""
 
-    def __init__(self, ddp_model: TimedDDP, config, grad_scaler):
+    def __init__(self, ddp_model: TimedDDP, config, grad_scaler, optimizer):
         import gradientflow.hooks
 
         self.ddp = ddp_model
         self.state = gradientflow.hooks.register(
-            ddp_model, config, grad_scaler=grad_scaler if grad_scaler.is_enabled() else None)
+            ddp_model, config, optimizer=optimizer,  # momentum correction takes its momentum
+            grad_scaler=grad_scaler if grad_scaler.is_enabled() else None)
 
     def set_epoch(self, epoch: int) -> None:
         self.state.set_epoch(epoch)  # drives the dense warm-up
@@ -642,7 +667,7 @@ def main(argv=None) -> int:
             torch.manual_seed(cfg.seed)
             torch.backends.cudnn.deterministic = True
         train_set, val_set = build_datasets(cfg)
-        model = tv_models.get_model(cfg.arch, weights=None, num_classes=cfg.num_classes).to(device)
+        model = build_model(cfg).to(device)
         # DDP re-buckets parameters by gradient order after its first step; a resumed run would
         # do that one step late and cut other CSC chunks for that step. find_unused_parameters
         # switches the re-bucketing off, so every step of every run uses the same buckets.
@@ -652,7 +677,7 @@ def main(argv=None) -> int:
         optimizer = build_optimizer(model, cfg)
         scaler = torch.amp.GradScaler(device.type, enabled=cfg.amp and device.type == "cuda")
         comm = (DenseAllreduce(ddp) if cfg.compression == "none"
-                else GradientFlowHook(ddp, cfg.compression_config, scaler))
+                else GradientFlowHook(ddp, cfg.compression_config, scaler, optimizer))
         start_epoch, best_acc1 = cfg.start_epoch, 0.0
         if cfg.resume:
             start_epoch, best_acc1 = load_checkpoint(cfg, ddp, optimizer, scaler, comm, device)

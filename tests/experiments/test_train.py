@@ -53,6 +53,7 @@ def _gradientflow_ready() -> bool:
     (["--dummy", "--density", "1.5"], "--density"),
     (["--dummy", "--chunk-size", "0"], "--chunk-size"),
     (["--dummy", "--fusion-threshold", "lots"], "--fusion-threshold"),
+    (["--dummy", "--fusion-threshold", "64MB", "--dist-backend", "gloo"], "gradientflow option"),
     (["--dummy", "--warmup", "0.5,2"], "--warmup"),
     (["--dummy", "--resume", "/no/such/checkpoint.pth.tar"], "--resume"),
     (["--dummy", "--no-such-flag"], "unrecognized"),
@@ -88,6 +89,60 @@ def test_lr_schedule_warms_up_then_steps():
     assert train.learning_rate(cfg, 2.5) == pytest.approx(peak)
     assert train.learning_rate(cfg, 4.0) == pytest.approx(peak * 0.1)
     assert train.learning_rate(cfg, 6.0) == pytest.approx(peak * 0.01)
+
+
+def test_backend_options_go_to_init_as_pg_options_not_the_environment(monkeypatch):
+    """--fusion-threshold is parsed by gradientflow's own size parser and handed to
+    init_process_group; train.py writes nothing into os.environ."""
+    calls = []
+    monkeypatch.setattr(train.dist, "init_process_group", lambda **kw: calls.append(kw))
+    for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    cfg = train.resolve(train.parse_args(["--dummy", "--fusion-threshold", "64MiB"]), env={})
+    before = dict(os.environ)
+    train.init_distributed(cfg)
+    assert dict(os.environ) == before
+    (kw,) = calls
+    assert kw["pg_options"] == {"fusion_threshold": 64 * 2**20}
+    assert kw["backend"] == "gradientflow" and kw["init_method"].startswith("tcp://127.0.0.1:")
+    plain = train.resolve(train.parse_args(["--dummy"]), env={})
+    train.init_distributed(plain)
+    assert "pg_options" not in calls[-1]  # unset: the backend's defaults and GRADIENTFLOW_* apply
+
+
+def test_unset_csc_flags_leave_the_library_defaults():
+    from gradientflow.compression import CompressionConfig
+
+    cfg = train.resolve(train.parse_args(["--dummy", "--compression", "csc"]), env={})
+    default = CompressionConfig(method="csc")
+    comp = cfg.compression_config
+    for field in ("warmup_densities", "warmup_unit", "warmup_period", "momentum_correction",
+                  "chunk_size", "momentum", "clip_norm"):
+        assert getattr(comp, field) == getattr(default, field), field
+    on = train.resolve(train.parse_args(["--dummy", "--compression", "csc", "--momentum-correction",
+                                         "--chunk-size", "256", "--clip-norm", "2"]), env={})
+    assert on.compression_config.momentum_correction and on.compression_config.chunk_size == 256
+    assert on.compression_config.clip_norm == 2.0
+    off = train.resolve(train.parse_args(["--dummy", "--compression", "csc",
+                                          "--no-momentum-correction"]), env={})
+    assert not off.compression_config.momentum_correction
+
+
+def test_alexnet_bn_is_an_arch_with_batch_norm_after_every_hidden_layer():
+    cfg = train.resolve(train.parse_args(["--dummy", "-a", "alexnet_bn", "--num-classes", "7"]),
+                        env={})
+    model = train.build_model(cfg).eval()
+    bn = (torch.nn.BatchNorm1d, torch.nn.BatchNorm2d)
+    norms = [m for m in model.modules() if isinstance(m, bn)]
+    linear = [m for m in model.modules() if isinstance(m, (torch.nn.Conv2d, torch.nn.Linear))]
+    assert len(norms) == 7 and len(linear) == 8  # 5 conv + 2 hidden FC normalised, not the head
+    with torch.no_grad():
+        assert model(torch.randn(2, 3, 64, 64)).shape == (2, 7)
+    plain = train.build_model(train.resolve(
+        train.parse_args(["--dummy", "-a", "alexnet", "--num-classes", "7"]), env={}))
+    # torchvision's layer shapes: the same weight matrices (biases give way to BN's shift).
+    assert (sorted(tuple(p.shape) for p in model.parameters() if p.ndim > 1)
+            == sorted(tuple(p.shape) for p in plain.parameters() if p.ndim > 1))
 
 
 # ---- a tiny run -------------------------------------------------------------------------------------
