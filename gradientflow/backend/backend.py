@@ -363,10 +363,6 @@ def create_backend(dist_backend_opts, pg_options) -> GradientFlowBackend:
         dist_backend_opts.timeout, config, str(dist_backend_opts.group_id),
     )
     registry.add(backend.group_name, backend)
-    if config.autotune:
-        from gradientflow.autotune import attach_auto
-
-        attach_auto(backend)
     if config.timeline:
         from gradientflow.observability.timeline import TIMELINE
 
