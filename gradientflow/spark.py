@@ -18,7 +18,7 @@ Every rank joins one torch.distributed group with backend "gradientflow" before 
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 __all__ = ["run"]
 

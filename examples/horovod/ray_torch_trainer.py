@@ -9,7 +9,6 @@ extra: pip install 'ray[train]'.
 """
 import argparse
 
-import ray
 import torch
 from ray import train
 from ray.train import ScalingConfig

@@ -1,4 +1,5 @@
-"""GradientFlow compression layer: compressors (one per file) + error-feedback memory; no communication.
+"""GradientFlow compression layer: compressors (one per file) + error-feedback memory; no
+communication.
 
 A compressor turns one flat float32 gradient buffer and its layout into a StageGen (see
 gradientflow.engine.stages); `make_compressor(config, world_size)` builds the one a
@@ -20,9 +21,28 @@ from .checkpoint import RESIZE_POLICIES, gather_shards, shard_for_rank
 from .selection import QUOTAS, select_pool
 
 __all__ = [
-    "CompressionConfig", "DEFAULT_MOMENTUM", "DENSE_FIRST_WARMUP", "DGC_WARMUP", "WIRE_DTYPES", "Layout", "ResidualMemory",
-    "CompressionStats", "Compressor", "NoCompression", "HalfCompressor", "CSCCompressor",
-    "Method", "attach_hook", "available", "compressor_class", "lookup", "make_compressor",
+    "CompressionConfig",
+    "DEFAULT_MOMENTUM",
+    "DENSE_FIRST_WARMUP",
+    "DGC_WARMUP",
+    "WIRE_DTYPES",
+    "Layout",
+    "ResidualMemory",
+    "CompressionStats",
+    "Compressor",
+    "NoCompression",
+    "HalfCompressor",
+    "CSCCompressor",
+    "Method",
+    "attach_hook",
+    "available",
+    "compressor_class",
+    "lookup",
+    "make_compressor",
     "register_compressor",
-    "RESIZE_POLICIES", "gather_shards", "shard_for_rank", "QUOTAS", "select_pool",
+    "RESIZE_POLICIES",
+    "gather_shards",
+    "shard_for_rank",
+    "QUOTAS",
+    "select_pool",
 ]

@@ -38,14 +38,20 @@ class Compressor(abc.ABC):
 
     @classmethod
     def applies_momentum(cls, config: CompressionConfig) -> bool:
-        """Whether this method applies momentum itself under `config` (so the optimizer must not)."""
+        """Whether this method applies momentum itself under `config` (so the optimizer must
+        not)."""
         return False
 
     def __init__(self, config: CompressionConfig, world_size: int) -> None:
         if not isinstance(config, CompressionConfig):
-            raise TypeError(f"{type(self).__name__}: config must be a CompressionConfig, got {type(config).__name__}")
+            raise TypeError(
+                f"{type(self).__name__}: config must be a CompressionConfig, got "
+                f"{type(config).__name__}"
+            )
         if not isinstance(world_size, int) or world_size < 1:
-            raise ValueError(f"{type(self).__name__}: world_size={world_size!r} must be an integer >= 1")
+            raise ValueError(
+                f"{type(self).__name__}: world_size={world_size!r} must be an integer >= 1"
+            )
         # --- tuned by the user ---
         self.config = config
         self.world_size = world_size
@@ -54,7 +60,8 @@ class Compressor(abc.ABC):
         self.epoch = 0
         self.step = 0
         self._epoch_told = False
-        self._step_non_finite = False  # a bucket of this step reduced to inf/NaN: undo the step's commits
+        # a bucket of this step reduced to inf/NaN: undo the step's commits
+        self._step_non_finite = False
         # --- statistics ---
         self.stats = CompressionStats()
 
@@ -78,12 +85,14 @@ class Compressor(abc.ABC):
 
     # --- schedule ---------------------------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
-        """Tell the compressor the epoch (for an epoch-based warm-up), like DistributedSampler.set_epoch."""
+        """Tell the compressor the epoch (for an epoch-based warm-up), like
+        DistributedSampler.set_epoch."""
         self.epoch = int(epoch)
         self._epoch_told = True
 
     def set_step(self, step: int) -> None:
-        """Set the step counter (for a step-based warm-up resumed without this state's checkpoint)."""
+        """Set the step counter (for a step-based warm-up resumed without this state's
+        checkpoint)."""
         self.step = int(step)
 
     def end_step(self) -> None:
@@ -141,7 +150,8 @@ class Compressor(abc.ABC):
 
     # --- checkpoints ------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        """Return this rank's state: residual/momentum by parameter name (unscaled), schedule, stats."""
+        """Return this rank's state: residual/momentum by parameter name (unscaled), schedule,
+        stats."""
         return {
             "method": self.name,
             "world_size": self.world_size,
@@ -152,16 +162,21 @@ class Compressor(abc.ABC):
         }
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore one rank's state saved by `state_dict` (same method; see checkpoint.py for resizes)."""
+        """Restore one rank's state saved by `state_dict` (same method; see checkpoint.py for
+        resizes)."""
         if state.get("method") != self.name:
             raise ValueError(
-                f"{type(self).__name__}.load_state_dict: the checkpoint is for method {state.get('method')!r}, "
-                f"this compressor is {self.name!r}; build the state with the checkpoint's method")
+                f"{type(self).__name__}.load_state_dict: the checkpoint is for method "
+                f"{state.get('method')!r}, "
+                f"this compressor is {self.name!r}; build the state with the checkpoint's method"
+            )
         if int(state["world_size"]) != self.world_size:
             raise ValueError(
-                f"{type(self).__name__}.load_state_dict: this shard was saved with world size {state['world_size']}, "
+                f"{type(self).__name__}.load_state_dict: this shard was saved with world size "
+                f"{state['world_size']}, "
                 f"the group now has {self.world_size}; load the whole checkpoint through "
-                "gradientflow.compression.checkpoint.shard_for_rank, which applies a resize policy")
+                "gradientflow.compression.checkpoint.shard_for_rank, which applies a resize policy"
+            )
         self.epoch = int(state["epoch"])
         self.step = int(state["step"])
         self._epoch_told = True

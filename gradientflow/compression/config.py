@@ -37,10 +37,16 @@ DEFAULT_MOMENTUM = 0.9
 def _dtype_name(value, what: str) -> str:
     if isinstance(value, torch.dtype):
         if value not in _DTYPE_NAMES:
-            raise ValueError(f"CompressionConfig: {what}={value} is not a wire dtype; use one of {sorted(WIRE_DTYPES)}")
+            raise ValueError(
+                f"CompressionConfig: {what}={value} is not a wire dtype; use one of "
+                f"{sorted(WIRE_DTYPES)}"
+            )
         return _DTYPE_NAMES[value]
     if value not in WIRE_DTYPES:
-        raise ValueError(f"CompressionConfig: {what}={value!r} is not a wire dtype; use one of {sorted(WIRE_DTYPES)}")
+        raise ValueError(
+            f"CompressionConfig: {what}={value!r} is not a wire dtype; use one of "
+            f"{sorted(WIRE_DTYPES)}"
+        )
     return value
 
 
@@ -128,25 +134,47 @@ class CompressionConfig:
             raise ValueError(f"CompressionConfig: method={self.method!r} is unknown; use one of "
                              f"{registry.available()} (or register_compressor a new one)") from None
         object.__setattr__(self, "method", entry.name)
-        if not isinstance(self.density, (int, float)) or not (0.0 < float(self.density) <= 1.0) or math.isnan(self.density):
-            raise ValueError(f"CompressionConfig: density={self.density!r} must be in (0, 1] (the fraction of chunks sent)")
-        if not isinstance(self.chunk_size, int) or isinstance(self.chunk_size, bool) or self.chunk_size < 1:
-            raise ValueError(f"CompressionConfig: chunk_size={self.chunk_size!r} must be an integer >= 1 (elements per chunk)")
+        if (
+            not isinstance(self.density, (int, float))
+            or not (0.0 < float(self.density) <= 1.0)
+            or math.isnan(self.density)
+        ):
+            raise ValueError(
+                f"CompressionConfig: density={self.density!r} must be in (0, 1] (the fraction of "
+                "chunks sent)"
+            )
+        if (
+            not isinstance(self.chunk_size, int)
+            or isinstance(self.chunk_size, bool)
+            or self.chunk_size < 1
+        ):
+            raise ValueError(
+                f"CompressionConfig: chunk_size={self.chunk_size!r} must be an integer >= 1 "
+                "(elements per chunk)"
+            )
         if self.norm not in ("l1", "l2"):
             raise ValueError(f"CompressionConfig: norm={self.norm!r} must be 'l1' or 'l2'")
         object.__setattr__(self, "wire_dtype", _dtype_name(self.wire_dtype, "wire_dtype"))
         if self.dense_wire_dtype is not None:
-            object.__setattr__(self, "dense_wire_dtype", _dtype_name(self.dense_wire_dtype, "dense_wire_dtype"))
+            object.__setattr__(
+                self, "dense_wire_dtype", _dtype_name(self.dense_wire_dtype, "dense_wire_dtype")
+            )
         entry.compressor.check_config(self)
         stages = tuple(self.warmup_densities)
         for d in stages:
             if not isinstance(d, (int, float)) or not (0.0 < float(d) <= 1.0):
-                raise ValueError(f"CompressionConfig: warmup_densities={stages!r}: every stage must be in (0, 1]")
+                raise ValueError(
+                    f"CompressionConfig: warmup_densities={stages!r}: every stage must be in (0, 1]"
+                )
         object.__setattr__(self, "warmup_densities", stages)
         if self.warmup_unit not in ("epoch", "step"):
-            raise ValueError(f"CompressionConfig: warmup_unit={self.warmup_unit!r} must be 'epoch' or 'step'")
+            raise ValueError(
+                f"CompressionConfig: warmup_unit={self.warmup_unit!r} must be 'epoch' or 'step'"
+            )
         if not isinstance(self.warmup_period, int) or self.warmup_period < 1:
-            raise ValueError(f"CompressionConfig: warmup_period={self.warmup_period!r} must be an integer >= 1")
+            raise ValueError(
+                f"CompressionConfig: warmup_period={self.warmup_period!r} must be an integer >= 1"
+            )
         if self.momentum is not None and not (0.0 <= float(self.momentum) < 1.0):
             raise ValueError(f"CompressionConfig: momentum={self.momentum!r} must be in [0, 1) "
                              "(or None: the optimizer's)")
@@ -160,7 +188,9 @@ class CompressionConfig:
             raise ValueError(f"CompressionConfig: clip_norm={self.clip_norm!r} must be a finite "
                              "number > 0 (or None: no local clipping)")
         if not isinstance(self.min_numel, int) or self.min_numel < 0:
-            raise ValueError(f"CompressionConfig: min_numel={self.min_numel!r} must be an integer >= 0")
+            raise ValueError(
+                f"CompressionConfig: min_numel={self.min_numel!r} must be an integer >= 0"
+            )
 
     # --- derived values --------------------------------------------------------------------------
     @property

@@ -28,8 +28,10 @@ class HalfCompressor(Compressor):
         """Refuse an FP32 wire: this method exists to halve the bytes."""
         if config.wire_dtype == "fp32":
             raise ValueError(
-                "CompressionConfig: method 'fp16' casts to a half-precision wire, but wire_dtype='fp32'; "
-                "use wire_dtype 'fp16' or 'bf16' (or method 'none' for the dense FP32 average)")
+                "CompressionConfig: method 'fp16' casts to a half-precision wire, but "
+                "wire_dtype='fp32'; "
+                "use wire_dtype 'fp16' or 'bf16' (or method 'none' for the dense FP32 average)"
+            )
 
     def __init__(self, config, world_size: int) -> None:
         super().__init__(config, world_size)

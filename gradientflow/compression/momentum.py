@@ -20,7 +20,6 @@ import dataclasses
 import weakref
 from typing import Callable
 
-import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .config import CompressionConfig

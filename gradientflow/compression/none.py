@@ -13,7 +13,8 @@ __all__ = ["NoCompression"]
 
 @register_compressor("none")
 class NoCompression(Compressor):
-    """Average the FP32 buffer densely: divide by the world size, then SUM-allreduce (as DDP's allreduce_hook)."""
+    """Average the FP32 buffer densely: divide by the world size, then SUM-allreduce (as DDP's
+    allreduce_hook)."""
 
     dense_average = True
 

@@ -1,4 +1,5 @@
-"""GradientFlow's DDP communication hooks (PyTorch style: a hook function, its state class beside it).
+"""GradientFlow's DDP communication hooks (PyTorch style: a hook function, its state class beside
+it).
 
 The one-line common case::
 
@@ -16,7 +17,15 @@ from ._state import CompressionState, compression_hook
 from .csc_hook import CSCState, csc_hook
 from .fp16_hook import FP16State, fp16_hook
 
-__all__ = ["CompressionState", "compression_hook", "CSCState", "csc_hook", "FP16State", "fp16_hook", "register"]
+__all__ = [
+    "CompressionState",
+    "compression_hook",
+    "CSCState",
+    "csc_hook",
+    "FP16State",
+    "fp16_hook",
+    "register",
+]
 
 # The built-in methods' own states; a method registered without one gets CompressionState.
 attach_hook("csc", CSCState, csc_hook)
@@ -26,7 +35,8 @@ attach_hook("none", CompressionState, compression_hook)
 
 def register(ddp_model, config: CompressionConfig | None = None, process_group=None, *,
              optimizer=None, grad_scaler=None) -> CompressionState:
-    """Register the hook `config.method` names on a DDP model, with its parameter names bound; return the state.
+    """Register the hook `config.method` names on a DDP model, with its parameter names bound;
+    return the state.
 
     Args:
         ddp_model: the DistributedDataParallel model.
@@ -44,11 +54,17 @@ def register(ddp_model, config: CompressionConfig | None = None, process_group=N
     """
     config = CompressionConfig() if config is None else config
     if not isinstance(config, CompressionConfig):
-        raise TypeError(f"register: config must be a CompressionConfig, got {type(config).__name__}")
+        raise TypeError(
+            f"register: config must be a CompressionConfig, got {type(config).__name__}"
+        )
     entry = lookup(config.method)
     state_cls, hook = entry.state or CompressionState, entry.hook or compression_hook
-    state = state_cls(process_group if process_group is not None else getattr(ddp_model, "process_group", None),
-                      config, grad_scaler=grad_scaler, optimizer=optimizer)
+    state = state_cls(
+        process_group if process_group is not None else getattr(ddp_model, "process_group", None),
+        config,
+        grad_scaler=grad_scaler,
+        optimizer=optimizer,
+    )
     state.bind_parameter_names(ddp_model.module)
     ddp_model.register_comm_hook(state, hook)
     return state

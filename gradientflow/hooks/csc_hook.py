@@ -14,7 +14,8 @@ __all__ = ["CSCState", "csc_hook"]
 
 
 class CSCState(CompressionState):
-    """Hold CSC's per-rank state: error-feedback residuals by parameter name, warm-up position, stats.
+    """Hold CSC's per-rank state: error-feedback residuals by parameter name, warm-up position,
+    stats.
 
     Args:
         process_group: the group to average over (None: the default group).

@@ -1,4 +1,6 @@
-"""Horovod's broadcast_parameters and broadcast_optimizer_state: start every rank from root's state."""
+"""Horovod's broadcast_parameters and broadcast_optimizer_state: start every rank from root's
+state."""
+
 from __future__ import annotations
 
 from typing import Any, Iterable, Mapping

@@ -193,7 +193,7 @@ def write_report(out: Path, calibration: dict | None = None, quick: bool = False
                      [[name] + [r["speedup"] for r in rows if r["method"] == name]
                       for name in METHODS]), ""]
         at = [r for r in rows if r["gpus"] == 512]
-        md += [f"At 512 GPUs: " + "; ".join(
+        md += ["At 512 GPUs: " + "; ".join(
             f"{r['method']} {r['step_ms']:.3g} ms/step, {r['exposed_ms']:.3g} ms exposed, "
             f"{r['messages']} messages, {r['wire_MB']:.3g} MB sent per GPU, epoch "
             f"{r['epoch_s']:.3g} s" for r in at) + ".", ""]

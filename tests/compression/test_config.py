@@ -38,7 +38,13 @@ def test_defaults_and_dtype_names():
     cfg = CompressionConfig(wire_dtype=torch.bfloat16)
     assert cfg.wire_dtype == "bf16" and cfg.torch_wire_dtype is torch.bfloat16
     d = CompressionConfig()
-    assert (d.method, d.density, d.chunk_size, d.norm, d.wire_dtype) == ("csc", 0.01, 1024, "l1", "fp16")
+    assert (d.method, d.density, d.chunk_size, d.norm, d.wire_dtype) == (
+        "csc",
+        0.01,
+        1024,
+        "l1",
+        "fp16",
+    )
     with pytest.raises(Exception):
         d.density = 0.5  # frozen
 

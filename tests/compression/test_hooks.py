@@ -1,4 +1,6 @@
-"""The hook states: names bound from the model, layouts from buckets, checkpointable, pickle without the group."""
+"""The hook states: names bound from the model, layouts from buckets, checkpointable, pickle without
+the group."""
+
 from __future__ import annotations
 
 import pickle
@@ -33,7 +35,9 @@ class Bucket:
 
 def _model():
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(40, 50), torch.nn.BatchNorm1d(50), torch.nn.Linear(50, 3))
+    return torch.nn.Sequential(
+        torch.nn.Linear(40, 50), torch.nn.BatchNorm1d(50), torch.nn.Linear(50, 3)
+    )
 
 
 def _step(states, models, seed):
@@ -42,7 +46,9 @@ def _step(states, models, seed):
     for m in models:
         params = list(m.parameters())
         grads = [torch.randn(p.shape, generator=gen) for p in params]
-        per_rank.append([Bucket(0, params[4:], False, grads[4:]), Bucket(1, params[:4], True, grads[:4])])
+        per_rank.append(
+            [Bucket(0, params[4:], False, grads[4:]), Bucket(1, params[:4], True, grads[:4])]
+        )
     outs = []
     for b in range(2):
         outs.append(drive_lockstep([s._stages(per_rank[r][b]) for r, s in enumerate(states)]))

@@ -203,7 +203,7 @@ def alltoall_body(rank, world):
         out, recv = hvd.alltoall(x, splits=torch.tensor(splits, dtype=torch.int32))
         assert recv.dtype == torch.int32 and recv.tolist() == [rank + r + 1
                                                                for r in range(world)]
-        parts, start = [], 0
+        parts = []
         for r in range(world):
             theirs = [i + r + 1 for i in range(world)]
             first = sum(theirs[:rank])
