@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 # torch would download a multi-GB build.
 TORCH_PINS := torch==2.14.1 torchvision==0.29.1
 
-.PHONY: install test lint demo bench bench-quick experiment simulate test-ray clean
+.PHONY: install test lint demo bench bench-quick experiment sweep simulate test-ray clean
 
 install: $(STAMP)
 
@@ -35,6 +35,11 @@ bench-quick: install
 
 experiment: install
 	$(PY) experiments/imagenet/run_experiment.py
+
+# density and chunk size against accuracy, bytes and a recommendation per link speed (resumes)
+sweep: install
+	$(PY) experiments/imagenet/run_experiment.py --densities 0.1,0.03,0.01,0.003,0.001 \
+		--chunk-sizes 256,1024,4096 --seeds 0,1,2 --epochs 6
 
 # the scale model's tables, plots and calibration (benchmarks/results/simulate/)
 simulate: install
