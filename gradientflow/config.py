@@ -69,6 +69,37 @@ def _parse_int(value: Any, name: str, lo: int, hi: int) -> int:
     return out
 
 
+ALGORITHMS = ("ring", "hierarchical", "reduction_server", "auto")
+
+
+def _parse_choice(value: Any, name: str, choices: tuple[str, ...]) -> str:
+    s = str(value).strip().lower()
+    if s not in choices:
+        raise ValueError(f"{name}={value!r} is not one of {', '.join(choices)}")
+    return s
+
+
+def _torchrun_host(environ: Mapping[str, str]) -> str:
+    """This rank's host key: torchrun numbers a node's ranks RANK - LOCAL_RANK onwards, so that
+    first rank names the node (two torchrun nodes on one machine stay two hosts)."""
+    import socket
+
+    name = socket.gethostname()
+    try:
+        return f"{name}/{int(environ['RANK']) - int(environ['LOCAL_RANK'])}"
+    except (KeyError, ValueError):
+        return name
+
+
+def rendezvous_endpoint(environ: Mapping[str, str] | None = None) -> tuple[str, int] | None:
+    """The workers' store as (host, port) from MASTER_ADDR/MASTER_PORT, else None (reducers)."""
+    environ = os.environ if environ is None else environ
+    if "MASTER_ADDR" in environ and "MASTER_PORT" in environ:
+        return environ["MASTER_ADDR"], _parse_int(environ["MASTER_PORT"], "MASTER_PORT", 1,
+                                                  65535)
+    return None
+
+
 @dataclasses.dataclass(frozen=True)
 class Config:
     """Backend configuration: one frozen value per process group, passed down to every layer."""
@@ -145,6 +176,17 @@ class Config:
     inspect_interval_s: float = 1.0
     # Chrome-trace timeline path ("" disables); {rank} is substituted.
     timeline: str = ""
+    # --- collective algorithms (gradientflow/algorithms, docs/ALGORITHMS.md) ---
+    # How fused messages and compressed stage messages are allreduced: ring (the transport's
+    # own allreduce), hierarchical (reduce in each host, allreduce across one rank per host,
+    # broadcast in each host), reduction_server (shards through `reducers` reducer
+    # processes), auto (per message, by the cost model in algorithms/auto.py).
+    algorithm: str = "ring"
+    # Reducer processes serving this job (python -m gradientflow.reducer --reducers R); 0: none.
+    reducers: int = 0
+    # This rank's host for the hierarchy ("" : from torchrun's RANK - LOCAL_RANK and the
+    # machine's name, so ranks of one torchrun node share a host).
+    host: str = ""
 
     # Fields, their env names and parsers, in one table so validation is uniform.
     @staticmethod
@@ -164,6 +206,9 @@ class Config:
             "stall_abort_s": lambda v, n: _parse_float(v, n, 0.0, 86400.0),
             "inspect_interval_s": lambda v, n: _parse_float(v, n, 0.0, 3600.0),
             "timeline": lambda v, n: str(v),
+            "algorithm": lambda v, n: _parse_choice(v, n, ALGORITHMS),
+            "reducers": lambda v, n: _parse_int(v, n, 0, 4096),
+            "host": lambda v, n: str(v),
         }
 
     @classmethod
@@ -188,6 +233,8 @@ class Config:
             env_name = ENV_PREFIX + field.upper()
             if env_name in environ:
                 values[field] = parse(environ[env_name], env_name)
+        if "host" not in values:
+            values["host"] = _torchrun_host(environ)
         if "LOCAL_WORLD_SIZE" in environ and "local_world_size" not in values:
             values["local_world_size"] = parsers["local_world_size"](
                 environ["LOCAL_WORLD_SIZE"], "LOCAL_WORLD_SIZE")

@@ -21,6 +21,7 @@ from torch._C._distributed_c10d import (
     ReduceOp,
 )
 
+from gradientflow.algorithms import Algorithms
 from gradientflow.backend import validate as V
 from gradientflow.config import Config, current_overrides
 from gradientflow.engine.engine import Engine
@@ -128,8 +129,16 @@ class GradientFlowBackend(_CBackend):
         # A side group for the agreement rounds, so that they never pair with data messages.
         agree = _make_gloo(store, rank, size, timeout, "gradientflow/agree/")
         self._agree = agree
+        # [algorithms] Fused, solo, stage and scheduler messages are allreduced under the
+        # group's algorithm (ring: the transport itself); subgroups on the same transports.
+        self.algorithms = Algorithms(
+            config, store, rank, size, timeout.total_seconds(),
+            lambda dev, r, n, p: Transports.factories[dev](store, r, n, timeout, p),
+            group_name or "gradientflow")
+        self._solo_for = self.algorithms.channel("solo", self.solo_transports.get)
         self.engine = Engine(rank, size, config, timeout.total_seconds(),
-                             self.transports.get, agree, name=group_name or "gradientflow")
+                             self.algorithms.channel("fused", self.transports.get), agree,
+                             name=group_name or "gradientflow")
         # The keyed scheduler is a second ordered stream (see engine/scheduler.py): its own
         # agreement group and its own transports, created on first use by every rank.
         self._store = store
@@ -174,7 +183,8 @@ class GradientFlowBackend(_CBackend):
                 self._sched_transports = Transports(store, rank, size, timeout,
                                                     prefix="gradientflow/sched-")
                 self._scheduler = KeyedScheduler(
-                    rank, size, self._sched_agree, self._sched_transports.get,
+                    rank, size, self._sched_agree,
+                    self.algorithms.channel("sched", self._sched_transports.get),  # [algorithms]
                     self.config.schedule_credit,
                     timeout.total_seconds(), name=self.group_name or "gradientflow")
             return self._scheduler
@@ -188,6 +198,7 @@ class GradientFlowBackend(_CBackend):
         self.engine.close()
         self.transports.shutdown()
         self.solo_transports.shutdown()
+        self.algorithms.shutdown()  # [algorithms]
         try:
             self._agree.shutdown()
         except Exception:  # noqa: BLE001
@@ -264,7 +275,7 @@ class GradientFlowBackend(_CBackend):
         if engine.on_solo_channel(t.device, nbytes):
             # Connected here on first use, outside the engine's lock: a rank that arrives first
             # waits for the others, whose engine threads must still run their rounds.
-            tp = self.solo_transports.get(t.device)
+            tp = self._solo_for(t.device)  # [algorithms] the solo channel's algorithm
             self._seq_for_group += 1
             return self._issue("all_reduce", lambda: engine.submit_solo(
                 lambda: tp.allreduce(tensors, opts), t), t, opts, t.device, rop)

@@ -39,6 +39,7 @@ from typing import Any, Callable, Hashable
 import torch
 from torch._C._distributed_c10d import AllreduceOptions, ReduceOp
 
+from gradientflow.algorithms.base import StepFailed
 from gradientflow.config import Config
 from gradientflow.engine import completion, streams
 from gradientflow.engine.fusion import (FusableOp, Message, SegmentPool, pack, plan_messages,
@@ -752,6 +753,11 @@ class Engine:
             with self._cv:
                 self._inflight -= 1
                 self._cv.notify_all()
+        if isinstance(error, StepFailed):
+            # [algorithms] Failed alike on every rank (agreed): only this message's ops fail;
+            # the group stays usable for the next message.
+            self._finish_ops(msg.ops, error)
+            return
         if error is not None:
             # Fail the group first, so these Works carry its explained error (which rank died,
             # what differed) like every later call, not the transport's raw one.
@@ -864,6 +870,8 @@ class Engine:
             STATS.record_bytes(0, op.dense_bytes)
             self._stage_event(codec_name, tl.CAT_CODEC, t0, t1, lane)
             completion.complete(op.fut, stop.value, stream=stream)
+        except StepFailed as exc:  # [algorithms] agreed on every rank: the group goes on
+            completion.complete(op.fut, error=exc)
         except BaseException as exc:
             completion.complete(op.fut, error=self._fail(exc))
             raise
