@@ -37,6 +37,7 @@ from gradientflow.algorithms.base import StepFailed, record_bytes
 NAME = "reduction_server"
 NAMESPACE = "gradientflow/rs/"
 CHUNK_BYTES = 2**20
+WAIT_FRACTION = 0.75  # of the group timeout: waits for reducers end before the callers' waits
 MAGIC = 0x6766_7273  # "gfrs"
 HEADER = 6  # int64: magic, message number, shard numel, dtype code, op code, chunk numel
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64,
@@ -49,6 +50,17 @@ def root_store(store):
     MASTER_ADDR/MASTER_PORT or torchrun's endpoint)."""
     while isinstance(store, PrefixStore):
         store = store.underlying_store
+    return store
+
+
+def own_client(store, timeout_s: float):
+    """A client connection of our own to the job's TCPStore: a wait for a reducer must not
+    hold the connection the group's inspector checks in through (other stores: shared)."""
+    from torch.distributed import TCPStore
+
+    if isinstance(store, TCPStore):
+        return TCPStore(store.host, store.port, is_master=False, wait_for_workers=False,
+                        timeout=datetime.timedelta(seconds=timeout_s))
     return store
 
 
@@ -109,7 +121,7 @@ class ReductionServerChannel:
         self.timeout_s = timeout_s
         self.channel = channel
         self.label = group_label
-        self._store = PrefixStore(NAMESPACE, root_store(store))
+        self._store = PrefixStore(NAMESPACE, own_client(root_store(store), timeout_s))
         self._ns = f"{channel}/"
         self._status: Any = None
         self._reducers = [_Reducer() for _ in range(reducers)]
@@ -120,6 +132,11 @@ class ReductionServerChannel:
     # ---------------------------------------------------------------- setup
     def _timeout(self) -> datetime.timedelta:
         return datetime.timedelta(seconds=self.timeout_s)
+
+    def _budget(self) -> datetime.timedelta:
+        """How long a wait for a reducer may take: 3/4 of the group timeout, so that the
+        agreed failure reaches every caller's wait() before that wait's own timeout."""
+        return datetime.timedelta(seconds=WAIT_FRACTION * self.timeout_s)
 
     def _ensure_status(self) -> None:
         if self._status is not None:
@@ -144,7 +161,7 @@ class ReductionServerChannel:
         for j in needed:
             r = self._reducers[j]
             try:
-                self._store.wait([f"{self._ns}r{j}/up{r.min_gen}"], self._timeout())
+                self._store.wait([f"{self._ns}r{j}/up{r.min_gen}"], self._budget())
                 ok.append(1)
                 gens.append(self._store.add(f"{self._ns}r{j}/gen", 0))
             except Exception:  # noqa: BLE001 - a timeout: this reducer is missing
@@ -156,7 +173,7 @@ class ReductionServerChannel:
             raise StepFailed(
                 f"gradientflow: rank {self.rank}: reduction_server on process group "
                 f"{self.label}: reducer(s) {missing} of {self.R} did not join within "
-                f"{self.timeout_s:.0f} s (channel {self.channel}): start them with `python -m "
+                f"{WAIT_FRACTION * self.timeout_s:.1f} s (channel {self.channel}): start them with `python -m "
                 f"gradientflow.reducer --workers {self.size} --reducers {self.R}` against this "
                 "job's store (MASTER_ADDR/MASTER_PORT or torchrun's --rdzv-endpoint), or use "
                 "algorithm=ring")
@@ -240,7 +257,7 @@ class ReductionServerChannel:
                     recvs.append((j, g.recv([flat[a:b]], n, 1 + c)))
                 except Exception as exc:  # noqa: BLE001
                     errors.setdefault(j, str(exc))
-        deadline = time.monotonic() + self.timeout_s
+        deadline = time.monotonic() + WAIT_FRACTION * self.timeout_s
         for j, w in sends + recvs:
             if j in errors:
                 continue
