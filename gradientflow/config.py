@@ -184,9 +184,11 @@ class Config:
     algorithm: str = "ring"
     # Reducer processes serving this job (python -m gradientflow.reducer --reducers R); 0: none.
     reducers: int = 0
-    # This rank's host for the hierarchy ("" : from torchrun's RANK - LOCAL_RANK and the
-    # machine's name, so ranks of one torchrun node share a host).
+    # This rank's host for the hierarchy ("": `node` below).
     host: str = ""
+    # Resolved, not an option: torchrun's node as the machine's name and RANK - LOCAL_RANK,
+    # so the ranks of one torchrun node share a host (the machine's name alone without it).
+    node: str = ""
 
     # Fields, their env names and parsers, in one table so validation is uniform.
     @staticmethod
@@ -233,8 +235,7 @@ class Config:
             env_name = ENV_PREFIX + field.upper()
             if env_name in environ:
                 values[field] = parse(environ[env_name], env_name)
-        if "host" not in values:
-            values["host"] = _torchrun_host(environ)
+        values["node"] = _torchrun_host(environ)
         if "LOCAL_WORLD_SIZE" in environ and "local_world_size" not in values:
             values["local_world_size"] = parsers["local_world_size"](
                 environ["LOCAL_WORLD_SIZE"], "LOCAL_WORLD_SIZE")

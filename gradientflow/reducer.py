@@ -146,14 +146,17 @@ def serve(store, index: int, reducers: int, workers: int | None,
     while not stop.is_set():
         key = f"channel/{seen}"
         try:
-            ns.wait([key], datetime.timedelta(seconds=1))
+            ns.wait([key], datetime.timedelta(seconds=60))
         except Exception:  # noqa: BLE001 - no new channel yet
             continue
         name, size, timeout_s = ns.get(key).decode().split("|")
         seen += 1
         if workers and int(size) != workers and name.startswith("0."):
             _log(f"channel {name} has {size} workers, --workers said {workers}")
-        server = ChannelServer(ns, name, int(size), float(timeout_s), index, reducers)
+        # A store client of its own per channel: this thread's long waits for the next
+        # channel must not hold the connection a channel's rendezvous goes through.
+        own = PrefixStore(rs.NAMESPACE, rs.own_client(store, 300.0))
+        server = ChannelServer(own, name, int(size), float(timeout_s), index, reducers)
         t = threading.Thread(target=server.run, name=f"reducer-{name}", daemon=True)
         t.start()
         threads.append(t)

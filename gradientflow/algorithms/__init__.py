@@ -54,16 +54,25 @@ class Algorithms:
         """Which ranks share a host (read through the store once, by every rank)."""
         with self._lock:
             if self._topo is None:
-                self._topo = discover(self._store, self.rank, self.size, self._config.host,
+                self._topo = discover(self._store, self.rank, self.size,
+                                      self._config.host or self._config.node,
                                       self.timeout_s,
                                       local_world_size=self._config.local_world_size)
             return self._topo
 
+    def known_topology(self) -> Topology | None:
+        """The topology if it is worth knowing for ring's counters: discovered when the
+        hierarchy was asked for, or when a host was named or torchrun says ranks are spread
+        over hosts (LOCAL_WORLD_SIZE below the group's size); else None."""
+        if self._topo is None:
+            c = self._config
+            if c.host or 0 < c.local_world_size < self.size:
+                return self.topology()
+        return self._topo
+
     def channel(self, name: str, transport_for: Callable[[torch.device], Any]
                 ) -> Callable[[torch.device], Any]:
-        """`transport_for` of one channel: ring returns the transport itself."""
-        if self.name == "ring":
-            return transport_for
+        """`transport_for` of one channel: under ring the transport, with its bytes counted."""
         ch = Channel(self, name, transport_for)
         self._channels.append(ch)
         return ch.transport_for
@@ -129,6 +138,8 @@ class Channel:
 
         a = self.algos
         name = a.name
+        if name == "ring":
+            return name
         nbytes = tensor.numel() * tensor.element_size()
         if name == "auto":
             reducers = a.reducers if rs.supports(tensor, opts) else 0
@@ -149,8 +160,8 @@ class Channel:
         name = self.pick(t, opts)
         a = self.algos
         if name == "ring":
-            topo = a._topo  # counted per host when the hierarchy is known already
-            return _ring.allreduce(self._base(device), t, opts, a.rank, a.size, topo)
+            return _ring.allreduce(self._base(device), t, opts, a.rank, a.size,
+                                   a.known_topology())
         with self._lock:
             if name == "hierarchical":
                 hier = self._hierarchical()

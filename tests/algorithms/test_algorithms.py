@@ -114,8 +114,10 @@ def test_config_validation():
     assert Config.resolve(environ={"GRADIENTFLOW_ALGORITHM": "auto"}).algorithm == "auto"
     # torchrun's node: its first global rank names the host.
     cfg = Config.resolve(environ={"RANK": "5", "LOCAL_RANK": "1"})
-    assert cfg.host.endswith("/4")
+    assert cfg.node.endswith("/4") and cfg.host == ""
     assert Config.resolve({"host": "a"}, environ={"RANK": "5", "LOCAL_RANK": "1"}).host == "a"
+    with pytest.raises(ValueError, match="unknown gradientflow option 'node'"):
+        Config.resolve({"node": "x"}, environ={})
 
 
 def test_reduction_server_needs_reducers():
