@@ -77,9 +77,31 @@ class Algorithms:
         self._channels.append(ch)
         return ch.transport_for
 
+    def transports(self, name: str, base: Any) -> "ChannelTransports":
+        """A channel standing in for a `Transports` (the engine's solo channel takes one)."""
+        return ChannelTransports(self.channel(name, base.get), base)
+
     def shutdown(self) -> None:
         for ch in self._channels:
             ch.shutdown()
+
+
+class ChannelTransports:
+    """`get(device)` through a channel; everything else (existing(), for the barrier) is the
+    underlying Transports'."""
+
+    def __init__(self, get: Callable[[torch.device], Any], base: Any) -> None:
+        self._get = get
+        self._base = base
+
+    def get(self, device: torch.device) -> Any:
+        # The transport is connected here, as the engine expects of get(): on the caller's
+        # thread before it takes the engine's lock (the first rank there waits for the others).
+        self._base.get(device)
+        return self._get(device)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._base, name)
 
 
 class _Bound:
@@ -93,6 +115,10 @@ class _Bound:
 
     def allreduce(self, tensors, opts=None):
         return self.channel.allreduce(self.device, tensors, opts)
+
+    def __getattr__(self, name: str) -> Any:
+        # Every other collective (eager ones, barriers) is the transport's own.
+        return getattr(self.channel._base(self.device), name)
 
 
 class _Works:

@@ -42,7 +42,7 @@ def match_ring(rank, world, algorithms, n_examples, extra):
     from hypothesis import strategies as st
 
     from gradientflow.algorithms import algorithm_stats, reset_algorithm_stats
-    from gradientflow.backend.backend import backend_of
+    from gradientflow.backend.api import submit_stages
 
     groups = _groups(rank, algorithms, **extra)
     reset_algorithm_stats()
@@ -64,14 +64,12 @@ def match_ring(rank, world, algorithms, n_examples, extra):
         for name, pg in groups.items():
             got = [x.clone() for x in xs]
             if staged:  # compressed-stage style: a generator whose messages are allreduced
-                eng = backend_of(pg).engine
-
                 def gen(ts):
                     for t in ts:
                         t.copy_((yield t))
                     return ts
 
-                fut = eng.submit_stages("stages", gen(got), torch.device("cpu"))
+                fut = submit_stages(pg, ("test", name), gen(got))
                 fut.wait()
             else:
                 works = [dist.all_reduce(g, group=pg, async_op=True) for g in got]
