@@ -165,8 +165,9 @@ def run_hosts(rate: float | None, model: str, reps: int, timeout_s: float) -> li
         res = launch("benchmarks.bench_algorithms:hosts_worker", 4,
                      {"model": model, "reps": reps}, cluster=placed, timeout_s=timeout_s)
         if not res.ok:
+            print(res.error, file=sys.stderr)
             return [{"setup": "2 hosts x 2", "tier": ShapeConfig(rate_gbps=rate).label,
-                     "error": res.error[-400:]}]
+                     "error": res.error.splitlines()[0][:300]}]
         d = res.results[0]["bytes"]
         ring_s = median(res.results[0]["ring"]["s"])
         for alg in ("ring", "hierarchical"):

@@ -13,6 +13,7 @@ Without --index it starts --reducers processes, one per index, and waits for the
 from __future__ import annotations
 
 import argparse
+import collections
 import datetime
 import os
 import subprocess
@@ -25,6 +26,7 @@ import torch
 from gradientflow.algorithms import reduction_server as rs
 
 _FOREVER = datetime.timedelta(days=7)  # a reducer waits for workers as long as it lives
+DEPTH = 4  # pieces whose receives are posted ahead of the one being reduced
 
 
 def _log(msg: str) -> None:
@@ -103,17 +105,32 @@ class ChannelServer:
         _, _, numel, code, op, chunk = h
         dtype = rs.DTYPES[code]
         pieces = rs.chunk_bounds(numel, chunk)
-        bufs = [torch.empty(min(chunk, numel), dtype=dtype) for _ in range(n)]
-        nxt = [torch.empty_like(b) for b in bufs]
+        size = min(chunk, numel)
+        # A piece flows once its receive is posted (gloo's unbound buffers wait for it): DEPTH
+        # pieces stay posted ahead of the one being reduced, so the links never wait on us.
+        pool = [[torch.empty(size, dtype=dtype) for _ in range(n)] for _ in range(DEPTH + 1)]
+        posted: collections.deque = collections.deque()
+        nxt = 0
+
+        def post() -> None:
+            nonlocal nxt
+            if nxt < len(pieces):
+                a, b = pieces[nxt]
+                bufs = pool.pop()
+                posted.append((bufs, [group.recv([bufs[w][:b - a]], w, 1 + nxt)
+                                      for w in range(n)]))
+                nxt += 1
+
+        for _ in range(DEPTH):
+            post()
         # Two result buffers: piece c's sends may still read one while c+1 is reduced into
         # the other; piece c+2 waits for piece c's sends first.
-        outs = [torch.empty(min(chunk, numel), dtype=dtype) for _ in range(2)]
+        outs = [torch.empty(size, dtype=dtype) for _ in range(2)]
         sending: list[list] = [[], []]
-        pending = self._post(group, pieces, 0, bufs)
         for c in range(len(pieces)):
-            # Post the next piece's receives before reducing this one: the links stay busy.
-            ahead = self._post(group, pieces, c + 1, nxt)
-            for w in pending:
+            post()
+            bufs, works = posted.popleft()
+            for w in works:
                 w.wait(self.timeout)
             a, b = pieces[c]
             for s in sending[c % 2]:
@@ -121,17 +138,9 @@ class ChannelServer:
             res = outs[c % 2][:b - a]
             _reduce([x[:b - a] for x in bufs], op, res)
             sending[c % 2] = [group.send([res], w, 1 + c) for w in range(n)]
-            bufs, nxt = nxt, bufs
-            pending = ahead
+            pool.append(bufs)
         for s in sending[0] + sending[1]:
             s.wait(self.timeout)
-
-    @staticmethod
-    def _post(group, pieces, c, bufs) -> list:
-        if c >= len(pieces):
-            return []
-        a, b = pieces[c]
-        return [group.recv([bufs[w][:b - a]], w, 1 + c) for w in range(len(bufs))]
 
 
 def serve(store, index: int, reducers: int, workers: int | None,

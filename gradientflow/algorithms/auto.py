@@ -19,9 +19,8 @@ ring with extra steps), reduction_server only when reducers are configured and t
 on CPU with a reduce op the reducers implement. The choice is a pure function of the message
 size and the topology, so every rank makes the same one.
 
-What the rule gives (n = 4, 2 hosts x 2): ring below ~0.5 MB (its fewer steps win), then
-hierarchical for larger messages only when B_x is small next to B_l; with R >= n/... reducers
-the reduction server above a few hundred KB. docs/ALGORITHMS.md tabulates it.
+What the rule gives at n = 4 is tabulated in docs/ALGORITHMS.md (tests/algorithms checks
+some of its rows).
 """
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ import subprocess
 import sys
 
 WORLD = 4
-PG_TIMEOUT_S = 20.0
+PG_TIMEOUT_S = 60.0  # reducers import torch first: slow on a loaded machine
 
 
 def _start_reducer(index: int, reducers: int):
