@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 # torch would download a multi-GB build.
 TORCH_PINS := torch==2.14.1 torchvision==0.29.1
 
-.PHONY: install test test-fast demo bench bench-quick experiment clean
+.PHONY: install test lint demo bench bench-quick experiment simulate test-ray clean
 
 install: $(STAMP)
 
@@ -15,11 +15,14 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH_PINS)
-	$(PY) -m pip install -q -e ".[test,experiments]" $(TORCH_PINS)
+	$(PY) -m pip install -q -e ".[test,experiments,spark,autotune]" $(TORCH_PINS)
 	touch $(STAMP)
 
 test: install
 	$(PY) -m pytest -q tests
+
+lint: install
+	$(PY) -m ruff check .
 
 demo: install
 	$(PY) experiments/imagenet/run_experiment.py --demo
@@ -32,6 +35,15 @@ bench-quick: install
 
 experiment: install
 	$(PY) experiments/imagenet/run_experiment.py
+
+# the scale model's tables, plots and calibration (benchmarks/results/simulate/)
+simulate: install
+	$(PY) benchmarks/bench_simulate.py
+
+# Ray is large and optional: its test skips unless ray[train] is installed
+test-ray: install
+	$(PY) -m pip install -q -e ".[ray]" $(TORCH_PINS)
+	$(PY) -m pytest -q tests/horovod/test_ray.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

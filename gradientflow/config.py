@@ -233,7 +233,8 @@ _user_overrides: dict[str, Any] = {}
 
 
 def configure(**options: Any) -> Config:
-    """Set options for process groups created from now on (validated at once); returns them resolved."""
+    """Set options for process groups created from now on (validated at once); returns them
+    resolved."""
     cfg = Config.resolve({**_user_overrides, **options})
     _user_overrides.update({k: v for k, v in options.items() if v is not None})
     return cfg

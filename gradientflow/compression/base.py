@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import abc
-import warnings
+import math
 from typing import ClassVar, Generator
 
 import torch
@@ -26,6 +26,20 @@ class Compressor(abc.ABC):
     """
 
     name: ClassVar[str] = "?"
+    # True only for the plain dense average: the optimizer then sums in the gradients' own dtype
+    # without a compressor (and without its float32-only limit).
+    dense_average: ClassVar[bool] = False
+    # Whether the density follows the config's warm-up schedule (CSC); others ignore it.
+    uses_warmup: ClassVar[bool] = False
+
+    @classmethod
+    def check_config(cls, config: CompressionConfig) -> None:
+        """Refuse a config this method cannot run (called by CompressionConfig at construction)."""
+
+    @classmethod
+    def applies_momentum(cls, config: CompressionConfig) -> bool:
+        """Whether this method applies momentum itself under `config` (so the optimizer must not)."""
+        return False
 
     def __init__(self, config: CompressionConfig, world_size: int) -> None:
         if not isinstance(config, CompressionConfig):
@@ -40,7 +54,6 @@ class Compressor(abc.ABC):
         self.epoch = 0
         self.step = 0
         self._epoch_told = False
-        self._warned_epoch = False
         self._step_non_finite = False  # a bucket of this step reduced to inf/NaN: undo the step's commits
         # --- statistics ---
         self.stats = CompressionStats()
@@ -85,18 +98,42 @@ class Compressor(abc.ABC):
         self._step_non_finite = False
         self.step += 1
 
+    def check_schedule(self) -> None:
+        """Refuse to run an epoch-counted warm-up whose epoch nobody sets (it would never advance).
+
+        The hook state and the optimizer call it on the user's thread before a step's first
+        bucket, so the error reaches the caller instead of an engine thread.
+        """
+        cfg = self.config
+        if (self.uses_warmup and cfg.warmup_unit == "epoch" and cfg.warmup_densities
+                and not self._epoch_told):
+            raise RuntimeError(
+                f"{type(self).__name__}: the warm-up counts epochs (warmup_unit='epoch') but no "
+                "epoch was set, so it would stay at its first stage "
+                f"({cfg.density_at(0, 0):g}) for ever: call set_epoch(epoch) at the start of "
+                "every epoch (on the hook state or the DistributedOptimizer), or count steps "
+                "(warmup_unit='step', the default)")
+
     def density_in_force(self) -> float:
         """Return the density the warm-up schedule prescribes now."""
-        cfg = self.config
-        if (cfg.warmup_unit == "epoch" and cfg.warmup_densities and not self._epoch_told
-                and not self._warned_epoch and self.step == 0):
-            self._warned_epoch = True
-            warnings.warn(
-                f"{type(self).__name__}: the warm-up schedule is per epoch but no epoch was set; density "
-                f"stays at {cfg.density_at(0, 0):g} until you call set_epoch(epoch) at the start of every "
-                "epoch (or configure warmup_unit='step', or warmup_densities=() for none)",
-                RuntimeWarning, stacklevel=3)
-        return cfg.density_at(self.epoch, self.step)
+        self.check_schedule()
+        return self.config.density_at(self.epoch, self.step)
+
+    def clip_local(self, flat: torch.Tensor, layout: Layout, loss_scale: float = 1.0) -> None:
+        """DGC's local clipping: scale each parameter's gradient to norm <= clip_norm / sqrt(n).
+
+        `flat` is in loss-scaled units, so the bound is scaled too. Per parameter, as DGC's
+        implementation clips per tensor, so the result does not depend on the bucketing.
+        """
+        bound = self.config.clip_norm * float(loss_scale) / math.sqrt(self.world_size)
+        parts = [flat[start:end] for _, start, end in layout.slices() if end > start]
+        if not parts:
+            return
+        norms = torch.stack([torch.linalg.vector_norm(p) for p in parts])
+        factors = (bound / norms.clamp(min=1e-30)).clamp_(max=1.0).tolist()  # one sync
+        for p, f in zip(parts, factors):
+            if f < 1.0:
+                p.mul_(f)
 
     def in_warmup(self) -> bool:
         """Whether a warm-up stage (not the target density) is in force."""

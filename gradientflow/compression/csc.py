@@ -1,7 +1,8 @@
-"""Coarse-grained sparse communication (CSC) with error feedback and optional DGC momentum correction.
+"""Coarse-grained sparse communication (CSC) with error feedback and DGC momentum correction.
 
 Per flat buffer (one bucket), on every rank::
 
+    grad = grad scaled to norm <= clip_norm / sqrt(n) per parameter   (only with clip_norm set)
     v = grad + residual                     (momentum correction: u = m*u + grad; v = residual + u)
                                             into the spare residual buffer; grad zeroed, same pass
     norms = per-chunk L1 (or squared L2) of v, with the dense parameters' elements left out
@@ -102,6 +103,13 @@ def _fill_chunks(dst: torch.Tensor, idx: torch.Tensor, values: torch.Tensor, chu
 class CSCCompressor(Compressor):
     """Send the top ceil(density x chunks) chunks of grad + residual, agreed through allreduced chunk norms."""
 
+    uses_warmup = True
+
+    @classmethod
+    def applies_momentum(cls, config) -> bool:
+        """Under momentum correction the velocity lives here, not in the optimizer."""
+        return bool(config.momentum_correction)
+
     def __init__(self, config, world_size: int) -> None:
         super().__init__(config, world_size)
         self._plans: dict[tuple[Layout, torch.device], _Plan] = {}
@@ -128,6 +136,8 @@ class CSCCompressor(Compressor):
         k = 0 if d == numel else min(nch, max(1, math.ceil(density * nch)))
         wire_dtype, dense_dtype = cfg.torch_wire_dtype, cfg.torch_dense_wire_dtype
 
+        if cfg.clip_norm is not None:
+            self.clip_local(flat, layout, loss_scale)
         # --- v = grad + residual (+ momentum), norms; nothing persistent is modified yet ---------
         # Each state slot has a spare: the new values are written there and committed by a swap,
         # so a step found non-finite later (even in another bucket) can be undone.
@@ -139,7 +149,7 @@ class CSCCompressor(Compressor):
         mom_kw = {}
         if mc:
             mom_kw = dict(momentum=mem["momentum"], momentum_out=mem["_momentum_spare"],
-                          m=cfg.momentum, nesterov=cfg.nesterov)
+                          m=cfg.momentum_value, nesterov=cfg.nesterov)
         if ef:
             # v goes straight into the spare residual (the new residual wherever nothing is sent)
             # and the bucket is zeroed while it is in cache: after the collectives only the k sent

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from ..observability.stats import STATS
+
 __all__ = ["CompressionStats", "StepRecord"]
 
 
@@ -29,7 +31,11 @@ class StepRecord:
 
 
 class CompressionStats:
-    """Accumulate per-step wire statistics; `as_dict()` is what a hook state's `stats()` returns."""
+    """Accumulate per-step wire statistics; `as_dict()` is what a hook state's `stats()` returns.
+
+    Each bucket's selection is also reported to the process-wide sink, so
+    `gradientflow.stats()["density"]` is the density the compressors really used.
+    """
 
     def __init__(self) -> None:
         self.current = StepRecord()
@@ -54,6 +60,8 @@ class CompressionStats:
         c.elements_sent_dense += int(elements_sent_dense)
         c.density = float(density)
         c.warmup = c.warmup or bool(warmup)
+        if chunks_total:
+            STATS.record_chunks(int(chunks_sent), int(chunks_total))
 
     def end_step(self, skipped: bool = False) -> None:
         """Close the current step (a hook calls this after a backward pass's last bucket)."""

@@ -18,9 +18,8 @@ What the call sequence decides, and what local time decides:
   pair without polling, and a rank never has to answer a round it did not start itself. The
   step's last round is the one that agrees its last key; it launches everything left. begin()
   of the next step waits until the previous step's transfers completed here, so a step's rounds
-  are all issued before the next step's. (The version before counted one round per partition
-  ready and one per transfer completed, 18 for 9 partitions; a round costs each rank 0.3-0.7 ms
-  of CPU on two busy cores, measured.)
+  are all issued before the next step's. Rounds are chained, not one per event, because each
+  costs every rank CPU time.
 - WHAT each round decides: the launches after round i are a function of round i's result (the
   keys ready everywhere, the launch-sequence prefix complete everywhere) and of the rounds
   before it, processed in index order; once every key is agreed, everything left is launched.

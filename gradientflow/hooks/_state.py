@@ -15,6 +15,7 @@ import torch.distributed as dist
 from ..compression import CompressionConfig, Compressor, Layout, make_compressor
 from ..compression import checkpoint as _ckpt
 from ..backend.api import submit_stages
+from ..compression.momentum import guard_momentum, take_momentum
 from ..engine.stages import StageGen
 
 __all__ = ["CompressionState", "compression_hook", "submit"]
@@ -35,12 +36,25 @@ def submit(process_group, key, gen: StageGen, device: torch.device | None = None
     return submit_stages(process_group, key, gen, device=device, dense_bytes=dense_bytes)
 
 
-def _share_cores(world_size: int) -> None:
+def group_config(process_group):
+    """Return the gradientflow Config `process_group` was created with.
+
+    A group of another backend (gloo, nccl) carries none: it gets the options of
+    `gradientflow.configure()` and the environment, resolved by config.py as for a new group.
+    """
+    from ..backend.registry import config_of
+    from ..config import Config, current_overrides
+
+    config = config_of(process_group)
+    return config if config is not None else Config.resolve(current_overrides())
+
+
+def _share_cores(process_group, world_size: int) -> None:
     """Give the compression kernels this rank's share of the host's cores (config.kernel_threads)."""
     from .. import kernels
-    from ..config import Config, current_overrides, kernel_threads
+    from ..config import kernel_threads
 
-    kernels.set_num_threads(kernel_threads(Config.resolve(current_overrides()), world_size))
+    kernels.set_num_threads(kernel_threads(group_config(process_group), world_size))
 
 
 class CompressionState:
@@ -51,6 +65,9 @@ class CompressionState:
         config: a CompressionConfig; or leave it None and pass its fields as keyword arguments.
         grad_scaler: a GradScaler whose current scale the gradients carry (optional; see
             `set_loss_scale` for the alternative). Residuals are rescaled when it changes.
+        optimizer: the optimizer that steps these parameters. Under momentum correction (the
+            default for CSC) its momentum moves into the compressor and its own is set to 0.
+            Without it, an optimizer step that would apply momentum again raises.
         world_size, rank: override the group's (to simulate ranks in one process; default: the group's).
         **kwargs: CompressionConfig fields (only without `config`).
 
@@ -64,7 +81,8 @@ class CompressionState:
     _method: str | None = None  # a subclass fixes the method (CSCState: "csc")
 
     def __init__(self, process_group=None, config: CompressionConfig | None = None, *, grad_scaler=None,
-                 world_size: int | None = None, rank: int | None = None, **kwargs) -> None:
+                 optimizer=None, world_size: int | None = None, rank: int | None = None,
+                 **kwargs) -> None:
         if config is not None and kwargs:
             raise ValueError(f"{type(self).__name__}: pass either config or its fields {sorted(kwargs)}, not both")
         if config is None:
@@ -75,6 +93,9 @@ class CompressionState:
             raise TypeError(f"{type(self).__name__}: config must be a CompressionConfig, got {type(config).__name__}")
         if self._method is not None and config.method != self._method:
             raise ValueError(f"{type(self).__name__}: config.method={config.method!r} but this state is for {self._method!r}")
+        where = type(self).__name__
+        if optimizer is not None:
+            config = take_momentum(config, optimizer, where)
         # --- tuned by the user ---
         self.process_group = process_group
         self.config = config
@@ -83,7 +104,7 @@ class CompressionState:
         initialized = dist.is_available() and dist.is_initialized()
         self.world_size = world_size if world_size is not None else (dist.get_world_size(process_group) if initialized else 1)
         self.rank = rank if rank is not None else (dist.get_rank(process_group) if initialized else 0)
-        _share_cores(self.world_size)
+        _share_cores(process_group, self.world_size)
         self.compressor: Compressor = make_compressor(config, self.world_size)
         self._uid = next(_uid)
         self._names: dict[int, str] = {}  # id(parameter) -> name
@@ -91,6 +112,14 @@ class CompressionState:
         self._layouts: dict[tuple, Layout] = {}
         self._loss_scale = 1.0
         self._step_open = False
+        # Without the optimizer, refuse its first step if it would apply momentum a second time.
+        self._took_momentum = optimizer is not None
+        self._guard_momentum()
+
+    def _guard_momentum(self) -> None:
+        """Without the optimizer, refuse its first step if it would apply momentum a second time."""
+        self._guard = None if self._took_momentum else guard_momentum(
+            self, _compressed_ids, self.config, type(self).__name__)
 
     # --- parameter names ------------------------------------------------------------------------------
     def bind_parameter_names(self, named: "torch.nn.Module | Iterable[tuple[str, torch.Tensor]]") -> None:
@@ -154,6 +183,7 @@ class CompressionState:
     def _stages(self, bucket) -> StageGen:
         """Return the StageGen of one bucket (closes the step after the last bucket)."""
         if not self._step_open:
+            self.compressor.check_schedule()  # here, on the caller's thread, not the engine's
             self._step_open = True
             self._step_scale = self._current_loss_scale()  # one read per step: get_scale() syncs on CUDA
         layout = self.layout_of(bucket)
@@ -192,7 +222,8 @@ class CompressionState:
 
     def __getstate__(self) -> dict:
         # A process group cannot be pickled, and parameter ids mean nothing in another process.
-        state = {k: v for k, v in self.__dict__.items() if k not in ("process_group", "grad_scaler", "_names", "_layouts")}
+        state = {k: v for k, v in self.__dict__.items()
+                 if k not in ("process_group", "grad_scaler", "_names", "_layouts", "_guard")}
         return state
 
     def __setstate__(self, state: dict) -> None:
@@ -201,6 +232,11 @@ class CompressionState:
         self.grad_scaler = None
         self._names = {}
         self._layouts = {}
+        self._guard_momentum()
+
+
+def _compressed_ids(state: CompressionState) -> set[int]:
+    return set(state._names)
 
 
 def compression_hook(state: CompressionState, bucket) -> torch.futures.Future[torch.Tensor]:

@@ -75,7 +75,8 @@ class Stats:
 
     def record_message(self, tensors: int, wire_bytes: int, dense_bytes: int,
                        seconds: float = 0.0) -> None:
-        """Count one transport message: tensors packed, bytes sent, dense FP32 bytes, time on the wire."""
+        """Count one transport message: tensors packed, bytes sent, dense FP32 bytes, time on
+        the wire."""
         with self._lock:
             c = self._c
             c["fused_operations"] += 1

@@ -39,7 +39,7 @@ def _worker(rank, world, init_file, result_dir, backend="gloo"):
         plain = DDP(_model(), bucket_cap_mb=0.25)
         ours = DDP(_model(), bucket_cap_mb=0.25)
         cfg = CompressionConfig(method="csc", density=1.0, chunk_size=256, wire_dtype="fp32",
-                                dense_wire_dtype="fp32", warmup_densities=())
+                                dense_wire_dtype="fp32", warmup_densities=(), momentum_correction=False)
         state = hooks.register(ours, cfg)
         for x, y in data[:3]:
             for m in (plain, ours):
@@ -51,8 +51,10 @@ def _worker(rank, world, init_file, result_dir, backend="gloo"):
 
         # 2. CSC at 5% with many small buckets over many steps: ranks stay identical, nothing mismatches.
         model = DDP(_model(), bucket_cap_mb=0.05)
-        opt = torch.optim.SGD(model.parameters(), lr=0.05)
-        state = hooks.register(model, CompressionConfig(method="csc", density=0.05, warmup_densities=()))
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        state = hooks.register(model, CompressionConfig(method="csc", density=0.05, warmup_densities=()),
+                               optimizer=opt)  # the recipe: the optimizer's momentum moves over
+        assert state.config.momentum == 0.9 and opt.param_groups[0]["momentum"] == 0.0
         for x, y in data[:20]:
             opt.zero_grad()
             loss_fn(model(x), y).backward()

@@ -29,7 +29,8 @@ def test_nothing_lost_without_momentum(layout, world, density, chunk, steps, met
     if method == "fp16" and wire == "fp32":
         wire = "fp16"
     cfg = CompressionConfig(method=method, density=density, chunk_size=chunk, wire_dtype=wire,
-                            dense_wire_dtype=dense_wire, warmup_densities=(), min_numel=0)
+                            dense_wire_dtype=dense_wire, warmup_densities=(), min_numel=0,
+                            momentum_correction=False)
     comps = make_ranks(cfg, world)
     produced = torch.zeros(layout.numel, dtype=torch.float64)
     applied = torch.zeros_like(produced)
@@ -102,7 +103,7 @@ def test_momentum_correction_identity(layout, world, density, chunk, steps, nest
 def test_density_one_fp32_is_the_plain_average(layout, world, chunk, seed):
     """Density 1 on an FP32 wire gives what plain DDP gives (sum / world), step after step."""
     cfg = CompressionConfig(method="csc", density=1.0, chunk_size=chunk, wire_dtype="fp32",
-                            dense_wire_dtype="fp32", warmup_densities=())
+                            dense_wire_dtype="fp32", warmup_densities=(), momentum_correction=False)
     comps = make_ranks(cfg, world)
     ref = make_ranks(CompressionConfig(method="none"), world)
     for t in range(3):

@@ -21,7 +21,7 @@ def test_scaled_gradients_give_the_unscaled_result(layout, world, method, scales
     in FP16's subnormal range (hence a small absolute tolerance).
     """
     cfg = CompressionConfig(method=method, density=0.25, chunk_size=8, wire_dtype="bf16" if method == "csc" else "fp16",
-                            warmup_densities=(), min_numel=0)
+                            warmup_densities=(), min_numel=0, momentum_correction=False)
     scaled, plain = make_ranks(cfg, world), make_ranks(cfg, world)
     for t, s in enumerate(scales):
         grads = grads_for(world, layout.numel, seed + t)
@@ -34,7 +34,8 @@ def test_scaled_gradients_give_the_unscaled_result(layout, world, method, scales
 def test_untold_scale_change_would_weight_the_residual_wrongly():
     """The control: a scale change the compressor is not told of gives a different (wrong) update."""
     layout = Layout.from_shapes([("w", (64, 64))])
-    cfg = CompressionConfig(method="csc", density=0.1, chunk_size=64, wire_dtype="fp32", warmup_densities=())
+    cfg = CompressionConfig(method="csc", density=0.1, chunk_size=64, wire_dtype="fp32", warmup_densities=(),
+                            momentum_correction=False)
     told, untold, plain = make_ranks(cfg, 1), make_ranks(cfg, 1), make_ranks(cfg, 1)
     for t, s in enumerate([1024.0, 8.0, 8.0]):
         g = grads_for(1, layout.numel, t)
