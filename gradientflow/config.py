@@ -64,15 +64,6 @@ def _parse_float(value: Any, name: str, lo: float, hi: float) -> float:
     return out
 
 
-def _parse_choice(choices: tuple[str, ...]) -> Any:
-    def parse(value: Any, name: str) -> str:
-        s = str(value).strip().lower()
-        if s not in choices:
-            raise ValueError(f"{name}={value!r} is not one of {', '.join(choices)}")
-        return s
-    return parse
-
-
 def _parse_int(value: Any, name: str, lo: int, hi: int) -> int:
     try:
         out = int(str(value).strip()) if not isinstance(value, int) else value
@@ -81,6 +72,37 @@ def _parse_int(value: Any, name: str, lo: int, hi: int) -> int:
     if isinstance(value, bool) or not lo <= out <= hi:
         raise ValueError(f"{name}={value!r} is out of range; valid range [{lo}, {hi}]")
     return out
+
+
+ALGORITHMS = ("ring", "hierarchical", "reduction_server", "auto")
+
+
+def _parse_choice(value: Any, name: str, choices: tuple[str, ...]) -> str:
+    s = str(value).strip().lower()
+    if s not in choices:
+        raise ValueError(f"{name}={value!r} is not one of {', '.join(choices)}")
+    return s
+
+
+def _torchrun_host(environ: Mapping[str, str]) -> str:
+    """This rank's host key: torchrun numbers a node's ranks RANK - LOCAL_RANK onwards, so that
+    first rank names the node (two torchrun nodes on one machine stay two hosts)."""
+    import socket
+
+    name = socket.gethostname()
+    try:
+        return f"{name}/{int(environ['RANK']) - int(environ['LOCAL_RANK'])}"
+    except (KeyError, ValueError):
+        return name
+
+
+def rendezvous_endpoint(environ: Mapping[str, str] | None = None) -> tuple[str, int] | None:
+    """The workers' store as (host, port) from MASTER_ADDR/MASTER_PORT, else None (reducers)."""
+    environ = os.environ if environ is None else environ
+    if "MASTER_ADDR" in environ and "MASTER_PORT" in environ:
+        return environ["MASTER_ADDR"], _parse_int(environ["MASTER_PORT"], "MASTER_PORT", 1,
+                                                  65535)
+    return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,6 +180,20 @@ class Config:
     autotune_seed: int = 0
     autotune_sampler: str = "tpe"
 
+    # --- collective algorithms (gradientflow/algorithms, docs/ALGORITHMS.md) ---
+    # How fused messages and compressed stage messages are allreduced: ring (the transport's
+    # own allreduce), hierarchical (reduce in each host, allreduce across one rank per host,
+    # broadcast in each host), reduction_server (shards through `reducers` reducer
+    # processes), auto (per message, by the cost model in algorithms/auto.py).
+    algorithm: str = "ring"
+    # Reducer processes serving this job (python -m gradientflow.reducer --reducers R); 0: none.
+    reducers: int = 0
+    # This rank's host for the hierarchy ("": `node` below).
+    host: str = ""
+    # Resolved, not an option: torchrun's node as the machine's name and RANK - LOCAL_RANK,
+    # so the ranks of one torchrun node share a host (the machine's name alone without it).
+    node: str = ""
+
     # Fields, their env names and parsers, in one table so validation is uniform.
     @staticmethod
     def _parsers() -> dict[str, Any]:
@@ -184,7 +220,10 @@ class Config:
             "autotune_steps": lambda v, n: _parse_int(v, n, 1, 10000),
             "autotune_warmup": lambda v, n: _parse_int(v, n, 0, 10000),
             "autotune_seed": lambda v, n: _parse_int(v, n, 0, 2**31 - 1),
-            "autotune_sampler": _parse_choice(("tpe", "gp")),
+            "autotune_sampler": lambda v, n: _parse_choice(v, n, ("tpe", "gp")),
+            "algorithm": lambda v, n: _parse_choice(v, n, ALGORITHMS),
+            "reducers": lambda v, n: _parse_int(v, n, 0, 4096),
+            "host": lambda v, n: str(v),
         }
 
     @staticmethod
@@ -231,6 +270,7 @@ class Config:
             env_name = cls.env_name(field)
             if env_name in environ:
                 values[field] = parse(environ[env_name], env_name)
+        values["node"] = _torchrun_host(environ)
         if "LOCAL_WORLD_SIZE" in environ and "local_world_size" not in values:
             values["local_world_size"] = parsers["local_world_size"](
                 environ["LOCAL_WORLD_SIZE"], "LOCAL_WORLD_SIZE")

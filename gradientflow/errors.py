@@ -1,13 +1,14 @@
 """Every error gradientflow raises on purpose, in one module every layer may import.
 
-Two families: `CollectiveError` (bad arguments, refused before anything is sent: the group
-stays usable) and `EngineError` (the group can no longer make progress: a peer died, ranks
+Three families: `CollectiveError` (bad arguments, refused before anything is sent: the group
+stays usable), `StepFailed` (one message failed alike on every rank, the group goes on) and
+`EngineError` (the group can no longer make progress: a peer died, ranks
 issued different collectives, a stall was aborted, the group was destroyed).
 """
 from __future__ import annotations
 
 __all__ = ["CollectiveError", "CollectiveMismatchError", "EngineError", "PeerFailureError",
-           "StallError"]
+           "StallError", "StepFailed"]
 
 
 class CollectiveError(ValueError):
@@ -29,3 +30,11 @@ class StallError(EngineError):
 
 class PeerFailureError(EngineError):
     """A collective failed because a peer died or closed its connections."""
+
+
+class StepFailed(RuntimeError):
+    """A message failed on every rank alike (agreed), leaving the process group consistent.
+
+    The engine fails only the operations of that message with it, not the whole group: the
+    next message (the next step) may go on, e.g. once a dead reducer was restarted.
+    """

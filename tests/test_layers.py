@@ -4,8 +4,8 @@ The layers, bottom to top (a module may import its own component and any lower l
 
     0  kernels, simulate            compute kernels (numba); the scale model: leaves
     1  errors, fingerprint, config  every error; process-independent hashing; the resolved Config
-    2  observability, algorithms    the statistics sink and the timeline; collective algorithms
-    3  inspector                    check-ins, mismatch detection, stall inspection
+    2  observability                the statistics sink and the timeline
+    3  inspector, algorithms        check-ins, mismatch and stall detection; collective algorithms
     4  engine                       issue -> agreement -> messages -> completion
     5  backend                      the torch Backend, transports, the group registry and API
     6  compression                  compressors (stage generators for the engine)
@@ -29,8 +29,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1] / "gradientflow"
 LAYERS = [
     {"kernels", "simulate"},
     {"errors", "fingerprint", "config"},
-    {"observability", "algorithms"},
-    {"inspector"},
+    {"observability"},
+    {"inspector", "algorithms"},
     {"engine"},
     {"backend"},
     {"compression"},

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch._C._distributed_c10d import AllreduceOptions, Backend as _CBackend, ReduceOp
 
+from gradientflow.algorithms import Algorithms
 from gradientflow.backend import registry
 from gradientflow.backend import validate as V
 from gradientflow.backend.transports import Transports, attempt_store, make_gloo
@@ -53,9 +54,18 @@ class GradientFlowBackend(_CBackend):
             rank, size, store, timeout.total_seconds(), config, group_name or "gradientflow",
             on_fault=self._abort,
             make_group=lambda prefix: make_gloo(store, rank, size, timeout, prefix))
+        # [algorithms] Fused, solo, stage and scheduler messages are allreduced under the
+        # group's algorithm (ring: the transport, bytes counted); subgroups on the same
+        # transports.
+        self.algorithms = Algorithms(
+            config, store, rank, size, timeout.total_seconds(),
+            lambda dev, r, n, p: Transports.factories[dev](store, r, n, timeout, p),
+            group_name or "gradientflow")
         self.engine = Engine(rank, size, config, timeout.total_seconds(),
-                             self.transports.get, agree, name=group_name or "gradientflow",
-                             solo=self.solo_transports, inspector=self.inspector)
+                             self.algorithms.channel("fused", self.transports.get), agree,
+                             name=group_name or "gradientflow",
+                             solo=self.algorithms.transports("solo", self.solo_transports),
+                             inspector=self.inspector)
         # The keyed scheduler is a second ordered stream (see engine/scheduler.py): its own
         # agreement group and its own transports, created on first use by every rank.
         self._store = store
@@ -91,7 +101,8 @@ class GradientFlowBackend(_CBackend):
                 self._sched_transports = Transports(store, rank, size, timeout,
                                                     prefix="gradientflow/sched-")
                 self._scheduler = KeyedScheduler(
-                    rank, size, self._sched_agree, self._sched_transports.get,
+                    rank, size, self._sched_agree,
+                    self.algorithms.channel("sched", self._sched_transports.get),  # [algorithms]
                     self.config.schedule_credit,
                     timeout.total_seconds(), name=self.group_name or "gradientflow")
             return self._scheduler
@@ -107,6 +118,7 @@ class GradientFlowBackend(_CBackend):
         self.engine.close()
         self.transports.shutdown()
         self.solo_transports.shutdown()
+        self.algorithms.shutdown()  # [algorithms]
         try:
             self._agree.shutdown()
         except Exception:  # noqa: BLE001

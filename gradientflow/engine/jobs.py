@@ -20,6 +20,7 @@ from typing import Any, Callable, Hashable
 import torch
 from torch._C._distributed_c10d import AllreduceOptions, ReduceOp
 
+from gradientflow.errors import StepFailed
 from gradientflow.engine import completion
 from gradientflow.engine.fusion import FusableOp, Message
 from gradientflow.engine.stages import StageGen
@@ -135,6 +136,8 @@ class StagesOp:
             stats.record_bytes(0, self.dense_bytes)
             _stage_event(codec_name, tl.CAT_CODEC, t0, t1, lane)
             completion.complete(self.fut, stop.value, stream=stream)
+        except StepFailed as exc:  # [algorithms] agreed on every rank: the group goes on
+            completion.complete(self.fut, error=exc)
         except BaseException as exc:
             completion.complete(self.fut, error=engine.fail(exc))
             raise

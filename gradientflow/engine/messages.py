@@ -21,6 +21,7 @@ from torch._C._distributed_c10d import AllreduceOptions
 
 from gradientflow.engine import completion
 from gradientflow.engine.fusion import Message, pack, unpack
+from gradientflow.errors import StepFailed
 from gradientflow.errors import EngineError
 from gradientflow.observability import timeline as tl
 from gradientflow.observability.timeline import TIMELINE, now_us
@@ -241,6 +242,11 @@ class Messages:
             with self._cv:
                 self.inflight -= 1
                 self._cv.notify_all()
+        if isinstance(error, StepFailed):
+            # [algorithms] Failed alike on every rank (agreed): only this message's ops fail;
+            # the group stays usable for the next message.
+            self._fused.finish(msg.ops, error)
+            return
         if error is not None:
             # Fail the group first, so these Works carry its explained error (which rank died,
             # what differed) like every later call, not the transport's raw one.

@@ -49,6 +49,7 @@ from typing import Any, Callable
 
 import torch
 
+from gradientflow.errors import StepFailed
 from gradientflow.errors import CollectiveMismatchError, EngineError, PeerFailureError, StallError
 from gradientflow.fingerprint import DEFERRED, describe, mix, name_id
 from gradientflow.inspector.compare import first_mismatch
@@ -336,6 +337,8 @@ class Inspector:
         group's fault: every later wait and call raises it, and the engine fails what is
         queued with it. Made once per group (later errors get the first explanation).
         """
+        if isinstance(exc, StepFailed):
+            return exc  # [algorithms] failed alike on every rank, agreed: not a fault
         return self._explain_once(exc, seq, (
             f"gradientflow: rank {self.rank}: {name} (sequence number {seq}) on process group "
             f"{self.name} failed: {exc}"))

@@ -46,6 +46,12 @@ _COUNTERS = (
 )
 
 
+# Per collective algorithm (ring, hierarchical, reduction_server): what this rank hands to and
+# takes from the network for gradient messages, as the algorithm's own protocol defines it.
+ALGORITHM_FIELDS = ("messages", "bytes", "sent_bytes", "recv_bytes", "inter_host_sent_bytes",
+                    "inter_host_recv_bytes")
+
+
 class Stats:
     """Thread-safe engine counters with a `snapshot()` of derived values and `reset()`.
 
@@ -65,6 +71,7 @@ class Stats:
             self._c = dict.fromkeys(_COUNTERS, 0)
             for k in ("comm_time_s", "agreement_time_s", "codec_time_s", "exposed_wait_s"):
                 self._c[k] = 0.0
+            self._algorithms: dict[str, dict[str, int]] = {}
             self._since = time.perf_counter()
 
     # ---- recording (called by the engine, the compression layer and Work.wait) -------------
@@ -98,6 +105,21 @@ class Stats:
             self._c["chunks_sent"] += sent
             self._c["chunks_total"] += total
 
+    def record_algorithm(self, algorithm: str, nbytes: int, sent: float, recv: float,
+                         inter_sent: float = 0.0, inter_recv: float = 0.0) -> None:
+        """Count one message of `nbytes` allreduced by `algorithm` and the bytes this rank sent
+        and received for it (`inter_*`: the part that crossed hosts, where hosts are known)."""
+        with self._lock:
+            c = self._algorithms.get(algorithm)
+            if c is None:
+                c = self._algorithms[algorithm] = dict.fromkeys(ALGORITHM_FIELDS, 0)
+            c["messages"] += 1
+            c["bytes"] += nbytes
+            c["sent_bytes"] += int(sent)
+            c["recv_bytes"] += int(recv)
+            c["inter_host_sent_bytes"] += int(inter_sent)
+            c["inter_host_recv_bytes"] += int(inter_recv)
+
     def record_comm_time(self, seconds: float) -> None:
         """Add engine time spent in transport collectives not reported through record_message."""
         with self._lock:
@@ -130,7 +152,9 @@ class Stats:
         """Return the counters and derived values (ratio, density, overlap, per-step) as a dict."""
         with self._lock:
             c = dict(self._c)
+            algorithms = {k: dict(v) for k, v in self._algorithms.items()}
             elapsed = time.perf_counter() - self._since
+        c["algorithms"] = algorithms
         c["elapsed_s"] = elapsed
         c["compression_ratio"] = c["dense_bytes"] / c["wire_bytes"] if c["wire_bytes"] else None
         c["density"] = c["chunks_sent"] / c["chunks_total"] if c["chunks_total"] else None
