@@ -29,7 +29,7 @@ import numpy as np
 import torch
 from numba import njit, prange
 
-from . import _threads
+from . import _threads, reference
 from .half import bf16_bits_to_f32, f16_bits_to_f32, f32_to_bf16_bits, f32_to_bits, f32_to_f16_bits
 from .reference import nchunks_of
 
@@ -525,8 +525,10 @@ def chunk_norms(grad, residual, chunk_size, norm="l1", *, momentum=None, momentu
     return norms
 
 
-def select_chunks(norms, k):
-    """numba version of ``reference.select_chunks`` without forced chunks."""
+def select_chunks(norms, k, *, forced=None):
+    """numba version of ``reference.select_chunks``; forced chunks take the reference's sort."""
+    if forced is not None:
+        return reference.select_chunks(norms, k, forced=forced)
     key = norms.detach()
     if key.dtype != torch.float32:
         key = key.to(torch.float32)
@@ -544,7 +546,7 @@ def all_finite(x):
     """numba version of ``reference.all_finite`` (float32, float16, bfloat16)."""
     ity, npty, mask = _FINITE_MASK[x.dtype]
     bits = x.detach().view(ity).numpy().view(npty)
-    return _count_masked_kernel(bits, npty(mask)) == 0
+    return bool(_count_masked_kernel(bits, npty(mask)) == 0)
 
 
 def pack_chunks(v, indices, chunk_size, scale, wire_dtype, *, out):
