@@ -133,9 +133,11 @@ def arithmetic(n: int, d: int, chunk: int, density: float, wire_b: int, dense_b:
 
 def main(argv=None) -> int:
     """Measure, print the table and the arithmetic, write DIR/compression.{json,md}."""
+    from benchmarks.common import results_dir
+
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="fewer timing repeats")
-    p.add_argument("--out", default="benchmarks/results", help="output directory")
+    p.add_argument("--out", default=results_dir("compression"), help="output directory")
     p.add_argument("--reps", type=int, default=None, help="timing repeats (default 5, quick 2)")
     p.add_argument("--density", type=float, default=0.01)
     p.add_argument("--chunk-size", type=int, default=CompressionConfig.chunk_size)

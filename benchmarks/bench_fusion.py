@@ -32,7 +32,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.common import (  # noqa: E402
-    machine_line, markdown_table, median, paired_ratio, write_result)
+    machine_line, markdown_table, median, paired_ratio, results_dir, write_result)
 from benchmarks.launch import launch  # noqa: E402
 from benchmarks.netem import Cluster, ShapeConfig  # noqa: E402
 
@@ -195,7 +195,7 @@ def _tier_label(rate: float | None) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--out", default=results_dir("fusion"))
     ap.add_argument("--worlds", default=None, help="rank counts, e.g. 2,4")
     ap.add_argument("--models", default=None, help="models on loopback, e.g. resnet50,alexnet")
     ap.add_argument("--tiers", default=None,

@@ -34,7 +34,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from benchmarks.common import fmt, machine_line, markdown_table, median, write_result  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    fmt, machine_line, markdown_table, median, results_dir, write_result)
 from gradientflow import kernels as K  # noqa: E402
 
 RESNET50_NUMEL = 25_557_032
@@ -77,7 +78,7 @@ def pipeline(grad, res, spare, send, k, impl, stages=None, one_pass=True):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="1 M elements, 3 reps")
-    ap.add_argument("--out", default="benchmarks/results", help="folder for kernels.json/.md")
+    ap.add_argument("--out", default=results_dir("kernels"), help="folder for kernels.json/.md")
     ap.add_argument("--reps", type=int, default=None)
     ap.add_argument("--threads", default="1,2", help="comma-separated thread counts")
     args = ap.parse_args(argv)

@@ -25,7 +25,8 @@ import argparse
 import sys
 import time
 
-from benchmarks.common import machine_info, machine_line, markdown_table, median, p95, write_result
+from benchmarks.common import (
+    machine_info, machine_line, markdown_table, median, p95, results_dir, write_result)
 from benchmarks.launch import launch
 
 # The last variant is "priority" with two layers per partition (4 partitions instead of 9): what
@@ -149,7 +150,7 @@ def worker(rank: int, world: int, width: int, depth: int, batch: int, blocks: in
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="tiny sizes (seconds)")
-    ap.add_argument("--out", default="benchmarks/results", help="directory for overlap.json/.md")
+    ap.add_argument("--out", default=results_dir("overlap"), help="directory for overlap.json/.md")
     ap.add_argument("--width", type=int, default=None)
     ap.add_argument("--depth", type=int, default=None)
     ap.add_argument("--batch", type=int, default=None)

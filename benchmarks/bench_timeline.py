@@ -22,6 +22,7 @@ import statistics
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 from gradientflow.observability import timeline as T
 
@@ -137,7 +138,8 @@ def to_markdown(res: dict, command: str) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="fewer steps and repeats (seconds)")
-    p.add_argument("--out", default=None, help="directory for timeline.json and timeline.md")
+    p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "timeline"),
+                   help="directory for timeline.json and timeline.md")
     p.add_argument("--events", type=int, default=200, help="events per step (default 200)")
     a = p.parse_args(argv)
     n_steps, repeats = (20, 5) if a.quick else (50, 15)
@@ -146,12 +148,11 @@ def main(argv=None) -> int:
     command = "python benchmarks/bench_timeline.py" + (" --quick" if a.quick else "")
     md = to_markdown(res, command)
     print(md)
-    if a.out:
-        os.makedirs(a.out, exist_ok=True)
-        with open(os.path.join(a.out, "timeline.json"), "w") as fh:
-            json.dump(res, fh, indent=1)
-        with open(os.path.join(a.out, "timeline.md"), "w") as fh:
-            fh.write(md)
+    os.makedirs(a.out, exist_ok=True)
+    with open(os.path.join(a.out, "timeline.json"), "w") as fh:
+        json.dump(res, fh, indent=1)
+    with open(os.path.join(a.out, "timeline.md"), "w") as fh:
+        fh.write(md)
     return 0
 
 

@@ -144,6 +144,14 @@ def markdown_table(columns: Sequence[str], rows: Iterable[dict],
 
 # ---- results ----------------------------------------------------------------------------------
 
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def results_dir(name: str) -> str:
+    """Return benchmarks/results/<name>: the folder holding benchmark `name`'s latest run."""
+    return str(RESULTS / name)
+
+
 def machine_info() -> dict:
     """Describe the machine the numbers come from: cores, CPU model, memory, torch version."""
     cpu = platform.processor() or platform.machine()

@@ -310,7 +310,7 @@ def _markdown(rep: dict) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="1 M elements and 5 reps for the timings")
-    ap.add_argument("--out", default="benchmarks/results", help="folder for gpu_check.json/.md")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "gpu_check"), help="folder for gpu_check.json/.md")
     ap.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {PARTS}")
     ap.add_argument("--inner", help=argparse.SUPPRESS)
     ap.add_argument("--inner-out", help=argparse.SUPPRESS)

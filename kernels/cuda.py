@@ -20,7 +20,8 @@ Chunk norms reduce each chunk in one block with a fixed tree order: deterministi
 Bit-for-bit agreement with torch needs every multiply that feeds an add rounded on its own:
 NVVM contracts ``a * b + c`` into one fused multiply-add by default (one rounding instead of
 two), where torch runs the multiply and the add as separate kernels. ``_mul`` is libdevice's
-``fmul_rn``, which is never contracted (measured on an H100: see benchmarks/results/gpu.md).
+``fmul_rn``, which is never contracted (measured on an H100: see
+benchmarks/results/gpu_check/gpu.md).
 """
 
 from __future__ import annotations
