@@ -15,9 +15,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import (  # noqa: E402
-    fmt, machine_line, markdown_table, median, results_dir, write_result)
-from benchmarks.launch import launch  # noqa: E402
+from benchmarks.common import fmt, machine_line, markdown_table, median, results_dir, write_result
+from benchmarks.launch import launch
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
 
@@ -47,7 +46,7 @@ def worker(rank: int, world_size: int, sizes: list[int], reps: int) -> dict:
             shard = torch.ones(per)
             full = torch.ones(per * world_size)
 
-            def call(g, op=op):
+            def call(g, op=op, x=x, full=full, shard=shard):
                 if op == "all_reduce":
                     dist.all_reduce(x, group=g)
                 elif op == "all_gather":

@@ -76,8 +76,8 @@ def _steps(tl, loop, n_events, n_steps):
 def measure(n_events: int, n_steps: int, repeats: int, workdir: str) -> dict:
     """Return medians of per-step time (us) for every mode, measured side by side per repeat."""
     kinds = {"span": _loop_span, "complete": _loop_complete}
-    samples = {k: [] for k in ("none", "off_guard", "off_span", "off_complete", "on_span", "on_complete",
-                               "total_span", "total_complete")}
+    samples = {k: [] for k in ("none", "off_guard", "off_span", "off_complete", "on_span",
+                               "on_complete", "total_span", "total_complete")}
     file_bytes = {}
     for r in range(repeats):
         off = T.Timeline()
@@ -121,7 +121,8 @@ def to_markdown(res: dict, command: str) -> str:
     """Render the result as a markdown section."""
     lines = ["## Timeline overhead", "",
              f"`{command}`: {res['events_per_step']} events per step, {res['steps']} steps x "
-             f"{res['repeats']} repeats, medians; baseline loop {res['baseline_us_per_step']:.1f} us "
+             f"{res['repeats']} repeats, medians; baseline loop "
+             f"{res['baseline_us_per_step']:.1f} us "
              f"per step; percent of a {res['step_ms']:.0f} ms step; {res['cpus']} CPUs, load "
              f"average {res['load_average_1min']:.1f} at the end.", "",
              "| mode | us per step | us per event (over no calls) | % of step |",

@@ -1,7 +1,7 @@
 """Run every benchmark, gather their JSON, write one markdown summary with plots.
 
     python -m benchmarks.run                 # make bench: full sizes -> benchmarks/results/
-    python -m benchmarks.run --quick         # make bench-quick: tiny sizes -> benchmarks/results/quick/
+    python -m benchmarks.run --quick         # make bench-quick: tiny sizes -> .../results/quick/
     python -m benchmarks.run --only e2e,collectives --timeout 1800
 
 One folder per benchmark holds its latest run: every ``benchmarks/bench_<name>.py`` is run as its
@@ -31,7 +31,7 @@ import sys
 import time
 from pathlib import Path
 
-if __package__ in (None, ""):  # run by path (`python benchmarks/run.py`): make benchmarks.* importable
+if __package__ in (None, ""):  # run by path: make benchmarks.* importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.common import line_plot, machine_info, machine_line, markdown_table
@@ -56,7 +56,7 @@ def discover(bench_dir: Path = HERE, only: list[str] | None = None) -> list[tupl
 
 def run_one(name: str, path: Path, out: Path, quick: bool, timeout_s: float,
             extra: list[str] | None = None) -> dict:
-    """Run one benchmark as a subprocess into OUT/<name>/; return its status record (never raises)."""
+    """Run one benchmark as a subprocess into OUT/<name>/; return its status (never raises)."""
     bdir = out / name
     shutil.rmtree(bdir, ignore_errors=True)  # the folder holds the latest run only
     bdir.mkdir(parents=True)

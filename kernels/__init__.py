@@ -60,7 +60,8 @@ import inspect
 import os
 import threading
 import warnings
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 

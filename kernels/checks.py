@@ -329,7 +329,7 @@ def dense_scatter(
     unscale: float,
     err_scale: float,
 ) -> Call:
-    """Write reduced dense elements into ``out`` at ``idx`` and their rounding error into ``residual``.
+    """Write reduced dense elements into ``out`` at ``idx``, their rounding error into ``residual``.
 
     ``out[idx[i]] = upcast(reduced[i]) * unscale`` and, unless ``residual`` is None,
     ``residual[idx[i]] = v[i] - upcast(local[i]) * err_scale`` (v: the values that were cast

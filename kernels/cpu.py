@@ -593,13 +593,15 @@ def unpack_update(v, residual, packed_reduced, packed_local, indices, chunk_size
     return out
 
 
-def unpack_sent(out, residual, packed_reduced, packed_local, indices, chunk_size, unscale, err_scale):
+def unpack_sent(out, residual, packed_reduced, packed_local, indices, chunk_size, unscale,
+                err_scale):
     """numba version of ``reference.unpack_sent``."""
     nch = nchunks_of(out.numel(), chunk_size)
     idx = _indices("unpack_sent", indices, nch)
     if idx.size > 1 and not bool((idx[1:] > idx[:-1]).all()):
         raise ValueError(
-            "unpack_sent: chunk indices must be strictly increasing (as select_chunks returns them); "
+            "unpack_sent: chunk indices must be strictly increasing (as select_chunks returns "
+            "them); "
             "a repeated chunk would take its rounding error off the residual twice"
         )
     if idx.size == 0:
@@ -629,11 +631,14 @@ def dense_scatter(out, residual, idx, reduced, local, v, unscale, err_scale):
         return out
     n = out.numel()
     if i.min() < 0 or i.max() >= n:
-        raise ValueError(f"dense_scatter: positions must lie in [0, {n}), got min {i.min()} max {i.max()}")
+        raise ValueError(
+            f"dense_scatter: positions must lie in [0, {n}), got min {i.min()} max {i.max()}"
+        )
     red = _wire(reduced)
     loc = red if local is None else _wire(local)
-    _dense_scatter_kernel(_f32(out), _EMPTY if residual is None else _f32(residual), residual is not None,
-                          i, red, _CODE[reduced.dtype], loc, _CODE[(local if local is not None else reduced).dtype],
+    loc_code = _CODE[(local if local is not None else reduced).dtype]
+    _dense_scatter_kernel(_f32(out), _EMPTY if residual is None else _f32(residual),
+                          residual is not None, i, red, _CODE[reduced.dtype], loc, loc_code,
                           _f32(v), unscale, err_scale)
     return out
 

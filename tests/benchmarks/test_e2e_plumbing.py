@@ -12,7 +12,8 @@ from benchmarks import bench_e2e
 
 def test_memory_split_keeps_the_anchors_and_fits_the_budget():
     group = ["nocomm", "ddp", *bench_e2e.GF_VARIANTS]
-    assert bench_e2e._split_for_memory(group, 1000, 2, None) == [group]  # unknown memory: one launch
+    # Unknown memory: one launch.
+    assert bench_e2e._split_for_memory(group, 1000, 2, None) == [group]
     assert bench_e2e._split_for_memory(group, 1000, 2, 2**40) == [group]  # plenty: one launch
     params, ranks, avail = 61_100_840, 4, 20 * 2**30  # AlexNet, 4 ranks, 20 GiB free
     parts = bench_e2e._split_for_memory(group, params, ranks, avail)

@@ -128,7 +128,8 @@ def test_runner_reports_failures_without_stopping(tmp_path):
 def test_e2e_quick_runs_the_peers(tmp_path):
     from benchmarks import bench_e2e
 
-    assert bench_e2e.main(["--quick", "--steps", "2", "--no-gradientflow", "--out", str(tmp_path)]) == 0
+    assert bench_e2e.main(["--quick", "--steps", "2", "--no-gradientflow",
+                           "--out", str(tmp_path)]) == 0
     data = json.loads((tmp_path / "e2e.json").read_text())
     got = {r["variant"] for r in data["rows"] if "median_ms" in r}
     assert {"nocomm", "ddp", "fp16_hook", "powersgd"} <= got

@@ -93,8 +93,8 @@ def run_check(fn):
     faulthandler.cancel_dump_traceback_later()
     rec["seconds"] = round(time.perf_counter() - t0, 3)
     _write()
-    print(("PASS " if rec["ok"] else "FAIL ") + rec["name"] + ("" if rec["ok"] else ": " + rec["error"]),
-          flush=True)
+    status = "PASS " if rec["ok"] else "FAIL "
+    print(status + rec["name"] + ("" if rec["ok"] else ": " + rec["error"]), flush=True)
 
 
 MODE = {"mode": None}
@@ -123,7 +123,8 @@ class _EngineShim:
 
             store, rank, size, timeout = self._args
             cfg = self.engine.config
-            self._sched_transports = Transports(store, rank, size, timeout, prefix="gradientflow/sched-")
+            self._sched_transports = Transports(store, rank, size, timeout,
+                                                prefix="gradientflow/sched-")
             self._scheduler = KeyedScheduler(
                 rank, size, _make_gloo(store, rank, size, timeout, "gradientflow/sched-agree/"),
                 self._sched_transports.get, cfg.schedule_credit,
@@ -150,7 +151,8 @@ def all_reduce(t, op=dist.ReduceOp.SUM, async_op=False):
     if eng.fusable(t.numel() * t.element_size(), async_op):
         w = eng.submit_allreduce(t, opts.reduceOp, not async_op)
     else:
-        w = eng.submit_eager("all_reduce", lambda: shim.transports.get(t.device).allreduce([t], opts), [t],
+        w = eng.submit_eager("all_reduce",
+                             lambda: shim.transports.get(t.device).allreduce([t], opts), [t],
                              t.device)
     if async_op:
         return w
@@ -251,7 +253,9 @@ def all_reduce_async_small_fused():
     [w.wait() for w in ws]
     assert all(torch.equal(p, q) for p, q in zip(a, b)) and s.tolist() == [2.0, 3.0]
     st = gradientflow.stats()
-    return {k: v for k, v in st.items() if not isinstance(v, (dict, list))} if isinstance(st, dict) else str(st)
+    if not isinstance(st, dict):
+        return str(st)
+    return {k: v for k, v in st.items() if not isinstance(v, (dict, list))}
 
 
 @check
@@ -372,8 +376,12 @@ def broadcast_gather_scatter_family():
 
 
 def _family_on_engine():
-    from torch._C._distributed_c10d import (AllgatherOptions, BarrierOptions, BroadcastOptions,
-                                            ReduceScatterOptions)
+    from torch._C._distributed_c10d import (
+        AllgatherOptions,
+        BarrierOptions,
+        BroadcastOptions,
+        ReduceScatterOptions,
+    )
 
     x = pattern(10_000, 5)
     y = x.clone()
@@ -388,10 +396,12 @@ def _family_on_engine():
     eager("all_gather_into_tensor", DEV, lambda tp: tp._allgather_base(big, x, AllgatherOptions()))
     assert torch.equal(big, x)
     r = torch.empty_like(x)
-    eager("reduce_scatter", DEV, lambda tp: tp.reduce_scatter([r], [[x.clone()]], ReduceScatterOptions()))
+    eager("reduce_scatter", DEV,
+          lambda tp: tp.reduce_scatter([r], [[x.clone()]], ReduceScatterOptions()))
     assert torch.equal(r, x)
     r2 = torch.empty_like(x)
-    eager("reduce_scatter_tensor", DEV, lambda tp: tp._reduce_scatter_base(r2, x.clone(), ReduceScatterOptions()))
+    eager("reduce_scatter_tensor", DEV,
+          lambda tp: tp._reduce_scatter_base(r2, x.clone(), ReduceScatterOptions()))
     assert torch.equal(r2, x)
     eager("barrier", torch.device("cpu"), lambda tp: tp.barrier(BarrierOptions()))
     # an eager op queued behind deferred ones (the engine thread launches it, not the caller)
@@ -410,7 +420,8 @@ def cpu_and_cuda_in_one_program():
     ws = [all_reduce(c, async_op=True), all_reduce(g, async_op=True),
           all_reduce(c * 0 + 1, async_op=True)]
     [w.wait() for w in ws]
-    assert torch.equal(c, torch.arange(1000, dtype=torch.float32)) and torch.equal(g, pattern(1000, 1))
+    assert torch.equal(c, torch.arange(1000, dtype=torch.float32))
+    assert torch.equal(g, pattern(1000, 1))
     return {"transports": backend().transports.created()}
 
 
@@ -492,7 +503,8 @@ def _ddp_hook(cfg, tol, side=False):
         assert d < tol, d
     return {"max_abs_diff_vs_local": d, "numba_cuda_loaded": K._cuda_module is not None,
             "numba_cuda_error": repr(K._cuda_error), "steps": st.get("steps"),
-            "ratio": (st.get("steady") or {}).get("ratio") if isinstance(st.get("steady"), dict) else None}
+            "ratio": (st["steady"].get("ratio") if isinstance(st.get("steady"), dict)
+                      else None)}
 
 
 @check
@@ -543,8 +555,9 @@ def ddp_csc_hook_1_percent():
 def ddp_csc_hook_momentum_correction():
     from gradientflow.compression import CompressionConfig
 
-    return _ddp_hook(CompressionConfig(method="csc", density=0.05, chunk_size=64, warmup_densities=(),
-                                       momentum_correction=True, min_numel=1), None)
+    return _ddp_hook(CompressionConfig(method="csc", density=0.05, chunk_size=64,
+                                       warmup_densities=(), momentum_correction=True,
+                                       min_numel=1), None)
 
 
 def _dist_opt(compression, tol, side=False):
@@ -577,8 +590,8 @@ def distributed_optimizer_fp16():
 def distributed_optimizer_csc():
     from gradientflow.compression import CompressionConfig
 
-    return _dist_opt(CompressionConfig(method="csc", density=0.01, chunk_size=64, warmup_densities=(),
-                                       min_numel=1), None)
+    return _dist_opt(CompressionConfig(method="csc", density=0.01, chunk_size=64,
+                                       warmup_densities=(), min_numel=1), None)
 
 
 @check
@@ -627,8 +640,10 @@ def main() -> int:
         checks = [c for c in checks if c.__name__ in only.split(",")]
     try:
         if os.environ.get("GF_WORLD1_FORCE_ENGINE"):  # dry-run engine mode on a torch that has both
-            raise TypeError("GradientFlowBackend: No constructor defined! (forced by GF_WORLD1_FORCE_ENGINE)")
-        dist.init_process_group("gradientflow", init_method=f"file://{init_file}", rank=0, world_size=1)
+            raise TypeError("GradientFlowBackend: No constructor defined! (forced by "
+                            "GF_WORLD1_FORCE_ENGINE)")
+        dist.init_process_group("gradientflow", init_method=f"file://{init_file}", rank=0,
+                                world_size=1)
         MODE["mode"] = "backend"
     except BaseException as exc:  # noqa: BLE001
         RESULTS.append({"name": "init_process_group(gradientflow)", "ok": False, "error": repr(exc),
@@ -648,7 +663,8 @@ def main() -> int:
         RESULTS.append({"name": "destroy_process_group", "ok": False, "error": repr(exc)})
     _write()
     failed = [r["name"] for r in RESULTS if not r["ok"]]
-    print(f"mode {MODE['mode']}: {len(RESULTS) - len(failed)} passed, {len(failed)} failed: {failed}",
+    print(f"mode {MODE['mode']}: {len(RESULTS) - len(failed)} passed, {len(failed)} failed: "
+          f"{failed}",
           flush=True)
     return 1 if failed else 0
 

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from bits import assert_same_bits
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bits import assert_same_bits
 from gradientflow import kernels as K
 
 DEV = "cuda"
@@ -121,7 +121,7 @@ def test_csc_step_property(n, c, density, wire, seed, mode):
     r0 = torch.randn(n, generator=gen).to(DEV)
     mom = torch.randn(n, generator=gen).to(DEV) if mode != "plain" else None
     nch = K.nchunks_of(n, c)
-    k = int(round(density * nch))
+    k = round(density * nch)
     state = {}
     for impl in ("numba", "torch"):
         gi, r = g.clone(), r0.clone()

@@ -23,14 +23,16 @@ def test_impl_torch_and_numba_agree_and_bad_impl_is_refused():
 @pytest.mark.parametrize(
     "call, match",
     [
-        (lambda: K.chunk_norms(torch.ones(4, dtype=torch.float64), None, 2), "grad must be torch.float32"),
+        (lambda: K.chunk_norms(torch.ones(4, dtype=torch.float64), None, 2),
+         "grad must be torch.float32"),
         (lambda: K.chunk_norms(torch.ones(4, 2)[:, 0], None, 2), "1-D contiguous"),
         (lambda: K.chunk_norms(torch.ones(4), None, 0), "chunk_size must be"),
         (lambda: K.chunk_norms(torch.ones(4), torch.ones(3), 2), "residual must have 4"),
         (lambda: K.chunk_norms(torch.ones(4), None, 2, "l3"), "norm must be one of"),
         (lambda: K.chunk_norms(torch.ones(4), None, 2, momentum=torch.ones(4)), "both momentum"),
         (lambda: K.pack_chunks(torch.ones(4), torch.tensor([0]), 2, 1.0, torch.int8), "wire_dtype"),
-        (lambda: K.pack_chunks(torch.ones(4), torch.tensor([5]), 2, 1.0, torch.float16), r"\[0, 2\)"),
+        (lambda: K.pack_chunks(torch.ones(4), torch.tensor([5]), 2, 1.0, torch.float16),
+         r"\[0, 2\)"),
         (lambda: K.pack_chunks(torch.ones(4), torch.tensor([0.0]), 2, 1.0, torch.float16), "int64"),
         (lambda: K.unpack_update(torch.ones(4), None, torch.ones(3), None, torch.tensor([0]), 2,
                                  1.0, 1.0, out=torch.ones(4)), "packed_reduced must have 2"),
@@ -38,7 +40,8 @@ def test_impl_torch_and_numba_agree_and_bad_impl_is_refused():
         (lambda: K.cast_feedback(torch.ones(4), torch.ones(3), 0.5, torch.float16, 2.0),
          "cast_feedback: residual must have 4"),
         (lambda: K.cast_feedback(torch.ones(4), None, 0.5, torch.float16, 2.0,
-                                 out=torch.empty(4, dtype=torch.bfloat16)), "out must be torch.float16"),
+                                 out=torch.empty(4, dtype=torch.bfloat16)),
+         "out must be torch.float16"),
         (lambda: K.cast_feedback(torch.ones(4), None, 0.5, torch.int8, 2.0), "wire_dtype"),
         (lambda: K.upcast_finite(torch.ones(4, dtype=torch.int16), 1.0, out=torch.empty(4)),
          "upcast_finite: x must be one of"),
@@ -172,7 +175,8 @@ def test_cuda_module_imports_and_is_usable_exactly_when_torch_sees_a_gpu():
     proc = subprocess.run(
         [sys.executable, "-c",
          "from gradientflow.kernels import cuda\n"
-         "try:\n    cuda.check_available()\nexcept RuntimeError as e:\n    print('unavailable', e)\n"
+         "try:\n    cuda.check_available()\n"
+         "except RuntimeError as e:\n    print('unavailable', e)\n"
          "else:\n    print('available')\n"],
         capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
