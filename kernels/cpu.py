@@ -716,6 +716,7 @@ def warm_up() -> None:
         dense_scatter(g, None, idx, p[:2], None, g[:2], 1.0, 1.0)
     for l2 in ("l1", "l2"):
         masked_chunk_norms(g, idx, torch.ones(2, 2, dtype=torch.bool), 2, l2, out=torch.empty(3))
+    for wd in (torch.float32, torch.float16, torch.bfloat16):
         c = torch.empty(5, dtype=wd)
         cast_scaled(g, 1.0, wd, out=c)
         upcast_scaled(c, 1.0, out=torch.empty(5))
