@@ -74,54 +74,33 @@ class Config:
     """Backend configuration: one frozen value per process group, passed down to every layer."""
 
     # --- tuned by the user ---
-    # Largest fused message in bytes. Tensors at least this big go alone, without a copy and
-    # without an agreement round. 0 disables fusion. 128 MiB, Horovod's default since v0.21:
-    # with the solo threshold below it was the best or within 9% of the best fused variant
-    # in 28 of the 30 rows of bench_fusion in sessions 6 and 7 (12% and 20% off in the other
-    # two; benchmarks/results/fusion.md), where 16 MB (the default until session 7) read
-    # 0.83x-0.91x of it on ResNet-50's list: every 16 MB of queued tensors started a round.
+    # Largest fused message in bytes; 0 disables fusion. 128 MiB (Horovod's default): with the
+    # solo threshold below, the best or near it on bench_fusion's model lists, where smaller
+    # thresholds start a round for every threshold's worth of queued tensors.
     fusion_threshold: int = 128 * 2**20
-    # Tensors at least this big are sent alone, in place (no copy into the fusion buffer and
-    # back), while the fused message of the smaller ones goes on around them (on CPU at once,
-    # on the solo channel below; on CUDA after their batch's round). 0: the fusion threshold.
-    # A lower value trades the two copies of a big tensor for one more transport message.
-    # 4 MB (decimal), session 9: on ResNet-50's list it also sends the six 4.19 MB layer4
-    # weights alone: 11 messages and 36 MB packed, against 6 messages and 57 MB at 8 MB.
-    # Sent by hand on gloo (no engine) those messages
-    # read 1.03x [1.01, 1.07] of 8 MB's speed at 2 ranks and 1.00x [0.97, 1.04] at 4 (6
-    # launches, paired); through the engine, over 15 launches of bench_fusion, 1.07x [1.02,
-    # 1.10] at 2 ranks and 0.97x [0.92, 1.04] at 4 (not resolved). 2 MB (19 messages) and 1 MB
-    # were no better at 2 ranks and worse at 4. AlexNet's and BERT-base's lists cut the same
-    # messages at 4 and 8 MB. (8 MB, the default of sessions 7-8, came from bench_fusion's
-    # sweep of 2 and 8 MB.) docs/DESIGN.md, Known gaps, Session 9.
+    # Tensors at least this big are sent alone, in place (no copy into a fusion buffer and
+    # back), while the fused message of the smaller ones goes on around them; 0: the fusion
+    # threshold. 4 MB: ResNet-50's 4.19 MB layer4 weights go in place too, which bench_fusion
+    # measures at least as fast as larger values; smaller ones add messages for no gain.
     solo_threshold: int = 4 * 10**6
-    # CPU: allreduces of at least the solo threshold go to the transport at once, on the
-    # caller's thread, over a second gloo group (the solo channel), instead of waiting in the
-    # queue for their batch's round. Their order there is the issue order, the same on every
-    # rank, so they need no agreement, and they leave during the issuing loop as DDP's buckets
-    # do. Session 10, ResNet-50's list, paired against the 25 MB buckets: see docs/DESIGN.md
-    # ("The solo channel"). CUDA tensors keep their solos in the batch (one NCCL communicator).
+    # CPU: allreduces of at least the solo threshold go at once, on the caller's thread, over
+    # a second gloo group (engine/issue.py says why no agreement is needed), so they leave
+    # during the issuing loop as DDP's buckets do. CUDA keeps its solos in the batch (one
+    # NCCL communicator).
     solo_channel: bool = True
-    # Synchronous allreduces smaller than this are fused (and agreed) like async ones, because
-    # PyTorch's Join pairs a synchronous allreduce on one rank with an async one on another;
-    # larger synchronous ones skip the agreement round (must be synchronous on every rank).
-    # 256 B: Join's flags are one element; a larger limit would make every small synchronous
-    # allreduce pay a round (measured: 4 KB went from 0.7 ms on gloo to 3.7 ms deferred).
+    # Synchronous allreduces smaller than this are deferred (and agreed) like async ones,
+    # because PyTorch's Join pairs a synchronous allreduce on one rank with an async one on
+    # another; 256 B covers Join's one-element flags without making every small synchronous
+    # allreduce pay a round.
     sync_fusion_limit: int = 256
     # Persistent fusion buffers per queue (device, dtype, op): packing message i+1 overlaps
     # the transport of message i. Extra memory <= segments * threshold per active queue.
     fusion_segments: int = 2
-    # Horovod's cycle time: how long a partial batch may wait for more tensors, while the
-    # transport is idle, before its agreement round starts (a wait(), flush(), the threshold or
-    # another collective starts it at once): the caller must have been quiet this long, and
-    # the batch waits at most 5 cycles. While messages are in flight (the solo channel's
-    # included) the caller must have been quiet for 5 cycles instead, with no bound (Engine.
-    # _should_round says why). 0 sends whatever is queued as soon as the transport
-    # falls idle, which in practice sends most tensors alone. 3 ms, not Horovod's 1 ms: a
-    # per-tensor loop of 161 allreduces takes 5-10 ms to issue on a loaded machine, and
-    # 5 x 1 ms cut it into two batches, each with its round (bench_fusion, ResNet-50 list,
-    # 2 and 4 ranks: the 3 ms variants equal or 2-18% faster; DDP's step on gradientflow
-    # did not move, within +-5%).
+    # Horovod's cycle time: how long the caller must have been quiet before a partial batch's
+    # round starts (a wait(), flush(), the threshold or another collective starts it at once;
+    # engine/queue.py has the rule). 0 sends whatever is queued as soon as the transport falls
+    # idle, which sends most tensors alone. 3 ms, not 1: a per-tensor loop of 161 allreduces
+    # takes 5-10 ms to issue on a loaded machine, and must not be cut into several rounds.
     cycle_time_ms: float = 3.0
     # Priority scheduling (DistributedOptimizer): ByteScheduler's credit, the bytes in flight,
     # as agreed by the rounds at each ready partition and each completed transfer (at least 3
@@ -218,9 +197,19 @@ def current_overrides() -> dict[str, Any]:
 
 
 def kernel_threads(config: Config, world_size: int, cores: int | None = None) -> int:
-    """Threads each rank's compression kernels should use under `config` (at least 1)."""
+    """Threads each rank's compression kernels should use under `config` (at least 1): its
+    kernel_threads, else the kernels' own rule for the ranks sharing this host's cores."""
     if config.kernel_threads:
         return config.kernel_threads
-    local = config.local_world_size or world_size
-    cores = cores or os.cpu_count() or 1
-    return max(1, cores // max(1, local))
+    from gradientflow.kernels import threads_per_rank  # (numba: only where kernels run)
+
+    return threads_per_rank(max(1, config.local_world_size or world_size), cores)
+
+
+def restart_attempt(environ: Mapping[str, str] | None = None) -> str | None:
+    """torchrun's restart count of this worker (TORCHELASTIC_RESTART_COUNT), or None.
+
+    Not a gradientflow setting, so not in Config: it namespaces the store per attempt.
+    """
+    environ = os.environ if environ is None else environ
+    return environ.get("TORCHELASTIC_RESTART_COUNT") or None

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from ..compression import CompressionConfig, Compressor, Layout, make_compressor
 from ..compression import checkpoint as _ckpt
-from ..engine.api import submit_stages
+from ..backend.api import submit_stages
 from ..engine.stages import StageGen
 
 __all__ = ["CompressionState", "compression_hook", "submit"]

@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 from gradientflow.compression import CompressionConfig, make_compressor
-from gradientflow.engine.api import scheduler_of, submit_stages
+from gradientflow.backend.api import scheduler_of, submit_stages
 from gradientflow.engine.scheduler import MAX_KEYS
 from gradientflow.optim.plan import ParamSpec, Partition, build_plan
 from gradientflow.optim.stages import compressed_average, dense_average, sparse_allgather

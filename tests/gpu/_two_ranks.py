@@ -35,7 +35,7 @@ def worker(rank, backend, init_file, out_dir):
         x = torch.ones(1024, device="cuda:0") * (rank + 1)
         c = torch.ones(4) * (rank + 1)
         if backend == "transport":
-            from gradientflow.backend.backend import Transports
+            from gradientflow.backend.transports import Transports
 
             tp = Transports(dist.FileStore(init_file, 2), rank, 2, timeout)
             tp.get(torch.device("cpu")).allreduce([c]).wait()

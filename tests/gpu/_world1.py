@@ -105,7 +105,7 @@ class _EngineShim:
     """What GradientFlowBackend holds, built from the same parts (engine mode only)."""
 
     def __init__(self, store, timeout):
-        from gradientflow.backend.backend import Transports, _make_gloo
+        from gradientflow.backend.transports import Transports, make_gloo as _make_gloo
         from gradientflow.config import Config
         from gradientflow.engine.engine import Engine
 
@@ -118,7 +118,7 @@ class _EngineShim:
 
     def scheduler(self):
         if self._scheduler is None:
-            from gradientflow.backend.backend import Transports, _make_gloo
+            from gradientflow.backend.transports import Transports, make_gloo as _make_gloo
             from gradientflow.engine.scheduler import KeyedScheduler
 
             store, rank, size, timeout = self._args
@@ -148,12 +148,7 @@ def all_reduce(t, op=dist.ReduceOp.SUM, async_op=False):
     eng = shim.engine
     opts = AllreduceOptions()
     opts.reduceOp = op
-    if eng.fusable(t.numel() * t.element_size(), async_op):
-        w = eng.submit_allreduce(t, opts.reduceOp, not async_op)
-    else:
-        w = eng.submit_eager("all_reduce",
-                             lambda: shim.transports.get(t.device).allreduce([t], opts), [t],
-                             t.device)
+    w = eng.allreduce([t], opts, t, opts.reduceOp, t.numel() * t.element_size(), async_op)
     if async_op:
         return w
     w.wait()
@@ -163,7 +158,7 @@ def all_reduce(t, op=dist.ReduceOp.SUM, async_op=False):
 def eager(name, device, launch):
     """Engine mode: one collective in sequence order through the engine, waited on."""
     shim = SHIM["shim"]
-    w = shim.engine.submit_eager(name, lambda: launch(shim.transports.get(device)), [], device)
+    w = shim.engine.collective(name, device, launch, [])
     w.wait()
 
 
@@ -319,8 +314,8 @@ def stages_on_a_side_stream():
 
     def submit(g):
         if MODE["mode"] == "engine":
-            return SHIM["shim"].engine.submit_stages("stages", g, DEV)
-        from gradientflow.engine.api import submit_stages
+            return SHIM["shim"].engine.stages("stages", g, DEV)
+        from gradientflow.backend.api import submit_stages
 
         return submit_stages(None, "side-stream", g, DEV)
 
@@ -410,7 +405,7 @@ def _family_on_engine():
     eager("all_gather_into_tensor", DEV, lambda tp: tp._allgather_base(big2, x, AllgatherOptions()))
     [w.wait() for w in ws]
     assert torch.equal(big2, x)
-    return "engine mode: transport calls through Engine.submit_eager"
+    return "engine mode: transport calls through Engine.collective"
 
 
 @check
@@ -615,7 +610,7 @@ def _init_engine_mode() -> None:
     """torch < 2.14: torch's own group for DDP, our engine and transports registered for it."""
     import datetime
 
-    from gradientflow.backend import backend as B
+    from gradientflow.backend import registry
 
     timeout = datetime.timedelta(seconds=120)
     dist.init_process_group("cpu:gloo,cuda:nccl" if CUDA else "gloo",
@@ -623,7 +618,7 @@ def _init_engine_mode() -> None:
                             rank=0, world_size=1, timeout=timeout)
     store = dist.FileStore(tempfile.mktemp(prefix="gf-world1-store-"), 1)
     SHIM["shim"] = _EngineShim(store, timeout)
-    B._BACKENDS[str(dist.group.WORLD.group_name)] = SHIM["shim"]
+    registry.add(str(dist.group.WORLD.group_name), SHIM["shim"])
     MODE["mode"] = "engine"
 
 

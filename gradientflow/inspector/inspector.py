@@ -29,12 +29,10 @@ posted, for all_reduce, reduce, reduce_scatter(_tensor), all_gather(_into_tensor
 all_to_all(_single); broadcast and scatter return silently with the receiver's tail untouched
 (the check-ins name the mismatch a couple of intervals later). Preventing that needs each
 rank to know its peers' sizes before gloo posts its buffers: a round per call, which is the
-debug check (benchmarks/soak.py --overhead, 2 ranks on a loaded 2-core machine, paired
-medians: +1.23 ms per synchronous all_reduce at 4 KB, 1.30 -> 2.50 ms, and +1.32 ms at 1 MB,
-2.39 -> 3.59 ms: one small collective's latency per call). So it
-stays in debug mode; on the default path the fused allreduces are checked by their agreement
-round, and a survivor's PeerFailureError says how to recognise a size mismatch and to rerun
-with GRADIENTFLOW_DEBUG=1.
+debug check (one small collective's latency per call; benchmarks/soak.py --overhead
+measures it). So it stays in debug mode; on the default path the fused allreduces are
+checked by their agreement round, and a survivor's PeerFailureError says how to recognise a
+size mismatch and to rerun with GRADIENTFLOW_DEBUG=1.
 """
 from __future__ import annotations
 
@@ -47,12 +45,15 @@ import socket
 import threading
 import time
 import weakref
-import zlib
 from typing import Any, Callable
 
 import torch
 
-from gradientflow.engine.engine import EngineError
+from gradientflow.errors import CollectiveMismatchError, EngineError, PeerFailureError, StallError
+from gradientflow.fingerprint import DEFERRED, describe, mix, name_id
+from gradientflow.inspector.compare import first_mismatch
+from gradientflow.inspector.debug import DebugCheck
+from gradientflow.inspector.world import pid_alive
 
 LOG = logging.getLogger("gradientflow")
 
@@ -60,67 +61,6 @@ HISTORY = 64  # collectives remembered in detail per rank (a stall is within a f
 MARK_EVERY = 64  # a chain checkpoint every 64 collectives, the last 64 kept: 4096 calls back
 _KEY = "gradientflow/checkin/"
 _FAULT_KEY = "gradientflow/fault"
-_MASK = 2**61 - 1
-DEFERRED = " (deferred)"  # the name suffix of an allreduce queued for fusion
-_IDS: dict = {}
-
-
-def _id(x: Any) -> int:
-    """A process-independent id for an op name or dtype (str hashes are salted per process)."""
-    v = _IDS.get(x)
-    if v is None:
-        v = _IDS[x] = zlib.crc32(str(x).encode())
-    return v
-
-
-class CollectiveMismatchError(EngineError):
-    """Ranks issued different collectives (op, dtype, shape, root, reduce op) or in another order."""
-
-
-class StallError(EngineError):
-    """A collective waited longer than stall_abort_s for ranks that never joined it."""
-
-
-class PeerFailureError(EngineError):
-    """A collective failed because a peer died or closed its connections."""
-
-
-def _redop_name(op: Any) -> str:
-    if op is None:
-        return ""
-    op = getattr(op, "op", op)
-    return str(op).rsplit(".", 1)[-1]
-
-
-def describe(name: str, tensor: Any, root: Any, reduce_op: Any) -> str:
-    """The descriptor of one collective: what every rank must issue identically."""
-    parts = [name]
-    if isinstance(tensor, tuple):  # (dtype, shape) recorded on the hot path
-        parts.append(f"{str(tensor[0]).replace('torch.', '')} {tuple(tensor[1])}")
-    if root is not None and root >= 0:
-        parts.append(f"root {root}")
-    if reduce_op is not None:
-        parts.append(_redop_name(reduce_op))
-    return " ".join(parts)
-
-
-def fingerprint(desc: str) -> str:
-    """A short, process-independent fingerprint of a descriptor (CRC-32, hex)."""
-    return f"{zlib.crc32(desc.encode()):08x}"
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a killed process stays a zombie until its parent reaps it
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except (OSError, IndexError):
-        return True
 
 
 class Inspector:
@@ -163,14 +103,17 @@ class Inspector:
         self._warned_seq = -1
         self._compared_n = 0
         self._read_at = 0.0
-        self._debug_n = 0
         self._peer_cache: dict[int, dict] = {}
         self._published = (None, None)
         self._published_at = 0.0
         self._host = socket.gethostname()
         self._stop = threading.Event()
         self._explain_lock = threading.RLock()
-        self._debug_group = make_group("gradientflow/debug/") if config.debug and make_group else None
+        # GRADIENTFLOW_DEBUG: every call checked before the transport (debug.py).
+        self.debug: DebugCheck | None = None
+        if config.debug and make_group is not None:
+            self.debug = DebugCheck(rank, world_size, name, self._store,
+                                    make_group("gradientflow/debug/"), self.explain)
         self._thread = None
         if self.interval > 0 and world_size > 1:
             self._thread = threading.Thread(target=_run, args=(weakref.ref(self), self._stop,
@@ -191,11 +134,11 @@ class Inspector:
         op = -1 if reduce_op is None else hash(reduce_op)  # a ReduceOp hashes to its op number
         if tensor is not None:
             sig = (tensor.dtype, tensor.shape)
-            fp = hash((_id(name), _id(sig[0]), sig[1], r, op))
+            fp = hash((name_id(name), name_id(sig[0]), sig[1], r, op))
         else:
             sig = None
-            fp = hash((_id(name), r, op))
-        self._h = h = ((self._h * 1_000_003) ^ fp) & _MASK
+            fp = hash((name_id(name), r, op))
+        self._h = h = mix(self._h, fp)
         self._n = n = self._n + 1
         self._hist.append((seq, n, h, name, sig, root, reduce_op))
         if n % MARK_EVERY == 0:
@@ -234,81 +177,6 @@ class Inspector:
     def probe(self) -> BaseException | None:
         return self.fault
 
-    # ------------------------------------------------------------------ debug: full check
-    def debug_check(self, seq: int, name: str, tensor: torch.Tensor | None, root: Any,
-                    reduce_op: Any, pair_bytes: Callable[[], tuple[list, list]] | None = None
-                    ) -> None:
-        """GRADIENTFLOW_DEBUG: agree on (sequence number, fingerprint) before the transport.
-
-        `pair_bytes` (all-to-all, whose sizes may differ between ranks): returns the bytes
-        this rank sends to and expects from each rank, checked pairwise in a second round.
-        """
-        if self._debug_group is None:
-            return
-        self._debug_fingerprint(seq, name, tensor, root, reduce_op)
-        if pair_bytes is not None:  # the fingerprints agree: every rank runs this round too
-            self._debug_pairs(seq, name, *pair_bytes())
-
-    def _debug_pairs(self, seq: int, name: str, send: list, recv: list) -> None:
-        """All-to-all: what rank i sends to rank j must be what j expects from i (gloo aborts
-        the receiving process otherwise: 'Received data size doesn't match expected size')."""
-        w = self.world_size
-        mine = torch.tensor(list(send) + list(recv), dtype=torch.int64)
-        outs = [torch.zeros(2 * w, dtype=torch.int64) for _ in range(w)]
-        try:
-            self._debug_group.allgather([outs], [mine]).wait()
-        except Exception as exc:  # noqa: BLE001
-            raise self.explain(exc, seq, name) from exc
-        bad = [(i, j, int(outs[i][j]), int(outs[j][w + i])) for i in range(w) for j in range(w)
-               if int(outs[i][j]) != int(outs[j][w + i])]
-        if not bad:
-            return
-        pairs = "; ".join(f"rank {i} sends {sb} bytes to rank {j}, which expects {rb}"
-                          for i, j, sb, rb in bad[:8])
-        raise CollectiveMismatchError(
-            f"gradientflow: rank {self.rank}: collective mismatch at sequence number {seq} on "
-            f"process group {self.name} (GRADIENTFLOW_DEBUG check): {name} sizes disagree "
-            f"between ranks: {pairs}{' ...' if len(bad) > 8 else ''}. Make each rank's input "
-            "split sizes match the output split sizes of the ranks it sends to; the call was "
-            "refused before reaching the transport on every rank.")
-
-    def _debug_fingerprint(self, seq: int, name: str, tensor: torch.Tensor | None, root: Any,
-                           reduce_op: Any) -> None:
-        desc = describe(name, (tensor.dtype, tensor.shape) if tensor is not None else None,
-                        root, reduce_op)
-        fp = int(fingerprint(desc), 16)
-        mine = torch.tensor([seq, fp], dtype=torch.int64)
-        outs = [torch.zeros(2, dtype=torch.int64) for _ in range(self.world_size)]
-        try:
-            self._debug_group.allgather([outs], [mine]).wait()
-        except Exception as exc:  # noqa: BLE001
-            raise self.explain(exc, seq, name) from exc
-        if all(torch.equal(o, mine) for o in outs):
-            return
-        # Every rank sees the same gathered values, so every rank raises here, and nothing
-        # reached the transport: the group stays usable.
-        # Keyed by the check's own count (the same on every rank: one allgather each), not by
-        # the sequence number, which a refused call does not advance.
-        self._debug_n += 1
-        key = f"gradientflow/debug/{self._debug_n}/"
-        self._store.set(f"{key}{self.rank}", f"#{seq} {desc}")
-        views = {}
-        for r in range(self.world_size):
-            try:
-                views[r] = self._store.get(f"{key}{r}").decode()
-            except Exception:  # noqa: BLE001
-                views[r] = f"#{int(outs[r][0])} (fingerprint {int(outs[r][1]):08x})"
-        diff = [r for r in range(self.world_size) if not torch.equal(outs[r], mine)]
-        other = diff[0]
-        raise CollectiveMismatchError(
-            f"gradientflow: rank {self.rank}: collective mismatch at sequence number {seq} on "
-            f"process group {self.name} (GRADIENTFLOW_DEBUG check): rank {self.rank} issued "
-            f"{views[self.rank]} [fingerprint {fp:08x}], rank {other} issued {views[other]} "
-            f"[fingerprint {int(outs[other][1]):08x}]. Every rank must issue the same "
-            "collectives (op, dtype, shape, root, reduce op) in the same order; the call was "
-            "refused before reaching the transport on every rank."
-            + "".join(f"\n  rank {r}: {v}" for r, v in sorted(views.items())))
-
     # ------------------------------------------------------------------ check-ins
     def _history(self) -> list:
         return [[seq, n, h, describe(name, sig, root, op)]
@@ -345,56 +213,8 @@ class Inspector:
 
     def find_mismatch(self, peers: dict[int, dict | None]) -> CollectiveMismatchError | None:
         """The first sequence number at which another rank issued a different collective."""
-        hist = self._history()
-        mine = {seq: desc for seq, _n, _h, desc in hist}
-        chain = {n: (seq, h) for seq, n, h, _d in hist}
-        chain.update({n: (seq, h) for n, seq, h in list(self._marks)})
-        first = None
-        diverged = None
-        for r, c in peers.items():
-            if not c:
-                continue
-            for seq, _n, _h, desc in c["hist"]:
-                if seq in mine and mine[seq] != desc and (first is None or seq < first[0]):
-                    first = (seq, r, desc)
-            theirs = {n: (seq, h) for seq, n, h, _d in c["hist"]}
-            theirs.update({n: (seq, h) for n, seq, h in c.get("marks", [])})
-            common = sorted(set(chain) & set(theirs))
-            bad = [n for n in common if chain[n][1] != theirs[n][1]]
-            if bad and diverged is None:
-                good = [n for n in common if n < bad[0]]
-                diverged = (r, chain[good[-1]][0] if good else None, chain[bad[0]][0],
-                            chain[bad[0]][1], theirs[bad[0]][1])
-        if first is None and diverged is not None:
-            r, lo, hi, h_mine, h_theirs = diverged
-            return CollectiveMismatchError(
-                f"gradientflow: rank {self.rank}: collective mismatch on process group "
-                f"{self.name}: rank {self.rank} and rank {r} issued different collectives "
-                f"{'after sequence number %d and ' % lo if lo is not None else ''}at or before "
-                f"sequence number {hi} (fingerprint chains {h_mine & 0xffffffff:08x} vs "
-                f"{h_theirs & 0xffffffff:08x} there; the calls themselves are older than the "
-                f"{HISTORY} this rank keeps). Every rank must issue the same collectives (op, "
-                "dtype, shape, root, reduce op) in the same order; set GRADIENTFLOW_DEBUG=1 to "
-                "stop at the first differing call.")
-        if first is None:
-            return None
-        seq, r, desc = first
-        hint = ""
-        if diverged is not None and diverged[2] < seq:
-            hint += (f" (The calls already differed at or before sequence number {diverged[2]}, "
-                     "older than the history kept.)")
-        if mine[seq].replace(DEFERRED, "") == desc.replace(DEFERRED, ""):
-            hint += (" The calls differ only in whether gradientflow deferred them for fusion, "
-                     "which follows from async_op for allreduces between sync_fusion_limit and "
-                     "the fusion threshold: issue this allreduce with the same async_op on every "
-                     "rank.")
-        return CollectiveMismatchError(
-            f"gradientflow: rank {self.rank}: collective mismatch at sequence number {seq} on "
-            f"process group {self.name}: rank {self.rank} issued {mine[seq]} [fingerprint "
-            f"{fingerprint(mine[seq])}], rank {r} issued {desc} [fingerprint {fingerprint(desc)}]. "
-            "Every rank must issue the same collectives (op, dtype, shape, root, reduce op) in "
-            "the same order; collectives issued from several threads, or only on some ranks, "
-            "break that. Set GRADIENTFLOW_DEBUG=1 to check every call before it is sent." + hint)
+        return first_mismatch(self.rank, self.name, self._history(), list(self._marks), peers,
+                              HISTORY)
 
     def _missing(self, seq: int, peers: dict[int, dict | None]) -> tuple[list[int], list[str]]:
         """Ranks that have not issued collective `seq` yet, with what is known of each."""
@@ -411,7 +231,7 @@ class Inspector:
         return ranks, notes
 
     def _dead(self, c: dict) -> bool:
-        return c.get("host") == self._host and not _pid_alive(int(c["pid"]))
+        return c.get("host") == self._host and not pid_alive(int(c["pid"]))
 
     def tick(self) -> None:
         """One pass of the background thread: check in; compare with the peers when this rank
@@ -590,11 +410,8 @@ class Inspector:
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=2.0)
-        if self._debug_group is not None:
-            try:
-                self._debug_group.shutdown()
-            except Exception:  # noqa: BLE001
-                pass
+        if self.debug is not None:
+            self.debug.close()
 
 
 def _completed(work: Any) -> bool:
@@ -615,38 +432,3 @@ def _run(ref: "weakref.ref[Inspector]", stop: threading.Event, interval: float) 
         except Exception as exc:  # noqa: BLE001 - e.g. the store is gone at teardown
             LOG.debug("gradientflow inspector: %s", exc)
         del insp
-
-
-def check_world(store: Any, rank: int, world_size: int, timeout_s: float) -> None:
-    """Refuse ranks started with different world sizes, with a sentence, before any transport.
-
-    Every rank writes its world size; rank 0 reads everyone's, the others read rank 0's. Left
-    to the transport, the ranks would fail after different timeouts with "Connect timeout".
-    """
-    store.set(f"gradientflow/world/{rank}", str(world_size))
-    peers = range(1, world_size) if rank == 0 else [0]
-    for r in peers:
-        key = f"gradientflow/world/{r}"
-        try:
-            store.wait([key], datetime.timedelta(seconds=timeout_s))
-        except Exception as exc:  # noqa: BLE001
-            raise EngineError(
-                f"gradientflow: rank {rank}: rank {r} of the {world_size} this rank was started "
-                f"with never joined within {timeout_s:.0f} s. Start every rank with the same "
-                "world_size (and check that all of them run)."
-            ) from exc
-        theirs = int(store.get(key))
-        if rank != 0:
-            # Tell rank 0 this rank has read its size: rank 0 hosts the store, and if it raised
-            # and exited first, this rank would only see "Connection reset by peer".
-            store.set(f"gradientflow/world-ack/{rank}", "1")
-        elif theirs != world_size:
-            try:
-                store.wait([f"gradientflow/world-ack/{r}"], datetime.timedelta(seconds=5))
-            except Exception:  # noqa: BLE001 - raise the clear error below regardless
-                pass
-        if theirs != world_size:
-            raise EngineError(
-                f"gradientflow: rank {rank}: mismatched world sizes: this rank was started with "
-                f"world_size={world_size}, rank {r} with world_size={theirs}. Start every rank "
-                "with the same world_size.")

@@ -1,18 +1,12 @@
-"""Engine entry points for the layers above (hooks, optimizer): multi-stage ops and flush."""
+"""Engine entry points for the layers above (hooks, optimizer), by process group."""
 from __future__ import annotations
 
 from typing import Hashable
 
 import torch
 
+from gradientflow.backend.registry import backend_of
 from gradientflow.engine.stages import StageGen, drive
-
-
-def _engine_of(group):
-    from gradientflow.backend.backend import backend_of
-
-    backend = backend_of(group)
-    return None if backend is None else backend.engine
 
 
 def submit_stages(group, key: Hashable, gen: StageGen, device: torch.device | None = None,
@@ -24,9 +18,9 @@ def submit_stages(group, key: Hashable, gen: StageGen, device: torch.device | No
     on different ranks. On any other backend (or without torch.distributed initialised, where
     each stage is the identity of a one-rank group) the stages run here, synchronously.
     """
-    engine = _engine_of(group)
-    if engine is not None:
-        return engine.submit_stages(name, gen, device or torch.device("cpu"), key, dense_bytes)
+    backend = backend_of(group)
+    if backend is not None:
+        return backend.engine.stages(name, gen, device or torch.device("cpu"), key, dense_bytes)
     import torch.distributed as dist
 
     fut = torch.futures.Future()
@@ -42,10 +36,11 @@ def submit_stages(group, key: Hashable, gen: StageGen, device: torch.device | No
 
 
 def flush(group=None) -> None:
-    """Ask the engine to agree on every queued allreduce now (a local hint; results never change)."""
-    engine = _engine_of(group)
-    if engine is not None:
-        engine.flush()
+    """Ask the engine to agree on every queued allreduce now (a local hint: results never
+    change)."""
+    backend = backend_of(group)
+    if backend is not None:
+        backend.engine.flush()
 
 
 def scheduler_of(group=None):
@@ -53,7 +48,5 @@ def scheduler_of(group=None):
 
     Every rank must call this at the same point the first time (it connects a new group).
     """
-    from gradientflow.backend.backend import backend_of
-
     backend = backend_of(group)
     return None if backend is None else backend.scheduler()
