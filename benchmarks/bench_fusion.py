@@ -82,7 +82,7 @@ def worker(rank: int, world_size: int, models: list[str], thresholds: list[int],
     import torch
     import torch.distributed as dist
 
-    from gradientflow.backend.backend import backend_of
+    from gradientflow.backend.registry import backend_of
     from gradientflow.engine.fusion import FusableOp, pack, plan_messages, unpack
 
     torch.set_num_threads(1)

@@ -260,13 +260,15 @@ def overhead_worker(rank: int, world: int, port: int, reps: int, out: str) -> No
     import torch
     import torch.distributed as dist
 
-    from gradientflow.backend.backend import backend_of
+    from gradientflow.backend.registry import backend_of
 
     _init(rank, world, port, 120)
     insp = backend_of().inspector
-    # Started with GRADIENTFLOW_DEBUG=1 so the debug side group exists; only the "debug"
-    # variant uses it (the pre-transport check every call pays in debug mode).
-    debug_group = insp._debug_group
+    # The engine's front holds the inspector it records to (None: off); toggled per variant.
+    issue = backend_of().engine.issue
+    # Started with GRADIENTFLOW_DEBUG=1 so the debug check exists; only the "debug" variant
+    # uses it (the pre-transport check every call pays in debug mode).
+    debug_check = insp.debug
     gloo = dist.new_group(backend="gloo")
     res = {}
     for nbytes, n in ((4096, 100), (2**20, 20)):
@@ -274,9 +276,9 @@ def overhead_worker(rank: int, world: int, port: int, reps: int, out: str) -> No
         times = {"on": [], "off": [], "gloo": [], "record": [], "debug": []}
         for _ in range(reps):
             for variant in ("on", "off", "gloo", "record", "debug"):
-                insp.enabled = variant in ("on", "record", "debug")
+                issue._insp = insp if variant in ("on", "record", "debug") else None
                 insp.sliced = variant in ("on", "debug")
-                insp._debug_group = debug_group if variant == "debug" else None
+                insp.debug = debug_check if variant == "debug" else None
                 group = gloo if variant == "gloo" else None
                 dist.barrier(group=group)
                 t0 = time.perf_counter()
@@ -292,8 +294,8 @@ def overhead_worker(rank: int, world: int, port: int, reps: int, out: str) -> No
                                 [a - b for a, b in zip(times["record"], times["off"])]), 2),
                             "debug_minus_on_us": round(statistics.median(
                                 [a - b for a, b in zip(times["debug"], times["on"])]), 2)}
-    insp.enabled = True
-    insp._debug_group = None
+    issue._insp = insp
+    insp.debug = None
     # The CPU cost the checks add to one call, without the transport (whose time on a loaded
     # 2-core machine varies by far more than this): the backend's issue path around an
     # already-completed transport Work, best of several repeats (timeit's convention).
@@ -301,7 +303,6 @@ def overhead_worker(rank: int, world: int, port: int, reps: int, out: str) -> No
 
     from torch._C._distributed_c10d import AllreduceOptions
 
-    b = backend_of()
     done_work = gloo.allreduce(torch.ones(1))
     done_work.wait()
     opts = AllreduceOptions()
@@ -309,12 +310,13 @@ def overhead_worker(rank: int, world: int, port: int, reps: int, out: str) -> No
     x1 = torch.ones(1024)
     cpu = torch.device("cpu")
     for variant in ("on", "off"):
-        insp.enabled = variant == "on"
-        best = min(timeit.repeat(lambda: b._issue("all_reduce", lambda: done_work, x1, opts, cpu),
-                                 number=20000, repeat=7)) / 20000 * 1e6
+        issue._insp = insp if variant == "on" else None
+        best = min(timeit.repeat(
+            lambda: issue._issue("all_reduce", lambda seq: done_work, x1, opts, cpu),
+            number=20000, repeat=7)) / 20000 * 1e6
         res[f"issue_path_{variant}_us"] = round(best, 3)
     res["issue_path_added_us"] = round(res["issue_path_on_us"] - res["issue_path_off_us"], 3)
-    insp.enabled = True
+    issue._insp = insp
     # The hot-path cost alone, without the transport: record() as the backend calls it.
     x = torch.ones(1024)
     t0 = time.perf_counter()

@@ -105,7 +105,8 @@ class _EngineShim:
     """What GradientFlowBackend holds, built from the same parts (engine mode only)."""
 
     def __init__(self, store, timeout):
-        from gradientflow.backend.transports import Transports, make_gloo as _make_gloo
+        from gradientflow.backend.transports import Transports
+        from gradientflow.backend.transports import make_gloo as _make_gloo
         from gradientflow.config import Config
         from gradientflow.engine.engine import Engine
 
@@ -118,7 +119,8 @@ class _EngineShim:
 
     def scheduler(self):
         if self._scheduler is None:
-            from gradientflow.backend.transports import Transports, make_gloo as _make_gloo
+            from gradientflow.backend.transports import Transports
+            from gradientflow.backend.transports import make_gloo as _make_gloo
             from gradientflow.engine.scheduler import KeyedScheduler
 
             store, rank, size, timeout = self._args
