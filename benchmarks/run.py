@@ -6,11 +6,13 @@
 
 One folder per benchmark holds its latest run: every ``benchmarks/bench_<name>.py`` is run as its
 own subprocess, ``python -m benchmarks.bench_<name> [--quick] --out OUT/<name>``, under a time
-limit, into a folder emptied first (a re-run replaces it); it must write ``<name>.json`` and
-``<name>.md`` there, and its console goes to ``<name>.log`` beside them. A benchmark that fails,
-times out or writes nothing is reported in ``OUT/summary.md`` with the end of its log, and the
-others still run; the exit status is 1 if any failed. The measurement history (dated key
-numbers and their commands) is ``benchmarks/results/HISTORY.md``, kept by hand.
+limit, after the files of that folder are removed (a re-run replaces them; its subfolders stay:
+they hold inputs, such as the runs bench_simulate is calibrated on); it must write
+``<name>.json`` and ``<name>.md`` there, and its console goes to ``<name>.log`` beside them.
+A benchmark that fails, times out or writes nothing is reported in ``OUT/summary.md`` with the
+end of its log, and the others still run; the exit status is 1 if any failed. The measurement
+history (dated key numbers and their commands) is ``benchmarks/results/HISTORY.md``, kept by
+hand.
 
 Plots the runner draws from the gathered JSON (when the data are there), into the folder of
 the benchmark they come from:
@@ -25,7 +27,6 @@ import argparse
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import time
@@ -58,8 +59,10 @@ def run_one(name: str, path: Path, out: Path, quick: bool, timeout_s: float,
             extra: list[str] | None = None) -> dict:
     """Run one benchmark as a subprocess into OUT/<name>/; return its status (never raises)."""
     bdir = out / name
-    shutil.rmtree(bdir, ignore_errors=True)  # the folder holds the latest run only
-    bdir.mkdir(parents=True)
+    bdir.mkdir(parents=True, exist_ok=True)
+    for old in bdir.iterdir():  # the folder's files are the latest run only
+        if old.is_file() or old.is_symlink():
+            old.unlink()
     log = bdir / f"{name}.log"
     # Modules of this package run with -m (their imports resolve as benchmarks.*); others by path.
     target = (["-m", f"benchmarks.{path.stem}"] if path.parent.resolve() == HERE
