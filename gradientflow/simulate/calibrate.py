@@ -1,6 +1,6 @@
 """Fit the cost model's constants on our emulated-switch runs, and measure its error elsewhere.
 
-The runs are benchmarks/bench_e2e.py's (committed under benchmarks/results/e2e*): AlexNet and
+The runs are benchmarks/bench_e2e.py's (benchmarks/results/e2e/, simulate/e2e_*): AlexNet and
 ResNet-50 on CPU ranks, one network namespace per rank behind a bridge, each NIC shaped with
 tbf to 1, 2.5, 5 or 10 Gbit/s (benchmarks/netem.py), gloo's TCP transport underneath. Each row
 gives a variant's median step time and the same launch's step with no communication, which is
@@ -32,9 +32,9 @@ from gradientflow.simulate.models import load
 from gradientflow.simulate.step import Message, message_cost, simulate
 
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
-FIT_FILES = ("e2e.json",)
-HOLDOUT_FILES = ("e2e_4ranks/e2e.json", "e2e_4ranks_alexnet/e2e.json",
-                 "e2e_4ranks_low/e2e.json", "e2e_4ranks_alexnet_low/e2e.json")
+FIT_FILES = ("e2e/e2e.json",)
+HOLDOUT_FILES = ("simulate/e2e_4ranks/e2e.json", "simulate/e2e_4ranks_alexnet/e2e.json",
+                 "simulate/e2e_4ranks_low/e2e.json", "simulate/e2e_4ranks_alexnet_low/e2e.json")
 # A run made for this model (3 ranks: a world size neither set has) on a machine whose load was
 # 24-27 from other jobs: reported apart, it measures the load as much as the network.
 NEW_FILES = ("simulate/e2e_3ranks_loaded/e2e.json",)
@@ -93,7 +93,7 @@ def load_probes(files, ranks: int = 2) -> list[dict]:
             if t.get("ok") and t.get("allreduce_ms"):
                 out.append({"what": f"64 MiB at {t['tier']}", "rate_gbps": t["rate_gbps"],
                             "ms": t["allreduce_ms"], "ranks": 2, "nbytes": 64 * 2**20})
-    for r in json.loads((RESULTS / "collectives.json").read_text())["rows"]:
+    for r in json.loads((RESULTS / "collectives" / "collectives.json").read_text())["rows"]:
         if r["op"] == "all_reduce" and r["ranks"] == ranks and r["size"] in SMALL:
             out.append({"what": f"{r['size']} on loopback", "rate_gbps": 100.0,
                         "ms": r["gf ms"], "ranks": ranks, "nbytes": SMALL[r["size"]]})

@@ -158,7 +158,7 @@ def write_report(out: Path, calibration: dict | None = None, quick: bool = False
     if calibration is not None:
         c = calibration
         md += ["### Calibration on the emulated switch", "",
-               "Fitted on the 2-rank runs of benchmarks/results/e2e.json (plus the 64 MiB tier "
+               "Fitted on the 2-rank runs of benchmarks/results/e2e/e2e.json (plus the 64 MiB tier "
                "probes and the 2-rank small allreduces of collectives.json); error stated on the "
                "4-rank runs (e2e_4ranks*), which the fit never saw. Step error = predicted / "
                "measured - 1; communication = step minus the launch's no-communication step.", "",

@@ -4,8 +4,8 @@
 all_reduce a CUDA tensor of ones over BACKEND: "gradientflow", "cpu:gloo,cuda:nccl" (torch's own,
 for comparison) or "transport" (our backend's NCCL factory, ``Transports``, on a FileStore:
 what the backend does on first CUDA use, runnable on a torch that cannot construct the
-backend); each writes what happened. NCCL refuses two ranks on one device ("Duplicate GPU detected") from
-2.x on; this records the message, or the result if it ran.
+backend); each writes what happened. NCCL refuses two ranks on one device ("Duplicate GPU
+detected") from 2.x on; this records the message, or the result if it ran.
 """
 from __future__ import annotations
 
@@ -78,8 +78,8 @@ def main() -> int:
     ranks = []
     for r in range(2):
         path = os.path.join(out_dir, f"rank{r}.json")
-        ranks.append(json.load(open(path)) if os.path.exists(path) else {"rank": r, "ok": False,
-                                                                          "error": "no result (hung or killed)"})
+        missing = {"rank": r, "ok": False, "error": "no result (hung or killed)"}
+        ranks.append(json.load(open(path)) if os.path.exists(path) else missing)
     result = {"backend": backend, "hung_ranks": hung, "ranks": ranks}
     with open(out, "w") as f:
         json.dump(result, f, indent=1)

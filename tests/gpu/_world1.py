@@ -93,8 +93,8 @@ def run_check(fn):
     faulthandler.cancel_dump_traceback_later()
     rec["seconds"] = round(time.perf_counter() - t0, 3)
     _write()
-    print(("PASS " if rec["ok"] else "FAIL ") + rec["name"] + ("" if rec["ok"] else ": " + rec["error"]),
-          flush=True)
+    status = "PASS " if rec["ok"] else "FAIL "
+    print(status + rec["name"] + ("" if rec["ok"] else ": " + rec["error"]), flush=True)
 
 
 MODE = {"mode": None}
@@ -105,7 +105,8 @@ class _EngineShim:
     """What GradientFlowBackend holds, built from the same parts (engine mode only)."""
 
     def __init__(self, store, timeout):
-        from gradientflow.backend.transports import Transports, make_gloo as _make_gloo
+        from gradientflow.backend.transports import Transports
+        from gradientflow.backend.transports import make_gloo as _make_gloo
         from gradientflow.config import Config
         from gradientflow.engine.engine import Engine
 
@@ -118,12 +119,14 @@ class _EngineShim:
 
     def scheduler(self):
         if self._scheduler is None:
-            from gradientflow.backend.transports import Transports, make_gloo as _make_gloo
+            from gradientflow.backend.transports import Transports
+            from gradientflow.backend.transports import make_gloo as _make_gloo
             from gradientflow.engine.scheduler import KeyedScheduler
 
             store, rank, size, timeout = self._args
             cfg = self.engine.config
-            self._sched_transports = Transports(store, rank, size, timeout, prefix="gradientflow/sched-")
+            self._sched_transports = Transports(store, rank, size, timeout,
+                                                prefix="gradientflow/sched-")
             self._scheduler = KeyedScheduler(
                 rank, size, _make_gloo(store, rank, size, timeout, "gradientflow/sched-agree/"),
                 self._sched_transports.get, cfg.schedule_credit,
@@ -247,7 +250,9 @@ def all_reduce_async_small_fused():
     [w.wait() for w in ws]
     assert all(torch.equal(p, q) for p, q in zip(a, b)) and s.tolist() == [2.0, 3.0]
     st = gradientflow.stats()
-    return {k: v for k, v in st.items() if not isinstance(v, (dict, list))} if isinstance(st, dict) else str(st)
+    if not isinstance(st, dict):
+        return str(st)
+    return {k: v for k, v in st.items() if not isinstance(v, (dict, list))}
 
 
 @check
@@ -368,8 +373,12 @@ def broadcast_gather_scatter_family():
 
 
 def _family_on_engine():
-    from torch._C._distributed_c10d import (AllgatherOptions, BarrierOptions, BroadcastOptions,
-                                            ReduceScatterOptions)
+    from torch._C._distributed_c10d import (
+        AllgatherOptions,
+        BarrierOptions,
+        BroadcastOptions,
+        ReduceScatterOptions,
+    )
 
     x = pattern(10_000, 5)
     y = x.clone()
@@ -384,10 +393,12 @@ def _family_on_engine():
     eager("all_gather_into_tensor", DEV, lambda tp: tp._allgather_base(big, x, AllgatherOptions()))
     assert torch.equal(big, x)
     r = torch.empty_like(x)
-    eager("reduce_scatter", DEV, lambda tp: tp.reduce_scatter([r], [[x.clone()]], ReduceScatterOptions()))
+    eager("reduce_scatter", DEV,
+          lambda tp: tp.reduce_scatter([r], [[x.clone()]], ReduceScatterOptions()))
     assert torch.equal(r, x)
     r2 = torch.empty_like(x)
-    eager("reduce_scatter_tensor", DEV, lambda tp: tp._reduce_scatter_base(r2, x.clone(), ReduceScatterOptions()))
+    eager("reduce_scatter_tensor", DEV,
+          lambda tp: tp._reduce_scatter_base(r2, x.clone(), ReduceScatterOptions()))
     assert torch.equal(r2, x)
     eager("barrier", torch.device("cpu"), lambda tp: tp.barrier(BarrierOptions()))
     # an eager op queued behind deferred ones (the engine thread launches it, not the caller)
@@ -406,7 +417,8 @@ def cpu_and_cuda_in_one_program():
     ws = [all_reduce(c, async_op=True), all_reduce(g, async_op=True),
           all_reduce(c * 0 + 1, async_op=True)]
     [w.wait() for w in ws]
-    assert torch.equal(c, torch.arange(1000, dtype=torch.float32)) and torch.equal(g, pattern(1000, 1))
+    assert torch.equal(c, torch.arange(1000, dtype=torch.float32))
+    assert torch.equal(g, pattern(1000, 1))
     return {"transports": backend().transports.created()}
 
 
@@ -488,7 +500,8 @@ def _ddp_hook(cfg, tol, side=False):
         assert d < tol, d
     return {"max_abs_diff_vs_local": d, "numba_cuda_loaded": K._cuda_module is not None,
             "numba_cuda_error": repr(K._cuda_error), "steps": st.get("steps"),
-            "ratio": (st.get("steady") or {}).get("ratio") if isinstance(st.get("steady"), dict) else None}
+            "ratio": (st["steady"].get("ratio") if isinstance(st.get("steady"), dict)
+                      else None)}
 
 
 @check
@@ -539,8 +552,9 @@ def ddp_csc_hook_1_percent():
 def ddp_csc_hook_momentum_correction():
     from gradientflow.compression import CompressionConfig
 
-    return _ddp_hook(CompressionConfig(method="csc", density=0.05, chunk_size=64, warmup_densities=(),
-                                       momentum_correction=True, min_numel=1), None)
+    return _ddp_hook(CompressionConfig(method="csc", density=0.05, chunk_size=64,
+                                       warmup_densities=(), momentum_correction=True,
+                                       min_numel=1), None)
 
 
 def _dist_opt(compression, tol, side=False):
@@ -573,8 +587,8 @@ def distributed_optimizer_fp16():
 def distributed_optimizer_csc():
     from gradientflow.compression import CompressionConfig
 
-    return _dist_opt(CompressionConfig(method="csc", density=0.01, chunk_size=64, warmup_densities=(),
-                                       min_numel=1), None)
+    return _dist_opt(CompressionConfig(method="csc", density=0.01, chunk_size=64,
+                                       warmup_densities=(), min_numel=1), None)
 
 
 @check
@@ -623,8 +637,10 @@ def main() -> int:
         checks = [c for c in checks if c.__name__ in only.split(",")]
     try:
         if os.environ.get("GF_WORLD1_FORCE_ENGINE"):  # dry-run engine mode on a torch that has both
-            raise TypeError("GradientFlowBackend: No constructor defined! (forced by GF_WORLD1_FORCE_ENGINE)")
-        dist.init_process_group("gradientflow", init_method=f"file://{init_file}", rank=0, world_size=1)
+            raise TypeError("GradientFlowBackend: No constructor defined! (forced by "
+                            "GF_WORLD1_FORCE_ENGINE)")
+        dist.init_process_group("gradientflow", init_method=f"file://{init_file}", rank=0,
+                                world_size=1)
         MODE["mode"] = "backend"
     except BaseException as exc:  # noqa: BLE001
         RESULTS.append({"name": "init_process_group(gradientflow)", "ok": False, "error": repr(exc),
@@ -644,7 +660,8 @@ def main() -> int:
         RESULTS.append({"name": "destroy_process_group", "ok": False, "error": repr(exc)})
     _write()
     failed = [r["name"] for r in RESULTS if not r["ok"]]
-    print(f"mode {MODE['mode']}: {len(RESULTS) - len(failed)} passed, {len(failed)} failed: {failed}",
+    print(f"mode {MODE['mode']}: {len(RESULTS) - len(failed)} passed, {len(failed)} failed: "
+          f"{failed}",
           flush=True)
     return 1 if failed else 0
 
