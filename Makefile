@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 # torch would download a multi-GB build.
 TORCH_PINS := torch==2.14.1 torchvision==0.29.1
 
-.PHONY: install test lint demo bench bench-quick experiment sweep simulate test-ray clean
+.PHONY: install test lint demo bench bench-quick experiment sweep simulate bench-algorithms bench-autotune test-ray clean
 
 install: $(STAMP)
 
@@ -40,6 +40,14 @@ experiment: install
 sweep: install
 	$(PY) experiments/imagenet/run_experiment.py --densities 0.1,0.03,0.01,0.003,0.001 \
 		--chunk-sizes 256,1024,4096 --seeds 0,1,2 --epochs 6
+
+# collective algorithms on the emulated network (root: network namespaces, tbf)
+bench-algorithms: install
+	$(PY) benchmarks/bench_algorithms.py
+
+# autotune against a grid of the same settings, in one launch
+bench-autotune: install
+	$(PY) benchmarks/bench_autotune.py
 
 # the scale model's tables, plots and calibration (benchmarks/results/simulate/)
 simulate: install

@@ -224,7 +224,7 @@ def run_reducers(rate: float | None, reducers: int, model: str, reps: int,
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="1 Gbps only, 2 reps, 1 and 4 reducers")
-    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--out", default="benchmarks/results/algorithms")
     ap.add_argument("--tiers", default="1,10", help="NIC rates in Gbit/s")
     ap.add_argument("--reducers", default="1,2,4")
     ap.add_argument("--reducer-tiers", default="1", help="NIC rates of the reducers setup")

@@ -132,7 +132,7 @@ def _row(tier: str, n: int, model: str, r: dict) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--out", default="benchmarks/results/autotune")
     ap.add_argument("--worlds", default=None, help="rank counts, e.g. 2,4")
     ap.add_argument("--models", default=None, help="e.g. resnet50,alexnet,bert-base")
     ap.add_argument("--tiers", default=None, help="emulated Gbit/s besides loopback: none,10")
