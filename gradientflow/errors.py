@@ -7,8 +7,8 @@ issued different collectives, a stall was aborted, the group was destroyed).
 """
 from __future__ import annotations
 
-__all__ = ["CollectiveError", "CollectiveMismatchError", "EngineError", "PeerFailureError",
-           "StallError", "StepFailed"]
+__all__ = ["AutotuneMismatch", "CollectiveError", "CollectiveMismatchError", "EngineError",
+           "PeerFailureError", "StallError", "StepFailed"]
 
 
 class CollectiveError(ValueError):
@@ -38,3 +38,7 @@ class StepFailed(RuntimeError):
     The engine fails only the operations of that message with it, not the whole group: the
     next message (the next step) may go on, e.g. once a dead reducer was restarted.
     """
+
+
+class AutotuneMismatch(RuntimeError):
+    """The ranks are not at the same point of the tuning protocol (raised on every rank)."""

@@ -31,6 +31,7 @@ from torch._C._distributed_c10d import AllgatherOptions
 from gradientflow.autotune import space
 from gradientflow.autotune.search import Search
 from gradientflow.config import read_config_file, write_config_file
+from gradientflow.errors import AutotuneMismatch
 
 log = logging.getLogger("gradientflow.autotune")
 
@@ -38,10 +39,6 @@ MAGIC = 271828.0  # first word of every row: a row from anything else is a misma
 REPORT, DECIDE = 1.0, 2.0
 FAILED = -1.0  # rank 0's done flag when its search raised
 _HEAD = 5  # MAGIC, phase, trial, fingerprint, value (a median, or rank 0's done flag)
-
-
-class AutotuneMismatch(RuntimeError):
-    """The ranks are not at the same point of the tuning protocol (raised on every rank)."""
 
 
 class Tuner:
