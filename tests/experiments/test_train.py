@@ -1,4 +1,5 @@
-"""experiments/imagenet/train.py: bad input is refused before init, a tiny run works, resume is exact."""
+"""experiments/imagenet/train.py: bad input refused before init, a tiny run works, exact resume."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -76,14 +77,18 @@ def test_bad_input_from_the_command_line_exits_nonzero_with_one_line():
 
 
 def test_config_derives_per_rank_batch_and_scaled_lr():
-    cfg = train.resolve(train.parse_args(["--dummy", "-b", "512", "--lr", "0.1"]), env={"WORLD_SIZE": "4"})
+    cfg = train.resolve(
+        train.parse_args(["--dummy", "-b", "512", "--lr", "0.1"]), env={"WORLD_SIZE": "4"}
+    )
     assert cfg.per_rank_batch == 128 and cfg.peak_lr == pytest.approx(0.2)
     with pytest.raises(train.ConfigError, match="multiple of the world size"):
         train.resolve(train.parse_args(["--dummy", "-b", "6"]), env={"WORLD_SIZE": "4"})
 
 
 def test_lr_schedule_warms_up_then_steps():
-    cfg = train.resolve(train.parse_args(["--dummy", "--lr-warmup-epochs", "2", "--lr-steps", "3,5"]), env={})
+    cfg = train.resolve(
+        train.parse_args(["--dummy", "--lr-warmup-epochs", "2", "--lr-steps", "3,5"]), env={}
+    )
     peak = cfg.peak_lr
     assert train.learning_rate(cfg, 1.0) == pytest.approx(peak / 2)
     assert train.learning_rate(cfg, 2.5) == pytest.approx(peak)
@@ -145,24 +150,33 @@ def test_alexnet_bn_is_an_arch_with_batch_norm_after_every_hidden_layer():
             == sorted(tuple(p.shape) for p in plain.parameters() if p.ndim > 1))
 
 
-# ---- a tiny run -------------------------------------------------------------------------------------
+# ---- a tiny run ----------------------------------------------------------------------------------
 def test_tiny_dummy_run_on_one_process(tmp_path):
     backend, comp = ("gradientflow", "csc") if _gradientflow_ready() else ("gloo", "none")
     log = tmp_path / "log.jsonl"
-    cmd = [sys.executable, str(SCRIPT), "--dummy", "-a", "resnet18", "--image-size", "32", "--num-classes", "10",
-           "-b", "4", "--steps-per-epoch", "2", "--epochs", "1", "-j", "1", "--dist-backend", backend,
-           "--compression", comp, "--density", "0.01", "--warmup", "none", "--json-log", str(log),
-           "--checkpoint-dir", str(tmp_path)]
+    cmd = [
+        sys.executable, str(SCRIPT), "--dummy", "-a", "resnet18", "--image-size", "32",
+        "--num-classes", "10", "-b", "4", "--steps-per-epoch", "2", "--epochs", "1", "-j", "1",
+        "--dist-backend", backend, "--compression", comp, "--density", "0.01",
+        "--warmup", "none", "--json-log", str(log), "--checkpoint-dir", str(tmp_path),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT, env=_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
     (record,) = [json.loads(line) for line in log.read_text().splitlines()]
-    assert record["steps"] == 2 and record["images_per_s"] > 0 and 0 < record["wire_bytes"] <= record["dense_bytes"]
-    assert (tmp_path / "checkpoint.pth.tar").is_file() and (tmp_path / "checkpoint.pth.tar.rank0").is_file()
+    assert (
+        record["steps"] == 2
+        and record["images_per_s"] > 0
+        and 0 < record["wire_bytes"] <= record["dense_bytes"]
+    )
+    assert (tmp_path / "checkpoint.pth.tar").is_file() and (
+        tmp_path / "checkpoint.pth.tar.rank0"
+    ).is_file()
 
 
-# ---- resume equivalence ---------------------------------------------------------------------------
+# ---- resume equivalence --------------------------------------------------------------------------
 def _torchrun(args, tmp_path, name):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(SCRIPT), *args]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           str(SCRIPT), *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT, env=_env())
     (tmp_path / f"{name}.out").write_text(proc.stdout + proc.stderr)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -177,15 +191,22 @@ def test_stop_and_resume_gives_the_parameters_of_an_uninterrupted_run(tmp_path):
     """2 ranks, CSC (residuals matter): 2 epochs straight == 1 epoch, stop, resume 1 more."""
     data = prepare.prepare(tmp_path / "digits", size=16, limit=48)
     backend, comp = ("gradientflow", "csc") if _gradientflow_ready() else ("gloo", "none")
-    common = [str(data), "-a", "resnet18", "--image-size", "16", "--num-classes", "10", "--augment", "none",
-              "-b", "16", "--lr", "0.05", "--lr-base-batch", "16", "-j", "0", "--seed", "3", "--dist-backend", backend,
-              "--compression", comp, "--density", "0.01", "--warmup", "0.25", "--bucket-cap-mb", "5"]
+    common = [
+        str(data), "-a", "resnet18", "--image-size", "16", "--num-classes", "10",
+        "--augment", "none", "-b", "16", "--lr", "0.05", "--lr-base-batch", "16", "-j", "0",
+        "--seed", "3", "--dist-backend", backend, "--compression", comp, "--density", "0.01",
+        "--warmup", "0.25", "--bucket-cap-mb", "5",
+    ]
     straight, stopped = tmp_path / "straight", tmp_path / "stopped"
     _torchrun(common + ["--epochs", "2", "--checkpoint-dir", str(straight)], tmp_path, "straight")
     _torchrun(common + ["--epochs", "1", "--checkpoint-dir", str(stopped)], tmp_path, "first")
-    if comp == "csc":  # the shards hold residuals: they must be non-zero for the test to mean anything
+    if (
+        comp == "csc"
+    ):  # the shards hold residuals: they must be non-zero for the test to mean anything
         shard = torch.load(stopped / "checkpoint.pth.tar.rank1", weights_only=False)["compressor"]
-        assert any(torch.is_tensor(v) and v.abs().sum() > 0 for v in _tensors(shard)), "no residual in the shard"
+        assert any(torch.is_tensor(v) and v.abs().sum() > 0 for v in _tensors(shard)), (
+            "no residual in the shard"
+        )
     _torchrun(common + ["--epochs", "2", "--resume", str(stopped / "checkpoint.pth.tar"),
                         "--checkpoint-dir", str(stopped)], tmp_path, "resumed")
     a, b = _params(straight / "checkpoint.pth.tar"), _params(stopped / "checkpoint.pth.tar")
