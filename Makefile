@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e ".[test,experiments,spark,autotune]" $(TORCH_PINS)
 	touch $(STAMP)
 
-test: install
+test: install lint
 	$(PY) -m pytest -q tests
 
 lint: install
