@@ -155,7 +155,12 @@ def serve(store, index: int, reducers: int, workers: int | None,
         key = f"channel/{seen}"
         try:
             ns.wait([key], datetime.timedelta(seconds=60))
-        except Exception:  # noqa: BLE001 - no new channel yet
+        except Exception:  # noqa: BLE001 - no new channel yet, or the job is gone
+            if not _store_alive(store):
+                # the store lives as long as the job's rank 0: without it no worker can
+                # reach us again, and retrying would spin on a refused connection
+                _log("the job's store is gone (the job ended): exiting")
+                return
             continue
         name, size, timeout_s = ns.get(key).decode().split("|")
         seen += 1
@@ -168,6 +173,15 @@ def serve(store, index: int, reducers: int, workers: int | None,
         t = threading.Thread(target=server.run, name=f"reducer-{name}", daemon=True)
         t.start()
         threads.append(t)
+
+
+def _store_alive(store) -> bool:
+    """Whether the job's store still answers."""
+    try:
+        store.add(f"{rs.NAMESPACE}alive", 0)
+        return True
+    except Exception:  # noqa: BLE001 - refused, reset or timed out: gone
+        return False
 
 
 def connect(endpoint: str | None, timeout_s: float):
