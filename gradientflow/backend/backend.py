@@ -21,6 +21,7 @@ from torch._C._distributed_c10d import (
     ReduceOp,
 )
 
+from gradientflow.backend import layouts, p2p
 from gradientflow.backend import validate as V
 from gradientflow.config import Config, current_overrides
 from gradientflow.engine.engine import Engine
@@ -106,6 +107,7 @@ class Transports:
                 pass
 
 
+@layouts.conform  # strided views and sparse COO, as gloo takes them (backend/layouts.py)
 class GradientFlowBackend(_CBackend):
     """A torch.distributed backend whose collectives go through one ordered engine."""
 
@@ -473,16 +475,14 @@ class GradientFlowBackend(_CBackend):
         return self._tp(t.device).recv(tensors, src_rank, tag)
 
     def recv_anysource(self, tensors, tag):
-        raise V.fail(self._rank, "recv", "a receive from any source (src=None) is not supported "
-                     "by a Python backend in torch 2.14",
-                     "name the source rank: dist.recv(tensor, src=...)")
+        raise p2p.recv_anysource_error(self._rank)  # why: backend/p2p.py
 
     def gather_single(self, output, input, opts):
         raise V.fail(self._rank, "gather_single", "not available on a Python backend in torch 2.14",
                      "use dist.gather with a gather_list")
 
     def monitored_barrier(self, opts=None, wait_all_ranks=False):
-        return self.barrier()
+        p2p.monitored_barrier(self, opts, wait_all_ranks)  # gloo's own (backend/p2p.py)
 
 
 _OPT_FIELDS: dict[type, tuple[bool, bool, bool]] = {}
