@@ -21,6 +21,7 @@ from torch._C._distributed_c10d import (
     ReduceOp,
 )
 
+from gradientflow import agreement_check
 from gradientflow.backend import layouts, p2p
 from gradientflow.backend import validate as V
 from gradientflow.config import Config, current_overrides
@@ -122,6 +123,8 @@ class GradientFlowBackend(_CBackend):
         self._seq_for_group = 0
         store = attempt_store(store)
         check_world(store, rank, size, timeout.total_seconds())
+        # Before any transport: a setting such as debug decides which groups get connected.
+        agreement_check.check(store, rank, size, config, timeout.total_seconds())
         self.transports = Transports(store, rank, size, timeout)
         # The solo channel (Engine.on_solo_channel): a second gloo group, connected by every
         # rank at its first solo allreduce, which is the same call on every rank.
