@@ -7,7 +7,6 @@ error, every other output bit for bit. Skipped without a GPU (tests/gpu/conftest
 """
 from __future__ import annotations
 
-import inspect
 
 import pytest
 import torch
@@ -170,12 +169,11 @@ def test_kernels_run_on_the_current_stream():
     assert bool((out[~mask] == 0).all())
 
 
-@pytest.mark.skipif("out" not in inspect.signature(K.chunk_norms).parameters,
-                    reason="chunk_norms has no out= (v folded into the residual) in this version")
 @pytest.mark.parametrize("wire", WIRES)
 def test_csc_step_folded_into_the_residual(wire):
-    """v written straight into the residual (chunk_norms(out=residual)) and unpack_update with
-    residual = v, out = the gradient: numba CUDA and torch agree bit for bit."""
+    """CSC's one-pass step as the compressor runs it: v written straight into the spare residual
+    while the gradient is zeroed (chunk_norms(v_out=, zero_grad=True)), then only the sent
+    chunks written back (unpack_sent): numba CUDA and torch agree bit for bit."""
     n, c = 300_001, 1024
     gen = torch.Generator().manual_seed(5)
     g0 = torch.randn(n, generator=gen).to(DEV)
@@ -183,12 +181,12 @@ def test_csc_step_folded_into_the_residual(wire):
     nch = K.nchunks_of(n, c)
     res = {}
     for impl in ("numba", "torch"):
-        g, r = g0.clone(), r0.clone()
-        norms = K.chunk_norms(g, r, c, "l1", out=r, impl=impl)
+        g, r, spare = g0.clone(), r0.clone(), torch.empty(n, device=DEV)
+        norms = K.chunk_norms(g, r, c, "l1", v_out=spare, zero_grad=True, impl=impl)
         idx = K.select_chunks(norms, nch // 10)
-        packed = K.pack_chunks(r, idx, c, 0.5, wire, impl=impl)
-        K.unpack_update(r, r, packed, packed.clone(), idx, c, 2.0, 2.0, out=g, impl=impl)
-        res[impl] = (g, r, idx)
+        packed = K.pack_chunks(spare, idx, c, 0.5, wire, impl=impl)
+        K.unpack_sent(g, spare, packed, packed.clone(), idx, c, 2.0, 2.0, impl=impl)
+        res[impl] = (g, spare, idx)
     assert torch.equal(res["numba"][2], res["torch"][2])
     assert_same_bits(res["numba"][0], res["torch"][0])
     assert_same_bits(res["numba"][1], res["torch"][1])
