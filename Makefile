@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 # torch would download a multi-GB build.
 TORCH_PINS := torch==2.14.1 torchvision==0.29.1
 
-.PHONY: install test test-fast demo bench bench-quick experiment clean
+.PHONY: install test lint demo bench bench-quick experiment sweep simulate bench-algorithms bench-autotune test-ray clean
 
 install: $(STAMP)
 
@@ -15,11 +15,14 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH_PINS)
-	$(PY) -m pip install -q -e ".[test,experiments]" $(TORCH_PINS)
+	$(PY) -m pip install -q -e ".[test,experiments,spark,autotune]" $(TORCH_PINS)
 	touch $(STAMP)
 
-test: install
+test: install lint
 	$(PY) -m pytest -q tests
+
+lint: install
+	$(PY) -m ruff check .
 
 demo: install
 	$(PY) experiments/imagenet/run_experiment.py --demo
@@ -32,6 +35,28 @@ bench-quick: install
 
 experiment: install
 	$(PY) experiments/imagenet/run_experiment.py
+
+# density and chunk size against accuracy, bytes and a recommendation per link speed (resumes)
+sweep: install
+	$(PY) experiments/imagenet/run_experiment.py --densities 0.1,0.03,0.01,0.003,0.001 \
+		--chunk-sizes 256,1024,4096 --seeds 0,1,2 --epochs 6
+
+# collective algorithms on the emulated network (root: network namespaces, tbf)
+bench-algorithms: install
+	$(PY) benchmarks/bench_algorithms.py
+
+# autotune against a grid of the same settings, in one launch
+bench-autotune: install
+	$(PY) benchmarks/bench_autotune.py
+
+# the scale model's tables, plots and calibration (benchmarks/results/simulate/)
+simulate: install
+	$(PY) benchmarks/bench_simulate.py
+
+# Ray is large and optional: its test skips unless ray[train] is installed
+test-ray: install
+	$(PY) -m pip install -q -e ".[ray]" $(TORCH_PINS)
+	$(PY) -m pytest -q tests/horovod/test_ray.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

@@ -15,8 +15,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import fmt, machine_line, markdown_table, median, write_result  # noqa: E402
-from benchmarks.launch import launch  # noqa: E402
+from benchmarks.common import fmt, machine_line, markdown_table, median, results_dir, write_result
+from benchmarks.launch import launch
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
 
@@ -46,7 +46,7 @@ def worker(rank: int, world_size: int, sizes: list[int], reps: int) -> dict:
             shard = torch.ones(per)
             full = torch.ones(per * world_size)
 
-            def call(g, op=op):
+            def call(g, op=op, x=x, full=full, shard=shard):
                 if op == "all_reduce":
                     dist.all_reduce(x, group=g)
                 elif op == "all_gather":
@@ -80,7 +80,7 @@ def _label(size: int) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="4 KB-1 MB, 2 ranks, few reps")
-    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--out", default=results_dir("collectives"))
     ap.add_argument("--worlds", default=None, help="comma-separated world sizes")
     args = ap.parse_args(argv)
     if args.quick:

@@ -38,7 +38,7 @@ DDP_BUCKET_MB = 25  # DDP's default bucket_cap_mb
 
 
 def resnet50_shapes() -> list[tuple[str, tuple[int, ...]]]:
-    """(name, shape) of every torchvision resnet50 parameter, built on the meta device (no memory)."""
+    """(name, shape) of every torchvision resnet50 parameter, built on the meta device."""
     import torchvision
 
     with torch.device("meta"):
@@ -47,7 +47,7 @@ def resnet50_shapes() -> list[tuple[str, tuple[int, ...]]]:
 
 
 def ddp_buckets(shapes, cap_mb: float = DDP_BUCKET_MB) -> list[Layout]:
-    """Split parameters as DDP does after its rebuild: reverse order, a bucket closes once >= cap bytes."""
+    """Split parameters as DDP does after its rebuild: reverse order, a bucket closes at cap."""
     cap = cap_mb * 2**20
     buckets, cur, size = [], [], 0
     for name, shape in reversed(shapes):
@@ -62,7 +62,10 @@ def ddp_buckets(shapes, cap_mb: float = DDP_BUCKET_MB) -> list[Layout]:
 
 
 def one_step(cfg: CompressionConfig, layouts, world: int, grads=None, comps=None):
-    """Run one step of `world` simulated ranks over the layouts; return (compressors, seconds, outputs)."""
+    """Run one step of `world` simulated ranks over the layouts.
+
+    Returns (compressors, seconds, outputs).
+    """
     comps = comps or [make_compressor(cfg, world) for _ in range(world)]
     flats = []
     for lay in layouts:
@@ -122,28 +125,33 @@ def budget_configs(density: float = 0.01, chunk_size: int = CompressionConfig.ch
     }
 
 
-def arithmetic(n: int, d: int, chunk: int, density: float, wire_b: int, dense_b: int, norm_b: int = 4) -> dict:
+def arithmetic(n: int, d: int, chunk: int, density: float, wire_b: int, dense_b: int,
+               norm_b: int = 4) -> dict:
     """The wire bytes of one CSC step on ONE flat buffer, from the formula."""
     nch = math.ceil(n / chunk)
     k = math.ceil(density * nch)
     norms, payload, dense = norm_b * nch, wire_b * k * chunk, dense_b * d
-    return {"chunks": nch, "k": k, "norm_bytes": norms, "payload_bytes": payload, "dense_bytes": dense,
+    return {"chunks": nch, "k": k, "norm_bytes": norms, "payload_bytes": payload,
+            "dense_bytes": dense,
             "wire_bytes": norms + payload + dense, "ratio": 4 * n / (norms + payload + dense)}
 
 
 def main(argv=None) -> int:
     """Measure, print the table and the arithmetic, write DIR/compression.{json,md}."""
+    from benchmarks.common import results_dir
+
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="fewer timing repeats")
-    p.add_argument("--out", default="benchmarks/results", help="output directory")
+    p.add_argument("--out", default=results_dir("compression"), help="output directory")
     p.add_argument("--reps", type=int, default=None, help="timing repeats (default 5, quick 2)")
     p.add_argument("--density", type=float, default=0.01)
     p.add_argument("--chunk-size", type=int, default=CompressionConfig.chunk_size)
     p.add_argument("--budget-only", action="store_true",
                    help="only the per-step hook budget (one rank, ResNet-50's DDP buckets)")
     p.add_argument("--threads", type=int, default=1,
-                   help="torch and kernel threads (default 1: numba's pool and torch's fight over 2 cores, "
-                        "e.g. a 310k-element isfinite took 88 ms instead of 2.5 ms with both at 2)")
+                   help="torch and kernel threads (default 1: numba's pool and torch's fight over "
+                        "2 cores, e.g. a 310k-element isfinite took 88 ms instead of 2.5 ms with "
+                        "both at 2)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     kernels.set_num_threads(args.threads)
@@ -168,20 +176,24 @@ def main(argv=None) -> int:
     d = sum(math.prod(s) for _, s in shapes if cfg0.is_dense_param(s))
     d1 = sum(math.prod(s) for _, s in shapes if len(s) <= 1)
     buckets = ddp_buckets(shapes)
-    print(f"ResNet-50: {len(shapes)} tensors, {n:,} elements; {d1:,} in 1-D tensors; sent dense by the "
-          f"default rule (dim <= 1 or numel < {cfg0.min_numel}): {d:,}; DDP buckets of {DDP_BUCKET_MB} MB: {len(buckets)}")
+    print(f"ResNet-50: {len(shapes)} tensors, {n:,} elements; {d1:,} in 1-D tensors; sent dense "
+          f"by the default rule (dim <= 1 or numel < {cfg0.min_numel}): {d:,}; DDP buckets of "
+          f"{DDP_BUCKET_MB} MB: {len(buckets)}")
 
     # --- wire bytes, counted by the compressors' statistics -------------------------------------
     common = dict(chunk_size=args.chunk_size, warmup_densities=())
     variants = {
         "dense fp32 (none)": CompressionConfig(method="none"),
         "fp16": CompressionConfig(method="fp16"),
-        f"csc {args.density:g} fp16, dense part fp32": CompressionConfig(method="csc", density=args.density, dense_wire_dtype="fp32", **common),
-        f"csc {args.density:g} fp16": CompressionConfig(method="csc", density=args.density, **common),
+        f"csc {args.density:g} fp16, dense part fp32": CompressionConfig(
+            method="csc", density=args.density, dense_wire_dtype="fp32", **common),
+        f"csc {args.density:g} fp16": CompressionConfig(
+            method="csc", density=args.density, **common),
     }
     rows = []
     for label, cfg in variants.items():
-        for lay_name, lays in (("one flat buffer", [whole]), (f"DDP {DDP_BUCKET_MB} MB buckets", buckets)):
+        for lay_name, lays in (("one flat buffer", [whole]),
+                               (f"DDP {DDP_BUCKET_MB} MB buckets", buckets)):
             comps, _, _ = one_step(cfg, lays, 1)
             s = comps[0].stats.as_dict()["steady"]
             rows.append({"compressor": label, "layout": lay_name, "wire_bytes": s["wire_bytes"],
@@ -191,35 +203,44 @@ def main(argv=None) -> int:
     ar32 = arithmetic(n, d, args.chunk_size, args.density, 2, 4)
     ar16 = arithmetic(n, d, args.chunk_size, args.density, 2, 2)
     lines = [
-        f"Arithmetic (one flat buffer, C = {args.chunk_size}, density {args.density:g}, FP32 norms):",
+        f"Arithmetic (one flat buffer, C = {args.chunk_size}, density {args.density:g}, "
+        "FP32 norms):",
         f"  dense FP32 = 4 x {n:,} = {4 * n:,} B",
-        f"  chunks = ceil({n:,} / {args.chunk_size}) = {ar16['chunks']:,}; k = ceil({args.density:g} x chunks) = {ar16['k']:,}",
-        f"  norms 4 x {ar16['chunks']:,} = {ar16['norm_bytes']:,} B; payload 2 x {ar16['k']:,} x {args.chunk_size} = {ar16['payload_bytes']:,} B",
-        f"  dense part FP32: 4 x {d:,} = {ar32['dense_bytes']:,} B -> {ar32['wire_bytes']:,} B, {ar32['ratio']:.1f}x fewer",
-        f"  dense part FP16: 2 x {d:,} = {ar16['dense_bytes']:,} B -> {ar16['wire_bytes']:,} B, {ar16['ratio']:.1f}x fewer",
+        f"  chunks = ceil({n:,} / {args.chunk_size}) = {ar16['chunks']:,}; k = "
+        f"ceil({args.density:g} x chunks) = {ar16['k']:,}",
+        f"  norms 4 x {ar16['chunks']:,} = {ar16['norm_bytes']:,} B; payload 2 x {ar16['k']:,} x "
+        f"{args.chunk_size} = {ar16['payload_bytes']:,} B",
+        f"  dense part FP32: 4 x {d:,} = {ar32['dense_bytes']:,} B -> {ar32['wire_bytes']:,} B, "
+        f"{ar32['ratio']:.1f}x fewer",
+        f"  dense part FP16: 2 x {d:,} = {ar16['dense_bytes']:,} B -> {ar16['wire_bytes']:,} B, "
+        f"{ar16['ratio']:.1f}x fewer",
     ]
     print("\n".join(lines))
     measured = {r["compressor"]: r for r in rows if r["layout"] == "one flat buffer"}
     counted = measured[f"csc {args.density:g} fp16"]["wire_bytes"]
     if counted != ar16["wire_bytes"]:
-        print(f"WARNING: counted {counted} B but the arithmetic gives {ar16['wire_bytes']} B", file=sys.stderr)
+        print(f"WARNING: counted {counted} B but the arithmetic gives "
+              f"{ar16['wire_bytes']} B", file=sys.stderr)
 
-    # --- whole-run average with DGC's warm-up (4 epochs) in a 90-epoch run --------------------------
+    # --- whole-run average with DGC's warm-up (4 epochs) in a 90-epoch run ---------------------
     warm_cfg = CompressionConfig(method="csc", density=args.density, chunk_size=args.chunk_size)
     per_epoch = []
     for epoch in range(len(warm_cfg.warmup_densities) + 1):
         c = make_compressor(warm_cfg, 1)
         c.set_epoch(epoch)
         comps, _, _ = one_step(warm_cfg, [whole], 1, comps=[c])
-        per_epoch.append((epoch, comps[0].density_in_force(), comps[0].stats.as_dict()["average"]["wire_bytes"]))
+        wire = comps[0].stats.as_dict()["average"]["wire_bytes"]
+        per_epoch.append((epoch, comps[0].density_in_force(), wire))
         del comps, c
     epochs = 90
     steady_b = per_epoch[-1][2]
-    run_avg = (sum(b for _, _, b in per_epoch[:-1]) + (epochs - len(per_epoch) + 1) * steady_b) / epochs
+    warm_b = sum(b for _, _, b in per_epoch[:-1])
+    run_avg = (warm_b + (epochs - len(per_epoch) + 1) * steady_b) / epochs
     print("Warm-up (density in force -> wire bytes per step): " +
           ", ".join(f"epoch {e}: {dn:g} -> {b:,.0f} B" for e, dn, b in per_epoch))
-    print(f"Whole-run average over {epochs} epochs: {run_avg:,.0f} B/step ({4 * n / run_avg:.1f}x fewer); "
-          f"steady state {steady_b:,.0f} B/step ({4 * n / steady_b:.1f}x)")
+    print(f"Whole-run average over {epochs} epochs: {run_avg:,.0f} B/step "
+          f"({4 * n / run_avg:.1f}x fewer); steady state {steady_b:,.0f} B/step "
+          f"({4 * n / steady_b:.1f}x)")
 
     # --- time one compress+reduce of the whole gradient, 2 simulated ranks ------------------------
     timed = {
@@ -233,7 +254,8 @@ def main(argv=None) -> int:
         timed = {k: v for k, v in timed.items() if k in ("none", "fp16", f"csc {args.density:g}")}
     gen = torch.Generator().manual_seed(0)
     grads = [torch.randn(n, generator=gen) for _ in range(world)]
-    ranks = {label: [make_compressor(cfg, world) for _ in range(world)] for label, cfg in timed.items()}
+    ranks = {label: [make_compressor(cfg, world) for _ in range(world)]
+             for label, cfg in timed.items()}
     times: dict[str, list[float]] = {label: [] for label in timed}
     for label in timed:  # warm up: first-call compilation, residual allocation
         one_step(timed[label], [whole], world, grads=grads, comps=ranks[label])
@@ -241,10 +263,12 @@ def main(argv=None) -> int:
         for label in timed:
             _, dt, _ = one_step(timed[label], [whole], world, grads=grads, comps=ranks[label])
             times[label].append(dt)
-    trows = [{"compressor": label, "median_ms": 1e3 * statistics.median(ts), "min_ms": 1e3 * min(ts),
+    trows = [{"compressor": label, "median_ms": 1e3 * statistics.median(ts),
+              "min_ms": 1e3 * min(ts),
               "per_rank_ms": 1e3 * statistics.median(ts) / world} for label, ts in times.items()]
     buckets_b = ddp_buckets(shapes)
-    brows = step_budget(budget_configs(args.density, args.chunk_size), buckets_b, reps if not args.quick else 2)
+    brows = step_budget(budget_configs(args.density, args.chunk_size), buckets_b,
+                        reps if not args.quick else 2)
     threads = kernels.get_num_threads()
 
     t1 = ["compressor", "layout", "wire_bytes", "dense_fp32_bytes", "ratio", "chunks_sent"]
@@ -254,29 +278,32 @@ def main(argv=None) -> int:
     md = "\n".join([
         "## Compression: wire bytes and compress+reduce time (ResNet-50 gradient)", "",
         machine_line(), "",
-        f"Wire bytes per steady-state step (counted by the compressors' statistics; density {args.density:g}, "
-        f"chunk {args.chunk_size}, FP32 norms; dense part = {d:,} elements of tensors with dim <= 1 or "
-        f"numel < {cfg0.min_numel}):", "",
+        "Wire bytes per steady-state step (counted by the compressors' statistics; density "
+        f"{args.density:g}, chunk {args.chunk_size}, FP32 norms; dense part = {d:,} elements of "
+        f"tensors with dim <= 1 or numel < {cfg0.min_numel}):", "",
         markdown_table(t1, rows), "",
         "```", *lines, "```", "",
         f"Whole-run average with DGC's warm-up over {epochs} epochs: {run_avg:,.0f} B/step "
         f"({4 * n / run_avg:.1f}x fewer than dense FP32); steady state {steady_b:,.0f} B/step.", "",
-        f"One compress+reduce of the {n:,}-element gradient, {world} ranks simulated in one process "
-        f"(both ranks' work + the sums), median of {reps}; kernel threads {threads}:", "",
+        f"One compress+reduce of the {n:,}-element gradient, {world} ranks simulated in one "
+        f"process (both ranks' work + the sums), median of {reps}; kernel threads {threads}:", "",
         markdown_table(t2, trows), "",
-        f"Per-step hook budget: one rank's compression work per ResNet-50 step as the DDP hook runs "
-        f"it ({len(buckets_b)} buckets of {DDP_BUCKET_MB} MB, collectives replaced by the identity), "
-        f"median of {reps if not args.quick else 2}, kernel threads {threads}; cpu = process CPU time "
-        "(all threads), which other processes on the cores inflate less than wall time:", "",
+        "Per-step hook budget: one rank's compression work per ResNet-50 step as the DDP hook "
+        f"runs it ({len(buckets_b)} buckets of {DDP_BUCKET_MB} MB, collectives replaced by the "
+        f"identity), median of {reps if not args.quick else 2}, kernel threads {threads}; "
+        "cpu = process CPU time (all threads), which other processes on the cores inflate less "
+        "than wall time:", "",
         markdown_table(["compressor", "buckets", "wall_ms", "cpu_ms", "min_wall_ms"], brows),
     ])
     print(markdown_table(t1, rows))
     print(markdown_table(t2, trows))
     print(markdown_table(["compressor", "buckets", "wall_ms", "cpu_ms", "min_wall_ms"], brows))
     write_result(args.out, "compression", {
-        "numel": n, "dense_numel": d, "one_d_numel": d1, "chunk_size": args.chunk_size, "density": args.density,
+        "numel": n, "dense_numel": d, "one_d_numel": d1, "chunk_size": args.chunk_size,
+        "density": args.density,
         "wire_rows": rows, "arithmetic_dense_fp32": ar32, "arithmetic_dense_fp16": ar16,
-        "warmup_per_epoch": per_epoch, "whole_run_avg_bytes": run_avg, "time_rows": trows, "reps": reps,
+        "warmup_per_epoch": per_epoch, "whole_run_avg_bytes": run_avg, "time_rows": trows,
+        "reps": reps,
         "kernel_threads": threads, "world": world, "budget_rows": brows,
     }, md)
     return 0

@@ -31,10 +31,16 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import (  # noqa: E402
-    machine_line, markdown_table, median, paired_ratio, write_result)
-from benchmarks.launch import launch  # noqa: E402
-from benchmarks.netem import Cluster, ShapeConfig  # noqa: E402
+from benchmarks.common import (
+    machine_line,
+    markdown_table,
+    median,
+    paired_ratio,
+    results_dir,
+    write_result,
+)
+from benchmarks.launch import launch
+from benchmarks.netem import Cluster, ShapeConfig
 
 MB = 10**6
 DEFAULT = "gf default"  # the variant made with no options: Config's defaults
@@ -76,7 +82,7 @@ def worker(rank: int, world_size: int, models: list[str], thresholds: list[int],
     import torch
     import torch.distributed as dist
 
-    from gradientflow.backend.backend import backend_of
+    from gradientflow.backend.registry import backend_of
     from gradientflow.engine.fusion import FusableOp, pack, plan_messages, unpack
 
     torch.set_num_threads(1)
@@ -92,15 +98,15 @@ def worker(rank: int, world_size: int, models: list[str], thresholds: list[int],
     gf[DEFAULT] = dist.new_group(backend="gradientflow")
     gf[NO_CHANNEL] = dist.new_group(backend="gradientflow", pg_options={"solo_channel": False})
     cfg = backend_of(gf[DEFAULT]).config  # what the default group cuts (hand_fused below)
-    # hand_fused's solo channel, as the default sends it (before session 10's last runs the
-    # bound sent its solos on `gloo` too, and the engine could beat it).
+    # hand_fused's solo channel, as the default sends it: a bound that sent its solos on
+    # `gloo` too would be slower than the engine, and no bound.
     solo_gloo = dist.new_group(backend="gloo") if cfg.solo_channel else gloo
     out: dict = {}
     for model in models:
         grads = [torch.randn(s) for s in gradient_shapes(model)][::-1]  # backward order
         numel = sum(g.numel() for g in grads)
 
-        def per_tensor(group):
+        def per_tensor(group, grads=grads):
             works = [dist.all_reduce(g, group=group, async_op=True) for g in grads]
             for w in works:
                 w.wait()
@@ -116,7 +122,7 @@ def worker(rank: int, world_size: int, models: list[str], thresholds: list[int],
             buckets.append(cur)
         flats = [torch.empty(sum(g.numel() for g in b)) for b in buckets]
 
-        def ddp_buckets():
+        def ddp_buckets(buckets=buckets, flats=flats):
             works = []
             for b, flat in zip(buckets, flats):
                 torch.cat([g.reshape(-1) for g in b], out=flat)
@@ -137,7 +143,7 @@ def worker(rank: int, world_size: int, models: list[str], thresholds: list[int],
                              cfg.solo_threshold)
         packed = [(m, torch.empty(m.numel)) for m in plan if not m.solo]
 
-        def hand_fused():
+        def hand_fused(plan=plan, packed=packed):
             works = []
             for m in plan:
                 if m.solo:
@@ -166,7 +172,8 @@ def worker(rank: int, world_size: int, models: list[str], thresholds: list[int],
             k = i % len(order)
             for name, fn in order[k:] + order[:k]:
                 eng = engines.get(name)
-                c0 = (eng.counters.rounds, eng.counters.round_s, eng.counters.messages) if eng else None
+                c0 = ((eng.counters.rounds, eng.counters.round_s, eng.counters.messages)
+                      if eng else None)
                 dist.barrier(group=gloo)
                 t0 = time.perf_counter()
                 fn()
@@ -195,7 +202,7 @@ def _tier_label(rate: float | None) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--out", default=results_dir("fusion"))
     ap.add_argument("--worlds", default=None, help="rank counts, e.g. 2,4")
     ap.add_argument("--models", default=None, help="models on loopback, e.g. resnet50,alexnet")
     ap.add_argument("--tiers", default=None,

@@ -1,4 +1,4 @@
-"""CSC kernels on ResNet-50's flat gradient: fused numba CPU pipeline vs the torch reference vs a copy.
+"""CSC kernels on ResNet-50's flat gradient: fused numba CPU pipeline vs torch reference vs a copy.
 
 One CSC step without the network, on a 25,557,032-element float32 gradient (torchvision
 resnet50's parameter count) with a residual, as the CSC compressor runs it with error feedback:
@@ -32,10 +32,10 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import torch  # noqa: E402
+import torch
 
-from benchmarks.common import fmt, machine_line, markdown_table, median, write_result  # noqa: E402
-from gradientflow import kernels as K  # noqa: E402
+from benchmarks.common import fmt, machine_line, markdown_table, median, results_dir, write_result
+from gradientflow import kernels as K
 
 RESNET50_NUMEL = 25_557_032
 CHUNK = 1024
@@ -77,7 +77,7 @@ def pipeline(grad, res, spare, send, k, impl, stages=None, one_pass=True):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="1 M elements, 3 reps")
-    ap.add_argument("--out", default="benchmarks/results", help="folder for kernels.json/.md")
+    ap.add_argument("--out", default=results_dir("kernels"), help="folder for kernels.json/.md")
     ap.add_argument("--reps", type=int, default=None)
     ap.add_argument("--threads", default="1,2", help="comma-separated thread counts")
     args = ap.parse_args(argv)
@@ -145,14 +145,16 @@ def main(argv=None) -> int:
                     "fp16ef numba", "fp16ef torch"):
             gbps = moved[key] / med[key] / 1e9
             label = {"numba": "CSC pipeline, numba", "torch": "CSC pipeline, torch reference",
-                     "numba 2-pass": "CSC pipeline, numba, two full passes (before)",
-                     "copy": "copy of the gradient (bound)", "fp16 numba": "dense FP16 cast+upcast, numba",
+                     "numba 2-pass": "CSC pipeline, numba, two full passes",
+                     "copy": "copy of the gradient (bound)",
+                     "fp16 numba": "dense FP16 cast+upcast, numba",
                      "fp16 torch": "dense FP16 cast+upcast, torch",
                      "fp16ef numba": "FP16 hook with error feedback, numba (2 fused passes)",
                      "fp16ef torch": "FP16 hook with error feedback, torch reference"}[key]
             row = {"threads": threads, "variant": label, "impl": key, "median_ms": med[key] * 1e3,
                    "gbps": gbps, "vs_copy": gbps / copy_gbps,
-                   "speedup_vs_torch": (med["torch"] / med[key]) if key in ("numba", "torch", "numba 2-pass")
+                   "speedup_vs_torch": (med["torch"] / med[key])
+                   if key in ("numba", "torch", "numba 2-pass")
                    else (med["fp16 torch"] / med[key]) if key.startswith("fp16 ")
                    else (med["fp16ef torch"] / med[key]) if key.startswith("fp16ef") else None}
             rows.append(row)
@@ -162,8 +164,9 @@ def main(argv=None) -> int:
                 srow[name] = median(v) * 1e3
             stage_rows.append(srow)
         results.append({"threads": threads, "median_s": med, "stage_ms": stages})
-        print(f"threads={threads}: numba {med['numba']*1e3:.1f} ms, torch {med['torch']*1e3:.1f} ms "
-              f"({med['torch']/med['numba']:.2f}x), numba two-pass {med['numba 2-pass']*1e3:.1f} ms, "
+        print(f"threads={threads}: numba {med['numba']*1e3:.1f} ms, "
+              f"torch {med['torch']*1e3:.1f} ms ({med['torch']/med['numba']:.2f}x), "
+              f"numba two-pass {med['numba 2-pass']*1e3:.1f} ms, "
               f"copy {med['copy']*1e3:.1f} ms", flush=True)
 
     table = markdown_table(
@@ -178,9 +181,11 @@ def main(argv=None) -> int:
         f"{n:,} float32 elements with a residual, chunk {CHUNK}, {k} of {nch} chunks (1%) packed "
         f"to FP16; median of {reps} reps per thread count, variants alternating rep by rep. "
         f"Numba threading layer: {K.threading_layer()}; first compile/cache load "
-        f"{fmt(t_compile)} s. GB/s counts the least bytes moved (pipeline 16 B/element, the two-pass one 24, copy 8, "
+        f"{fmt(t_compile)} s. GB/s counts the least bytes moved (pipeline 16 B/element, the "
+        "two-pass one 24, copy 8, "
         f"dense FP16 12, FP16 with error feedback 18: read grad and residual, write the half "
-        f"buffer and the new residual, then read the half buffer and write the result).\n\n{table}\n\nPer stage (median ms):\n\n{stage_table}\n\n"
+        f"buffer and the new residual, then read the half buffer and write the result).\n\n"
+        f"{table}\n\nPer stage (median ms):\n\n{stage_table}\n\n"
         f"{machine_line()}\n"
     )
     print(md)

@@ -1,4 +1,4 @@
-"""Overlap and scheduling: iteration time (p50, p95) of five ways to average gradients, side by side.
+"""Overlap and scheduling: iteration time (p50, p95) of five ways to average gradients, paired.
 
     python -m benchmarks.bench_overlap [--quick] [--out DIR] [--width 1024 --depth 8 --batch 8]
 
@@ -25,7 +25,15 @@ import argparse
 import sys
 import time
 
-from benchmarks.common import machine_info, machine_line, markdown_table, median, p95, write_result
+from benchmarks.common import (
+    machine_info,
+    machine_line,
+    markdown_table,
+    median,
+    p95,
+    results_dir,
+    write_result,
+)
 from benchmarks.launch import launch
 
 # The last variant is "priority" with two layers per partition (4 partitions instead of 9): what
@@ -123,7 +131,7 @@ def worker(rank: int, world: int, width: int, depth: int, batch: int, blocks: in
             opt.finish_updates()
     times = {v: [] for v in VARIANTS}
     cpu = {v: [] for v in VARIANTS}  # process CPU time (every thread of this rank)
-    rounds = {v: 0 for v in VARIANTS}  # agreement rounds of the keyed scheduler
+    rounds = dict.fromkeys(VARIANTS, 0)  # agreement rounds of the keyed scheduler
     logs: dict[str, list[int]] = {}  # launch order of each variant's last timed iteration
     for _ in range(blocks):
         for v in VARIANTS:
@@ -141,7 +149,8 @@ def worker(rank: int, world: int, width: int, depth: int, batch: int, blocks: in
             if sched is not None:
                 rounds[v] += sched.rounds - r0
                 logs[v] = list(opt.launch_log)  # the group's scheduler is shared: copy it now
-    return {"rank": rank, "times": times, "cpu": cpu, "calib": calib, "nparams": nparams, "rounds": rounds,
+    return {"rank": rank, "times": times, "cpu": cpu, "calib": calib, "nparams": nparams,
+            "rounds": rounds,
             "partitions": len(setups["priority"][1].plan),
             "coarse_partitions": len(setups[COARSE][1].plan), "last_launch_logs": logs}
 
@@ -149,7 +158,7 @@ def worker(rank: int, world: int, width: int, depth: int, batch: int, blocks: in
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="tiny sizes (seconds)")
-    ap.add_argument("--out", default="benchmarks/results", help="directory for overlap.json/.md")
+    ap.add_argument("--out", default=results_dir("overlap"), help="directory for overlap.json/.md")
     ap.add_argument("--width", type=int, default=None)
     ap.add_argument("--depth", type=int, default=None)
     ap.add_argument("--batch", type=int, default=None)
@@ -195,7 +204,8 @@ def main(argv=None) -> int:
     coarse = next(r for r in rows if r["variant"] == COARSE)
     logs = r0["last_launch_logs"]
     backward_order = list(range(r0["partitions"] - 1, -1, -1))
-    unordered = [v for v in ("priority", "priority + next forward") if logs.get(v) == backward_order]
+    unordered = [v for v in ("priority", "priority + next forward")
+                 if logs.get(v) == backward_order]
     reorder_note = (
         f" In the last iteration {' and '.join(unordered)} launched in backward order, as FIFO "
         "does: no partition of a better priority was agreed while another one was held for "
@@ -206,10 +216,11 @@ def main(argv=None) -> int:
 `python -m benchmarks.bench_overlap{' --quick' if quick else ''}`: 2 ranks on loopback, one thread
 each; MLP {kw['depth']} x {kw['width']}x{kw['width']} + head ({r0['nparams'] / 1e6:.2f} M
 parameters, {r0['nparams'] * 4 / 1e6:.1f} MB of gradients, {r0['partitions']} partitions of
-<= {kw['partition_bytes'] / 2**20:.3g} MiB; the last row: {r0.get('coarse_partitions', '?')} partitions,
-two layers each), batch {kw['batch']}. Alone, one forward+backward takes
-{cal['compute_ms']:.1f} ms and one allreduce of every gradient {cal['comm_ms']:.1f} ms (rank 0
-medians). {kw['blocks']} interleaved blocks of {kw['steps_per_block']} iterations per variant.
+<= {kw['partition_bytes'] / 2**20:.3g} MiB; the last row:
+{r0.get('coarse_partitions', '?')} partitions, two layers each), batch {kw['batch']}. Alone,
+one forward+backward takes {cal['compute_ms']:.1f} ms and one allreduce of every gradient
+{cal['comm_ms']:.1f} ms (rank 0 medians). {kw['blocks']} interleaved blocks of
+{kw['steps_per_block']} iterations per variant.
 
 {table}
 
@@ -244,7 +255,8 @@ which are launched before the first layer's is ready, priority can at most put t
 layer's partition ahead of the second's. The credit keeps at least three partitions in flight
 and holds an agreed partition back only while a partition not agreed yet has a better priority,
 so in FIFO order (where nothing can overtake) nothing is ever held, and in priority order a
-partition that becomes ready later, with a higher priority, overtakes the held ones. When step() waits for every partition (FIFO, priority), the order only
+partition that becomes ready later, with a higher priority, overtakes the held ones. When
+step() waits for every partition (FIFO, priority), the order only
 decides which transfer ends last, not when the last one ends, so the two are within noise of
 each other. The order pays when the next iteration can start before everything has arrived:
 backward makes the first layer ready last, and the next forward needs it first. FIFO sends it

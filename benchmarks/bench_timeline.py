@@ -22,6 +22,7 @@ import statistics
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 from gradientflow.observability import timeline as T
 
@@ -75,8 +76,8 @@ def _steps(tl, loop, n_events, n_steps):
 def measure(n_events: int, n_steps: int, repeats: int, workdir: str) -> dict:
     """Return medians of per-step time (us) for every mode, measured side by side per repeat."""
     kinds = {"span": _loop_span, "complete": _loop_complete}
-    samples = {k: [] for k in ("none", "off_guard", "off_span", "off_complete", "on_span", "on_complete",
-                               "total_span", "total_complete")}
+    samples = {k: [] for k in ("none", "off_guard", "off_span", "off_complete", "on_span",
+                               "on_complete", "total_span", "total_complete")}
     file_bytes = {}
     for r in range(repeats):
         off = T.Timeline()
@@ -120,7 +121,8 @@ def to_markdown(res: dict, command: str) -> str:
     """Render the result as a markdown section."""
     lines = ["## Timeline overhead", "",
              f"`{command}`: {res['events_per_step']} events per step, {res['steps']} steps x "
-             f"{res['repeats']} repeats, medians; baseline loop {res['baseline_us_per_step']:.1f} us "
+             f"{res['repeats']} repeats, medians; baseline loop "
+             f"{res['baseline_us_per_step']:.1f} us "
              f"per step; percent of a {res['step_ms']:.0f} ms step; {res['cpus']} CPUs, load "
              f"average {res['load_average_1min']:.1f} at the end.", "",
              "| mode | us per step | us per event (over no calls) | % of step |",
@@ -137,7 +139,8 @@ def to_markdown(res: dict, command: str) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="fewer steps and repeats (seconds)")
-    p.add_argument("--out", default=None, help="directory for timeline.json and timeline.md")
+    p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "timeline"),
+                   help="directory for timeline.json and timeline.md")
     p.add_argument("--events", type=int, default=200, help="events per step (default 200)")
     a = p.parse_args(argv)
     n_steps, repeats = (20, 5) if a.quick else (50, 15)
@@ -146,12 +149,11 @@ def main(argv=None) -> int:
     command = "python benchmarks/bench_timeline.py" + (" --quick" if a.quick else "")
     md = to_markdown(res, command)
     print(md)
-    if a.out:
-        os.makedirs(a.out, exist_ok=True)
-        with open(os.path.join(a.out, "timeline.json"), "w") as fh:
-            json.dump(res, fh, indent=1)
-        with open(os.path.join(a.out, "timeline.md"), "w") as fh:
-            fh.write(md)
+    os.makedirs(a.out, exist_ok=True)
+    with open(os.path.join(a.out, "timeline.json"), "w") as fh:
+        json.dump(res, fh, indent=1)
+    with open(os.path.join(a.out, "timeline.md"), "w") as fh:
+        fh.write(md)
     return 0
 
 

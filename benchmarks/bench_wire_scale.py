@@ -61,7 +61,7 @@ def _ours(grads, shapes, method: str) -> torch.Tensor:
     n = len(grads)
     layout = Layout.from_shapes(shapes)
     cfg = CompressionConfig(method=method, density=1.0, warmup_densities=(),
-                            error_feedback=False)
+                            error_feedback=False, momentum_correction=False)
     comps = [make_compressor(cfg, n) for _ in range(n)]
     return drive_lockstep([c.reduce(g.clone(), layout) for c, g in zip(comps, grads)])[0]
 
@@ -74,7 +74,8 @@ def main(argv=None) -> int:
     """Run the comparison; print and write the table."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="3 seeds, 2 ranks")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results",
+                                                  "wire_scale"))
     args = ap.parse_args(argv)
     seeds = range(3) if args.quick else range(10)
     worlds = (2,) if args.quick else (2, 4, 8)

@@ -20,7 +20,6 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
-
 # ---- statistics -------------------------------------------------------------------------------
 
 def percentile(values: Iterable[float], q: float) -> float:
@@ -126,7 +125,11 @@ def fmt(value, digits: int = 3) -> str:
         if a >= 1e6 or (0 < a < 1e-3):
             return f"{value:.3g}"
         # Three significant figures, but never scientific notation for everyday magnitudes.
-        return f"{value:.0f}" if a >= 100 else f"{value:.1f}" if a >= 10 else f"{value:.{digits - 1}f}" if a >= 1 else f"{value:.{digits}f}"
+        if a >= 100:
+            return f"{value:.0f}"
+        if a >= 10:
+            return f"{value:.1f}"
+        return f"{value:.{digits - 1}f}" if a >= 1 else f"{value:.{digits}f}"
     return str(value).replace("|", "\\|").replace("\n", " ")
 
 
@@ -143,6 +146,14 @@ def markdown_table(columns: Sequence[str], rows: Iterable[dict],
 
 
 # ---- results ----------------------------------------------------------------------------------
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def results_dir(name: str) -> str:
+    """Return benchmarks/results/<name>: the folder holding benchmark `name`'s latest run."""
+    return str(RESULTS / name)
+
 
 def machine_info() -> dict:
     """Describe the machine the numbers come from: cores, CPU model, memory, torch version."""

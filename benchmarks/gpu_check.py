@@ -45,7 +45,8 @@ def part_env() -> dict:
             "torch_cuda": torch.version.cuda, "python": sys.version.split()[0]}
     if torch.cuda.is_available():
         p = torch.cuda.get_device_properties(0)
-        info.update(device=p.name, sms=p.multi_processor_count, mem_gib=round(p.total_memory / 2**30, 1),
+        info.update(device=p.name, sms=p.multi_processor_count,
+                    mem_gib=round(p.total_memory / 2**30, 1),
                     capability=f"{p.major}.{p.minor}",
                     nccl=".".join(map(str, torch.cuda.nccl.version())))
     from importlib import metadata
@@ -73,10 +74,10 @@ def _fma_probe() -> dict:
     """How many of 1M results of ``a * b + c`` differ in bits from torch's (two kernels, two
     roundings): with numba's default NVVM options and with libdevice's fmul_rn."""
     import torch
-
-    from gradientflow.kernels import cuda as KC  # noqa: F401 - its numpy 2.5 shim first
     from numba import cuda
     from numba.cuda import libdevice
+
+    from gradientflow.kernels import cuda as KC  # noqa: F401 - its numpy 2.5 shim first
 
     @cuda.jit
     def plain(a, b, c, out):
@@ -97,10 +98,11 @@ def _fma_probe() -> dict:
     res = {}
     for name, k in (("default", plain), ("fmul_rn", rn)):
         out = torch.empty_like(ref)
-        k[(n + 255) // 256, 256](cuda.as_cuda_array(a), cuda.as_cuda_array(b), cuda.as_cuda_array(c),
-                                 cuda.as_cuda_array(out))
+        args = [cuda.as_cuda_array(t) for t in (a, b, c, out)]
+        k[(n + 255) // 256, 256](*args)
         cuda.synchronize()
-        res[name + "_bits_differ_of_1M"] = int((out.view(torch.int32) != ref.view(torch.int32)).sum())
+        differ = out.view(torch.int32) != ref.view(torch.int32)
+        res[name + "_bits_differ_of_1M"] = int(differ.sum())
     return res
 
 
@@ -152,7 +154,8 @@ def part_kernels(quick: bool) -> dict:
     send = torch.empty(k * CHUNK, dtype=torch.float16, device=dev)
     copy_dst = torch.empty_like(grad)
     stages = ("norms", "select", "pack", "unpack")
-    times = {impl: {s: [] for s in (*stages, "total_events", "total_wall")} for impl in ("numba", "torch")}
+    times = {impl: {s: [] for s in (*stages, "total_events", "total_wall")}
+             for impl in ("numba", "torch")}
     times["copy"] = {"copy": []}
     ev = [torch.cuda.Event(enable_timing=True) for _ in range(5)]
 
@@ -198,7 +201,8 @@ def part_kernels(quick: bool) -> dict:
         xs = sorted(xs)
         return xs[len(xs) // 2] if len(xs) % 2 else 0.5 * (xs[len(xs) // 2 - 1] + xs[len(xs) // 2])
 
-    out["median_ms"] = {impl: {s: round(med(v), 4) for s, v in d.items()} for impl, d in times.items()}
+    out["median_ms"] = {impl: {s: round(med(v), 4) for s, v in d.items()}
+                        for impl, d in times.items()}
     copy_ms = out["median_ms"]["copy"]["copy"]
     out["copy_GBps"] = round(8 * n / (copy_ms * 1e-3) / 1e9, 1)
     # The fused pipeline must move 24 bytes per element at the least (see bench_kernels.py).
@@ -234,8 +238,10 @@ def _run(cmd: list[str], timeout: int, env: dict | None = None) -> dict:
         return {"rc": p.returncode, "stdout": p.stdout, "stderr": p.stderr,
                 "seconds": round(time.perf_counter() - t0, 1)}
     except subprocess.TimeoutExpired as exc:
-        return {"rc": "timeout", "stdout": (exc.stdout or b"").decode(errors="replace") if isinstance(exc.stdout, bytes) else (exc.stdout or ""),
-                "stderr": (exc.stderr or b"").decode(errors="replace") if isinstance(exc.stderr, bytes) else (exc.stderr or ""),
+        def text(x):
+            return x.decode(errors="replace") if isinstance(x, bytes) else (x or "")
+
+        return {"rc": "timeout", "stdout": text(exc.stdout), "stderr": text(exc.stderr),
                 "seconds": round(time.perf_counter() - t0, 1)}
 
 
@@ -243,8 +249,8 @@ def _inner(part: str, quick: bool) -> dict:
     """Run one in-process part in a child interpreter; its JSON comes back on a file."""
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         path = f.name
-    r = _run([sys.executable, __file__, "--inner", part, "--inner-out", path] + (["--quick"] if quick else []),
-             timeout=400)
+    r = _run([sys.executable, __file__, "--inner", part, "--inner-out", path]
+             + (["--quick"] if quick else []), timeout=400)
     try:
         data = json.loads(Path(path).read_text())
     except Exception:  # noqa: BLE001
@@ -264,45 +270,54 @@ def _markdown(rep: dict) -> str:
     kern = (rep.get("kernels") or {}).get("result")
     if kern:
         m = kern["median_ms"]
-        lines += [f"### CSC kernels, {kern['numel']:,} elements, chunk {kern['chunk']}, k = {kern['k']} "
-                  f"of {kern['nchunks']} chunks, FP16 wire (medians of {kern['reps']} reps, CUDA events)", "",
+        lines += [f"### CSC kernels, {kern['numel']:,} elements, chunk {kern['chunk']}, "
+                  f"k = {kern['k']} of {kern['nchunks']} chunks, FP16 wire (medians of "
+                  f"{kern['reps']} reps, CUDA events)", "",
                   "| stage | numba CUDA ms | torch ms | torch / numba |", "|---|---:|---:|---:|"]
         for s in ("norms", "select", "pack", "unpack", "total_events", "total_wall"):
             a, b = m["numba"][s], m["torch"][s]
-            lines.append(f"| {s} | {a:.3f} | {b:.3f} | {b / a:.2f}x |" if a else f"| {s} | {a} | {b} | |")
-        lines += ["", f"Copy of the gradient (read + write 8 B/element): {m['copy']['copy']:.3f} ms = "
+            row = f"| {s} | {a:.3f} | {b:.3f} | {b / a:.2f}x |" if a else f"| {s} | {a} | {b} | |"
+            lines.append(row)
+        lines += ["", "Copy of the gradient (read + write 8 B/element): "
+                  f"{m['copy']['copy']:.3f} ms = "
                   f"{kern['copy_GBps']} GB/s. Pipeline at 24 B/element: numba "
                   f"{m['numba']['pipeline_GBps']} GB/s, torch {m['torch']['pipeline_GBps']} GB/s. "
                   f"Dense FP16 cast + upcast: numba {kern['dense_fp16_roundtrip_ms']['numba']} ms, "
                   f"torch {kern['dense_fp16_roundtrip_ms']['torch']} ms.", "",
                   f"Full-size agreement: {kern['correctness']}.", ""]
     elif "kernels" in rep:
-        lines += ["### CSC kernels: FAILED", "", "```", rep["kernels"]["log_tail"][-2000:], "```", ""]
+        lines += ["### CSC kernels: FAILED", "", "```", rep["kernels"]["log_tail"][-2000:],
+                  "```", ""]
     w1 = (rep.get("world1") or {}).get("result")
     if w1:
-        lines += ["### Backend on NCCL, world size 1", "", "| check | ok | s | details / error |", "|---|---|---:|---|"]
+        lines += ["### Backend on NCCL, world size 1", "", "| check | ok | s | details / error |",
+                  "|---|---|---:|---|"]
         for c in w1["checks"]:
             det = c.get("error") or json.dumps(c.get("details", ""), default=str)
-            lines.append(f"| {c['name']} | {'yes' if c['ok'] else '**NO**'} | {c.get('seconds', '')} | "
+            lines.append(f"| {c['name']} | {'yes' if c['ok'] else '**NO**'} | "
+                         f"{c.get('seconds', '')} | "
                          f"{det[:300].replace('|', '/')} |")
         lines.append("")
     elif "world1" in rep:
-        lines += ["### Backend on NCCL, world size 1: no result", "", "```", rep["world1"]["log_tail"][-2000:], "```", ""]
+        lines += ["### Backend on NCCL, world size 1: no result", "", "```",
+                  rep["world1"]["log_tail"][-2000:], "```", ""]
     for be, tr in (rep.get("two_ranks") or {}).items():
         res = tr.get("result")
         lines += [f"### Two ranks on one GPU over {be}", ""]
         if res:
             for r in res["ranks"]:
                 lines.append(f"- rank {r['rank']}: ok={r.get('ok')} cpu={r.get('cpu_allreduce')} "
-                             f"cuda={r.get('cuda_allreduce_first')} error={(r.get('error') or '')[:400]}")
+                             f"cuda={r.get('cuda_allreduce_first')} "
+                             f"error={(r.get('error') or '')[:400]}")
             lines.append(f"- hung ranks: {res['hung_ranks']}")
         else:
             lines += ["```", tr["log_tail"][-1500:], "```"]
         lines.append("")
     pt = rep.get("pytest")
     if pt:
-        tail = [ln for ln in pt["stdout"].splitlines() if ln.strip()][-1:] if pt.get("stdout") else []
-        lines += ["### pytest (tests/gpu kernels, tests/kernels dispatch + simulator)", "", f"rc={pt['rc']}, {pt['seconds']} s: "
+        tail = [ln for ln in (pt.get("stdout") or "").splitlines() if ln.strip()][-1:]
+        lines += ["### pytest (tests/gpu kernels, tests/kernels dispatch + simulator)", "",
+                  f"rc={pt['rc']}, {pt['seconds']} s: "
                   f"{tail[0] if tail else ''}", ""]
     return "\n".join(lines) + "\n"
 
@@ -310,7 +325,8 @@ def _markdown(rep: dict) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="1 M elements and 5 reps for the timings")
-    ap.add_argument("--out", default="benchmarks/results", help="folder for gpu_check.json/.md")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "gpu_check"),
+                    help="folder for gpu_check.json/.md")
     ap.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {PARTS}")
     ap.add_argument("--inner", help=argparse.SUPPRESS)
     ap.add_argument("--inner-out", help=argparse.SUPPRESS)
@@ -323,7 +339,8 @@ def main(argv=None) -> int:
         return 0
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    rep: dict = {"command": "python " + " ".join([os.path.relpath(__file__, ROOT), *(argv or sys.argv[1:])]),
+    cmd = [os.path.relpath(__file__, ROOT), *(argv or sys.argv[1:])]
+    rep: dict = {"command": "python " + " ".join(cmd),
                  "written": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     parts = args.parts.split(",")
     for part in parts:
@@ -337,7 +354,8 @@ def main(argv=None) -> int:
             path = out / "gpu_check_world1.json"
             r = _run([sys.executable, "tests/gpu/_world1.py", str(path)], timeout=400,
                      env={"GF_WORLD1_DEVICE": "cuda:0"})
-            rep[part] = {"rc": r["rc"], "seconds": r["seconds"], "log_tail": (r["stdout"] + r["stderr"])[-6000:],
+            rep[part] = {"rc": r["rc"], "seconds": r["seconds"],
+                         "log_tail": (r["stdout"] + r["stderr"])[-6000:],
                          "result": json.loads(path.read_text()) if path.exists() else None}
             print(r["stdout"][-3000:], r["stderr"][-2000:], flush=True)
         elif part == "two_ranks":
@@ -347,14 +365,17 @@ def main(argv=None) -> int:
                     path = Path(f.name)
                 r = _run([sys.executable, "tests/gpu/_two_ranks.py", be, str(path)], timeout=120)
                 rep[part][be] = {"rc": r["rc"], "log_tail": (r["stdout"] + r["stderr"])[-4000:],
-                                 "result": json.loads(path.read_text()) if path.stat().st_size else None}
+                                 "result": (json.loads(path.read_text())
+                                            if path.stat().st_size else None)}
                 print(be, r["stdout"][-2000:], r["stderr"][-1500:], flush=True)
         elif part == "pytest":
             # test_nccl.py runs _world1.py again (the world1 part above already did); the CPU
             # kernel tests need no GPU. Both are left out here to save device time.
             r = _run([sys.executable, "-m", "pytest", "-q", "-ra", "-p", "no:cacheprovider",
-                      "tests/gpu", "--deselect", "tests/gpu/test_nccl.py::test_backend_world1_on_cuda",
-                      "tests/kernels/test_cuda_sim.py", "tests/kernels/test_dispatch.py"], timeout=400)
+                      "tests/gpu", "--deselect",
+                      "tests/gpu/test_nccl.py::test_backend_world1_on_cuda",
+                      "tests/kernels/test_cuda_sim.py", "tests/kernels/test_dispatch.py"],
+                     timeout=400)
             (out / "gpu_check_pytest.log").write_text(r["stdout"] + "\n" + r["stderr"])
             rep[part] = {"rc": r["rc"], "seconds": r["seconds"], "stdout": r["stdout"][-8000:]}
             print(r["stdout"][-4000:], flush=True)

@@ -28,7 +28,7 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 
-if __package__ in (None, ""):  # run by path (`python benchmarks/run.py`): make benchmarks.* importable
+if __package__ in (None, ""):  # run by path: make benchmarks.* importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.common import sigterm_raises
@@ -173,7 +173,7 @@ class Cluster:
         return env
 
     # -- lifecycle ----------------------------------------------------------------------------
-    def __enter__(self) -> "Cluster":
+    def __enter__(self) -> Cluster:
         if self.world_size < 1 or self.world_size > 250:
             raise ValueError(f"Cluster.world_size must be in 1..250, got {self.world_size}")
         self.tag = str(os.getpid())
@@ -202,7 +202,7 @@ class Cluster:
             self._sigterm.__exit__(None, None, None)
             self._sigterm = None
 
-    def _fallback(self, why: str) -> "Cluster":
+    def _fallback(self, why: str) -> Cluster:
         self.shaped = False
         self.reason = why
         print(f"netem: network namespaces not permitted ({why}); running unshaped on loopback",

@@ -1,16 +1,21 @@
 """Run every benchmark, gather their JSON, write one markdown summary with plots.
 
     python -m benchmarks.run                 # make bench: full sizes -> benchmarks/results/
-    python -m benchmarks.run --quick         # make bench-quick: tiny sizes -> benchmarks/results/quick/
+    python -m benchmarks.run --quick         # make bench-quick: tiny sizes -> .../results/quick/
     python -m benchmarks.run --only e2e,collectives --timeout 1800
 
-Every ``benchmarks/bench_<name>.py`` is run as its own subprocess,
-``python -m benchmarks.bench_<name> [--quick] --out DIR``, under a time limit; it must write
-``DIR/<name>.json`` and ``DIR/<name>.md``. A benchmark that fails, times out or writes nothing is
-reported in the summary with the end of its log, and the others still run; the exit status is 1
-if any failed. Logs go to ``DIR/logs/<name>.log``.
+One folder per benchmark holds its latest run: every ``benchmarks/bench_<name>.py`` is run as its
+own subprocess, ``python -m benchmarks.bench_<name> [--quick] --out OUT/<name>``, under a time
+limit, after the files of that folder are removed (a re-run replaces them; its subfolders stay:
+they hold inputs, such as the runs bench_simulate is calibrated on); it must write
+``<name>.json`` and ``<name>.md`` there, and its console goes to ``<name>.log`` beside them.
+A benchmark that fails, times out or writes nothing is reported in ``OUT/summary.md`` with the
+end of its log, and the others still run; the exit status is 1 if any failed. The measurement
+history (dated key numbers and their commands) is ``benchmarks/results/HISTORY.md``, kept by
+hand.
 
-Plots the runner draws from the gathered JSON (when the data are there):
+Plots the runner draws from the gathered JSON (when the data are there), into the folder of
+the benchmark they come from:
 - ``e2e`` rows (``rate_gbps``, ``median_ms``, ``label``): step time vs bandwidth;
 - ``collectives`` rows with a size key (``bytes``/``size_bytes``/``size``/``nbytes``), a
   bus-bandwidth key (containing ``busbw``) and a series key (``label``/``impl``/``backend``/
@@ -21,12 +26,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-if __package__ in (None, ""):  # run by path (`python benchmarks/run.py`): make benchmarks.* importable
+if __package__ in (None, ""):  # run by path: make benchmarks.* importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.common import line_plot, machine_info, machine_line, markdown_table
@@ -51,19 +57,20 @@ def discover(bench_dir: Path = HERE, only: list[str] | None = None) -> list[tupl
 
 def run_one(name: str, path: Path, out: Path, quick: bool, timeout_s: float,
             extra: list[str] | None = None) -> dict:
-    """Run one benchmark as a subprocess; return its status record (never raises)."""
-    logs = out / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
-    log = logs / f"{name}.log"
+    """Run one benchmark as a subprocess into OUT/<name>/; return its status (never raises)."""
+    bdir = out / name
+    bdir.mkdir(parents=True, exist_ok=True)
+    for old in bdir.iterdir():  # the folder's files are the latest run only
+        if old.is_file() or old.is_symlink():
+            old.unlink()
+    log = bdir / f"{name}.log"
     # Modules of this package run with -m (their imports resolve as benchmarks.*); others by path.
     target = (["-m", f"benchmarks.{path.stem}"] if path.parent.resolve() == HERE
               else [str(path)])
-    argv = [sys.executable, *target, *(["--quick"] if quick else []), "--out", str(out),
+    argv = [sys.executable, *target, *(["--quick"] if quick else []), "--out", str(bdir),
             *(extra or [])]
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])])
-    for stale in (out / f"{name}.json", out / f"{name}.md"):
-        stale.unlink(missing_ok=True)  # a result left from an earlier run must not pass for new
     t0 = time.monotonic()
     status = "ok"
     with open(log, "w") as fh:
@@ -84,7 +91,7 @@ def run_one(name: str, path: Path, out: Path, quick: bool, timeout_s: float,
             rc, status = None, f"timed out after {timeout_s:.0f} s"
     secs = time.monotonic() - t0
     data = None
-    jpath = out / f"{name}.json"
+    jpath = bdir / f"{name}.json"
     if rc not in (0, None):
         status = f"failed (exit code {rc})"
     if jpath.exists():
@@ -94,22 +101,23 @@ def run_one(name: str, path: Path, out: Path, quick: bool, timeout_s: float,
             status = f"wrote unreadable JSON ({exc})"
     elif status == "ok":
         status = f"wrote no {name}.json"
-    md = (out / f"{name}.md").read_text() if (out / f"{name}.md").exists() else ""
+    md = (bdir / f"{name}.md").read_text() if (bdir / f"{name}.md").exists() else ""
     tail = "\n".join(log.read_text(errors="replace").rstrip().splitlines()[-20:])
     return {"name": name, "status": status, "seconds": round(secs, 1), "data": data,
             "markdown": md, "log": str(log.relative_to(out)), "log_tail": tail}
 
 
 def gather_one(name: str, out: Path) -> dict:
-    """The status record of a benchmark already run into `out` (for --gather-only)."""
-    jpath, mpath = out / f"{name}.json", out / f"{name}.md"
+    """The status record of a benchmark already run into `out`/<name> (for --gather-only)."""
+    bdir = out / name
+    jpath, mpath = bdir / f"{name}.json", bdir / f"{name}.md"
     data, status = None, "not run (no JSON in the results directory)"
     if jpath.exists():
         try:
             data, status = json.loads(jpath.read_text()), "ok (gathered)"
         except json.JSONDecodeError as exc:
             status = f"unreadable JSON ({exc})"
-    log = out / "logs" / f"{name}.log"
+    log = bdir / f"{name}.log"
     return {"name": name, "status": status, "seconds": None, "data": data,
             "markdown": mpath.read_text() if mpath.exists() and data else "",
             "log": str(log.relative_to(out)) if log.exists() else "-", "log_tail": ""}
@@ -197,9 +205,11 @@ def write_summary(results: list[dict], out: Path, quick: bool, cmd: str) -> Path
     """Write OUT/summary.md (machine, status table, each benchmark's section, plots)."""
     records = {r["name"]: r["data"] for r in results if r["data"]}
     plots, plot_errors = [], []
-    for plot in (plot_step_time, plot_busbw):
+    for plot, source in ((plot_step_time, "e2e"), (plot_busbw, "collectives")):
+        if source not in records:
+            continue
         try:
-            plots += plot(records, out)
+            plots += [f"{source}/{p}" for p in plot(records, out / source)]
         except Exception as exc:  # noqa: BLE001 - a plot must never cost the summary
             plot_errors.append(f"{plot.__name__}: {type(exc).__name__}: {exc}")
     m = machine_info()
@@ -212,7 +222,9 @@ def write_summary(results: list[dict], out: Path, quick: bool, cmd: str) -> Path
             lines += [f"### {r['name']}: {r['status']}", "", "```", r["log_tail"], "```", ""]
     for r in results:
         if r["markdown"]:
-            lines += [r["markdown"].rstrip(), ""]
+            # The benchmark's own links (its plots) are relative to its folder.
+            md = re.sub(r"\]\((?![a-z]+:|/)([^)]+)\)", rf"]({r['name']}/\1)", r["markdown"])
+            lines += [md.rstrip(), ""]
     if plot_errors:
         lines += ["Plots that failed: " + "; ".join(plot_errors), ""]
     if plots:

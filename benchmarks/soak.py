@@ -142,9 +142,9 @@ def soak_run(world: int, steps: int, timeout_s: float, fault: bool, rng: random.
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
     env = {k: v for k, v in env.items() if not k.startswith("GRADIENTFLOW_")}
     procs = [subprocess.Popen([sys.executable, "-c",
-                               "import sys; sys.path.insert(0, %r); from benchmarks.soak import "
-                               "train_worker as w; w(%d, %d, %d, %d, %r, %r)"
-                               % (ROOT, r, world, port, steps, timeout_s, outs[r])],
+                               f"import sys; sys.path.insert(0, {ROOT!r}); "
+                               "from benchmarks.soak import train_worker as w; "
+                               f"w({r}, {world}, {port}, {steps}, {timeout_s!r}, {outs[r]!r})"],
                               env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
              for r in range(world)]
     result = {"world": world, "fault": fault, "hang": False, "wrong": False, "detect_s": None}
@@ -172,7 +172,8 @@ def soak_run(world: int, steps: int, timeout_s: float, fault: bool, rng: random.
                 result.setdefault("hung_ranks", []).append(r)
         evs = [_events(o) for o in outs]
         if fault and kill_t is not None:
-            errs = [e for r, ev in enumerate(evs) if r != victim for e in ev if e["event"] == "error"]
+            errs = [e for r, ev in enumerate(evs) if r != victim
+                    for e in ev if e["event"] == "error"]
             done = [r for r, ev in enumerate(evs) if r != victim
                     and any(e["event"] == "done" for e in ev)]
             if done:
@@ -258,13 +259,15 @@ def overhead_worker(rank: int, world: int, port: int, reps: int, out: str) -> No
     import torch
     import torch.distributed as dist
 
-    from gradientflow.backend.backend import backend_of
+    from gradientflow.backend.registry import backend_of
 
     _init(rank, world, port, 120)
     insp = backend_of().inspector
-    # Started with GRADIENTFLOW_DEBUG=1 so the debug side group exists; only the "debug"
-    # variant uses it (the pre-transport check every call pays in debug mode).
-    debug_group = insp._debug_group
+    # The engine's front holds the inspector it records to (None: off); toggled per variant.
+    issue = backend_of().engine.issue
+    # Started with GRADIENTFLOW_DEBUG=1 so the debug check exists; only the "debug" variant
+    # uses it (the pre-transport check every call pays in debug mode).
+    debug_check = insp.debug
     gloo = dist.new_group(backend="gloo")
     res = {}
     for nbytes, n in ((4096, 100), (2**20, 20)):
@@ -272,9 +275,9 @@ def overhead_worker(rank: int, world: int, port: int, reps: int, out: str) -> No
         times = {"on": [], "off": [], "gloo": [], "record": [], "debug": []}
         for _ in range(reps):
             for variant in ("on", "off", "gloo", "record", "debug"):
-                insp.enabled = variant in ("on", "record", "debug")
+                issue._insp = insp if variant in ("on", "record", "debug") else None
                 insp.sliced = variant in ("on", "debug")
-                insp._debug_group = debug_group if variant == "debug" else None
+                insp.debug = debug_check if variant == "debug" else None
                 group = gloo if variant == "gloo" else None
                 dist.barrier(group=group)
                 t0 = time.perf_counter()
@@ -290,8 +293,8 @@ def overhead_worker(rank: int, world: int, port: int, reps: int, out: str) -> No
                                 [a - b for a, b in zip(times["record"], times["off"])]), 2),
                             "debug_minus_on_us": round(statistics.median(
                                 [a - b for a, b in zip(times["debug"], times["on"])]), 2)}
-    insp.enabled = True
-    insp._debug_group = None
+    issue._insp = insp
+    insp.debug = None
     # The CPU cost the checks add to one call, without the transport (whose time on a loaded
     # 2-core machine varies by far more than this): the backend's issue path around an
     # already-completed transport Work, best of several repeats (timeit's convention).
@@ -299,7 +302,6 @@ def overhead_worker(rank: int, world: int, port: int, reps: int, out: str) -> No
 
     from torch._C._distributed_c10d import AllreduceOptions
 
-    b = backend_of()
     done_work = gloo.allreduce(torch.ones(1))
     done_work.wait()
     opts = AllreduceOptions()
@@ -307,12 +309,13 @@ def overhead_worker(rank: int, world: int, port: int, reps: int, out: str) -> No
     x1 = torch.ones(1024)
     cpu = torch.device("cpu")
     for variant in ("on", "off"):
-        insp.enabled = variant == "on"
-        best = min(timeit.repeat(lambda: b._issue("all_reduce", lambda: done_work, x1, opts, cpu),
-                                 number=20000, repeat=7)) / 20000 * 1e6
+        issue._insp = insp if variant == "on" else None
+        best = min(timeit.repeat(
+            lambda: issue._issue("all_reduce", lambda seq: done_work, x1, opts, cpu),
+            number=20000, repeat=7)) / 20000 * 1e6
         res[f"issue_path_{variant}_us"] = round(best, 3)
     res["issue_path_added_us"] = round(res["issue_path_on_us"] - res["issue_path_off_us"], 3)
-    insp.enabled = True
+    issue._insp = insp
     # The hot-path cost alone, without the transport: record() as the backend calls it.
     x = torch.ones(1024)
     t0 = time.perf_counter()
@@ -332,9 +335,9 @@ def overhead(args) -> dict:
         env = {k: v for k, v in os.environ.items() if not k.startswith("GRADIENTFLOW_")}
         env.update(PYTHONPATH=ROOT, OMP_NUM_THREADS="1", GRADIENTFLOW_DEBUG="1")
         procs = [subprocess.Popen([sys.executable, "-c",
-                                   "import sys; sys.path.insert(0, %r); from benchmarks.soak import "
-                                   "overhead_worker as w; w(%d, 2, %d, %d, %r)"
-                                   % (ROOT, r, port, args.reps, out)], env=env)
+                                   f"import sys; sys.path.insert(0, {ROOT!r}); "
+                                   "from benchmarks.soak import overhead_worker as w; "
+                                   f"w({r}, 2, {port}, {args.reps}, {out!r})"], env=env)
                  for r in range(2)]
         for p in procs:
             p.wait(timeout=900)
@@ -415,9 +418,9 @@ def stress(args) -> dict:
         env.update(PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
         ops = 2000 if args.quick else 10000
         procs = [subprocess.Popen([sys.executable, "-c",
-                                   "import sys; sys.path.insert(0, %r); from benchmarks.soak import "
-                                   "stress_worker as w; w(%d, 4, %d, %d, %r)"
-                                   % (ROOT, r, port, ops, out)], env=env)
+                                   f"import sys; sys.path.insert(0, {ROOT!r}); "
+                                   "from benchmarks.soak import stress_worker as w; "
+                                   f"w({r}, 4, {port}, {ops}, {out!r})"], env=env)
                  for r in range(4)]
         hung = False
         for p in procs:
@@ -479,7 +482,6 @@ def restart_run(data: Path, work: Path, kill_at_step: int, timeout_s: float) -> 
 def restart_soak(args) -> dict:
     """A reference run without a fault, then runs killed at random steps of the second epoch:
     each must resume with its residuals and end with the reference's parameters."""
-    import torch
 
     rng = random.Random(args.seed)
     runs = []
@@ -488,7 +490,8 @@ def restart_soak(args) -> dict:
         data = prepare_digits(tmp / "digits")
         ref = restart_run(data, _mkdir(tmp / "ref"), -1, args.timeout_s)
         if "params" not in ref:
-            raise RuntimeError("the reference run without a fault failed:\n" + format_logs(ref["logs"]))
+            raise RuntimeError("the reference run without a fault failed:\n"
+                               + format_logs(ref["logs"]))
         for i in range(args.runs):
             r = restart_run(data, _mkdir(tmp / f"run{i}"), rng.randrange(3, 6), args.timeout_s)
             params = r.pop("params", None)
@@ -529,7 +532,8 @@ def _markdown(name: str, res: dict) -> str:
                 "|---|---|---|---|---|---|---|---|---|\n"
                 f"| {res['runs']} | {res['faults_injected']} | {res['hangs']} | "
                 f"{res['wrong_results']} | {res['undetected']} | {res['named_dead_rank']} | "
-                f"{_f(res['detect_median_s'])} | {_f(res['detect_max_s'])} | {res['timeout_s']} |\n")
+                f"{_f(res['detect_median_s'])} | {_f(res['detect_max_s'])} | "
+                f"{res['timeout_s']} |\n")
     if name == "restart":
         return ("## Restart: torchrun --max-restarts 1, a rank SIGKILLed mid-training, resumed "
                 "from its checkpoint (CSC 1% residuals)\n\n"
@@ -555,7 +559,8 @@ def _markdown(name: str, res: dict) -> str:
                 "error on every rank.\n\n"
                 "| bytes | gloo | gradientflow, inspector off | inspector on | on - off (paired) "
                 "| debug check | debug - on (paired) |\n"
-                f"|---|---|---|---|---|---|---|\n{rows}\nCPU added per call by the default check (issue path "
+                f"|---|---|---|---|---|---|---|\n{rows}\nCPU added per call by the default check "
+                f"(issue path "
                 f"around a completed Work, best of 7): {res['issue_path_added_us']} us "
                 f"({res['issue_path_off_us']} -> {res['issue_path_on_us']}); record() alone: "
                 f"{res['record_only_us']} us\n")

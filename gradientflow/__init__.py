@@ -5,7 +5,7 @@ in scripts that never import us): `torch.distributed.init_process_group(backend=
 """
 from gradientflow._registrar import BACKEND_NAME, register as _register
 from gradientflow.config import Config, configure
-from gradientflow.engine.api import flush
+from gradientflow.backend.api import flush
 from gradientflow.observability.stats import reset_stats, stats
 from gradientflow.observability.timeline import TIMELINE as _TIMELINE
 from gradientflow.observability.timeline import start_timeline, stop_timeline

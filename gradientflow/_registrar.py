@@ -14,7 +14,14 @@ def _create(dist_backend_opts, pg_options):
     # Imported here, not at module level, so that registration stays cheap and import-safe.
     from gradientflow.backend.backend import create_backend
 
-    return create_backend(dist_backend_opts, pg_options)
+    backend = create_backend(dist_backend_opts, pg_options)
+    if backend.config.autotune:
+        # autotune drives the backend from above, so the entry point attaches it: the
+        # backend itself never imports the layer that tunes it
+        from gradientflow.autotune import attach_auto
+
+        attach_auto(backend)
+    return backend
 
 
 def register() -> None:

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 from numba import njit, prange
 
-from . import _threads
+from . import _threads, reference
 from .half import bf16_bits_to_f32, f16_bits_to_f32, f32_to_bf16_bits, f32_to_bits, f32_to_f16_bits
 from .reference import nchunks_of
 
@@ -525,8 +525,10 @@ def chunk_norms(grad, residual, chunk_size, norm="l1", *, momentum=None, momentu
     return norms
 
 
-def select_chunks(norms, k):
-    """numba version of ``reference.select_chunks`` without forced chunks."""
+def select_chunks(norms, k, *, forced=None):
+    """numba version of ``reference.select_chunks``; forced chunks take the reference's sort."""
+    if forced is not None:
+        return reference.select_chunks(norms, k, forced=forced)
     key = norms.detach()
     if key.dtype != torch.float32:
         key = key.to(torch.float32)
@@ -544,7 +546,7 @@ def all_finite(x):
     """numba version of ``reference.all_finite`` (float32, float16, bfloat16)."""
     ity, npty, mask = _FINITE_MASK[x.dtype]
     bits = x.detach().view(ity).numpy().view(npty)
-    return _count_masked_kernel(bits, npty(mask)) == 0
+    return bool(_count_masked_kernel(bits, npty(mask)) == 0)
 
 
 def pack_chunks(v, indices, chunk_size, scale, wire_dtype, *, out):
@@ -591,13 +593,15 @@ def unpack_update(v, residual, packed_reduced, packed_local, indices, chunk_size
     return out
 
 
-def unpack_sent(out, residual, packed_reduced, packed_local, indices, chunk_size, unscale, err_scale):
+def unpack_sent(out, residual, packed_reduced, packed_local, indices, chunk_size, unscale,
+                err_scale):
     """numba version of ``reference.unpack_sent``."""
     nch = nchunks_of(out.numel(), chunk_size)
     idx = _indices("unpack_sent", indices, nch)
     if idx.size > 1 and not bool((idx[1:] > idx[:-1]).all()):
         raise ValueError(
-            "unpack_sent: chunk indices must be strictly increasing (as select_chunks returns them); "
+            "unpack_sent: chunk indices must be strictly increasing (as select_chunks returns "
+            "them); "
             "a repeated chunk would take its rounding error off the residual twice"
         )
     if idx.size == 0:
@@ -627,11 +631,14 @@ def dense_scatter(out, residual, idx, reduced, local, v, unscale, err_scale):
         return out
     n = out.numel()
     if i.min() < 0 or i.max() >= n:
-        raise ValueError(f"dense_scatter: positions must lie in [0, {n}), got min {i.min()} max {i.max()}")
+        raise ValueError(
+            f"dense_scatter: positions must lie in [0, {n}), got min {i.min()} max {i.max()}"
+        )
     red = _wire(reduced)
     loc = red if local is None else _wire(local)
-    _dense_scatter_kernel(_f32(out), _EMPTY if residual is None else _f32(residual), residual is not None,
-                          i, red, _CODE[reduced.dtype], loc, _CODE[(local if local is not None else reduced).dtype],
+    loc_code = _CODE[(local if local is not None else reduced).dtype]
+    _dense_scatter_kernel(_f32(out), _EMPTY if residual is None else _f32(residual),
+                          residual is not None, i, red, _CODE[reduced.dtype], loc, loc_code,
                           _f32(v), unscale, err_scale)
     return out
 
@@ -709,6 +716,7 @@ def warm_up() -> None:
         dense_scatter(g, None, idx, p[:2], None, g[:2], 1.0, 1.0)
     for l2 in ("l1", "l2"):
         masked_chunk_norms(g, idx, torch.ones(2, 2, dtype=torch.bool), 2, l2, out=torch.empty(3))
+    for wd in (torch.float32, torch.float16, torch.bfloat16):
         c = torch.empty(5, dtype=wd)
         cast_scaled(g, 1.0, wd, out=c)
         upcast_scaled(c, 1.0, out=torch.empty(5))

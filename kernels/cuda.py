@@ -20,7 +20,8 @@ Chunk norms reduce each chunk in one block with a fixed tree order: deterministi
 Bit-for-bit agreement with torch needs every multiply that feeds an add rounded on its own:
 NVVM contracts ``a * b + c`` into one fused multiply-add by default (one rounding instead of
 two), where torch runs the multiply and the add as separate kernels. ``_mul`` is libdevice's
-``fmul_rn``, which is never contracted (measured on an H100: see benchmarks/results/gpu.md).
+``fmul_rn``, which is never contracted (measured on an H100: see
+benchmarks/results/gpu_check/gpu.md).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ import numpy as np
 if not hasattr(np, "row_stack"):
     np.row_stack = np.vstack
 
-from numba import config, cuda  # noqa: E402
+from numba import config, cuda
 
 from . import half as _half
 from .reference import nchunks_of
@@ -261,7 +262,8 @@ def _empty_f32(like):
 
 def launch_chunk_norms(g, r, mom, mom_out, mode, m, chunk, l2, norms, stream=0, vout=None,
                        zero_g=False):
-    """Launch the norms kernel; r/mom/mom_out/vout may be None; mode 0 plain, 1 momentum, 2 Nesterov."""
+    """Launch the norms kernel; r/mom/mom_out/vout may be None; mode 0 plain, 1 momentum,
+    2 Nesterov."""
     dummy = _empty_f32(g)
     nch = norms.shape[0]
     if nch == 0:
@@ -320,8 +322,10 @@ def check_available() -> None:
         from numba import types
 
         _probe_kernel.compile((types.float32[::1], types.float32))
-    except Exception as exc:  # noqa: BLE001 - any compile failure means "not usable"
-        raise RuntimeError(f"numba CUDA cannot compile a kernel here: {type(exc).__name__}: {exc}") from exc
+    except Exception as exc:
+        raise RuntimeError(
+            f"numba CUDA cannot compile a kernel here: {type(exc).__name__}: {exc}"
+        ) from exc
 
 
 @cuda.jit
@@ -371,7 +375,7 @@ def chunk_norms(grad, residual, chunk_size, norm="l1", *, momentum=None, momentu
 
 
 def pack_chunks(v, indices, chunk_size, scale, wire_dtype, *, out):
-    """CUDA version of ``reference.pack_chunks`` (indices must be in range: not checked, no sync)."""
+    """CUDA version of ``reference.pack_chunks`` (indices are trusted: checking costs a sync)."""
     import torch
 
     if indices.numel():

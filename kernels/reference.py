@@ -145,7 +145,7 @@ def unpack_update(
     *,
     out: torch.Tensor,
 ) -> torch.Tensor:
-    """Scatter the reduced chunks into ``out`` (zeros elsewhere) and keep what was not sent in ``residual``."""
+    """Scatter the reduced chunks into ``out`` (zeros elsewhere); keep the rest in ``residual``."""
     # v goes into the residual whole, then the sent chunks take their rounding error off it:
     # the same arithmetic as unpack_sent on a residual that already holds v.
     if residual is not None:
@@ -166,7 +166,7 @@ def unpack_sent(
     unscale: float,
     err_scale: float,
 ) -> torch.Tensor:
-    """Write the reduced chunks into ``out`` and the rounding error into ``residual``, sent chunks only.
+    """Write the reduced chunks into ``out``, their rounding error into ``residual``; only those.
 
     In sent chunk j: ``out = upcast(reduced_j) * unscale`` and ``residual = residual -
     upcast(local_j) * err_scale`` (0 without ``packed_local``). Nothing else is touched.
@@ -180,22 +180,26 @@ def unpack_sent(
             mat = torch.zeros(k, chunk_size, dtype=torch.float32, device=out.device)
         else:
             loc = packed_local.view(k, chunk_size).to(torch.float32)
-            mat = _gather_rows(residual, idx, chunk_size) - loc * torch.tensor(err_scale, dtype=torch.float32)
+            err = loc * torch.tensor(err_scale, dtype=torch.float32)
+            mat = _gather_rows(residual, idx, chunk_size) - err
         _scatter_rows(residual, idx, mat, chunk_size)
-    red = packed_reduced.view(k, chunk_size).to(torch.float32) * torch.tensor(unscale, dtype=torch.float32)
+    red = (packed_reduced.view(k, chunk_size).to(torch.float32)
+           * torch.tensor(unscale, dtype=torch.float32))
     _scatter_rows(out, idx, red, chunk_size)
     return out
 
 
 def masked_chunk_norms(
-    v: torch.Tensor, chunks: torch.Tensor, keep: torch.Tensor, chunk_size: int, norm: str, *, out: torch.Tensor
+    v: torch.Tensor, chunks: torch.Tensor, keep: torch.Tensor, chunk_size: int, norm: str, *,
+    out: torch.Tensor,
 ) -> torch.Tensor:
-    """out[chunks[m]] = the norm of chunk chunks[m] of v counting only the elements where keep[m]."""
+    """out[chunks[m]] = the norm of chunk chunks[m] of v over only the elements where keep[m]."""
     m = chunks.numel()
     if m == 0:
         return out
     n = v.numel()
-    pos = (chunks.to(torch.int64)[:, None] * chunk_size + torch.arange(chunk_size, device=v.device)[None, :])
+    pos = (chunks.to(torch.int64)[:, None] * chunk_size
+           + torch.arange(chunk_size, device=v.device)[None, :])
     inside = pos < n
     vals = v.index_select(0, pos.clamp(max=n - 1).reshape(-1)).view(m, chunk_size)
     vals = vals.abs() if norm == "l1" else vals * vals
@@ -245,7 +249,8 @@ def _gather_rows(x: torch.Tensor, idx: torch.Tensor, chunk_size: int) -> torch.T
     return rows
 
 
-def _scatter_rows(dst: torch.Tensor, idx: torch.Tensor, rows: torch.Tensor, chunk_size: int) -> None:
+def _scatter_rows(dst: torch.Tensor, idx: torch.Tensor, rows: torch.Tensor,
+                  chunk_size: int) -> None:
     """Write rows[j] into dst's chunk idx[j], cutting the part past the end of dst."""
     n = dst.numel()
     full = n // chunk_size
@@ -282,7 +287,7 @@ def cast_feedback(
     out: torch.Tensor,
     residual_out: torch.Tensor | None,
 ) -> torch.Tensor:
-    """``v = x + residual``; ``out = cast(v * scale)``; ``residual_out = v - float32(out) * err_scale``."""
+    """``v = x + residual``; ``out = cast(v * scale)``; ``residual_out = v - out * err_scale``."""
     v = x if residual is None else x + residual
     out.copy_(v * torch.tensor(scale, dtype=torch.float32))
     if residual_out is not None:

@@ -1,4 +1,6 @@
-"""Completion of futures off the driving thread: batches settle every future, nothing blocks them."""
+"""Completion of futures off the driving thread: batches settle every future, nothing blocks
+them."""
+
 from __future__ import annotations
 
 import threading

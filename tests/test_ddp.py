@@ -41,7 +41,7 @@ def test_cuda_transport_is_created_lazily_and_only_for_cuda():
 
     import torch
 
-    from gradientflow.backend import backend as B
+    from gradientflow.backend import transports as B
 
     calls = []
 
@@ -76,7 +76,7 @@ def detail_debug(rank, world, port):
     import torch.distributed as dist
 
     import gradientflow  # noqa: F401
-    from gradientflow.backend.backend import backend_of
+    from gradientflow.backend import backend_of
 
     os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
     dist.set_debug_level_from_env()

@@ -72,7 +72,7 @@ def random_programs(rank, world, n_examples):
             assert torch.equal(tt, want_j), (idx, "final wait")
 
     prop()
-    from gradientflow.backend.backend import backend_of
+    from gradientflow.backend import backend_of
 
     c = backend_of().engine.counters
     return {"rounds": c.rounds, "messages": c.messages, "fused": c.fused_tensors,
@@ -109,7 +109,7 @@ def solo_overtakes(rank, world):
     import torch
     import torch.distributed as dist
 
-    from gradientflow.backend.backend import backend_of
+    from gradientflow.backend import backend_of
 
     want = world * (world + 1) / 2
     small = torch.full((10,), float(rank + 1))
@@ -137,7 +137,7 @@ def fuse_many(rank, world, n):
     import torch
     import torch.distributed as dist
 
-    from gradientflow.backend.backend import backend_of
+    from gradientflow.backend import backend_of
 
     ts = [torch.full((10,), float(rank + i)) for i in range(n)]
     works = [dist.all_reduce(t, async_op=True) for t in ts]
@@ -206,7 +206,7 @@ def wait_on_engine_thread(rank, world):
     import torch
     import torch.distributed as dist
 
-    from gradientflow.backend.backend import backend_of
+    from gradientflow.backend import backend_of
 
     engine = backend_of().engine
 
@@ -216,7 +216,7 @@ def wait_on_engine_thread(rank, world):
         dist.all_reduce(torch.ones(1), async_op=True).wait()  # on the engine thread: refused
         return t
 
-    fut = engine.submit_stages("bad", stage(), torch.device("cpu"))
+    fut = engine.stages("bad", stage(), torch.device("cpu"))
     try:
         fut.wait()
     except Exception as exc:  # noqa: BLE001
@@ -350,13 +350,14 @@ def lazy_futures(rank, world):
     Returns which ops got one; whether a future asked by get_future() after its op finished
     is already done, and its value; and every tensor's first element after the waits."""
     import torch
-    from torch.distributed import ReduceOp
+    from torch._C._distributed_c10d import AllreduceOptions
 
-    from gradientflow.backend.backend import backend_of
+    from gradientflow.backend import backend_of
 
     eng = backend_of().engine
+    opts = AllreduceOptions()
     ts = [torch.full((4,), float(rank + i)) for i in range(6)]
-    works = [eng.submit_allreduce(t, ReduceOp.SUM) for t in ts]
+    works = [eng.allreduce([t], opts, t, opts.reduceOp, 16, True) for t in ts]
     eng.flush()
     works[-1].wait()
     for w in works:

@@ -26,8 +26,8 @@ def known_program(rank, world, path):
             packed = yield torch.ones(64, dtype=torch.float16)
             return packed
 
-        fut = gradientflow.engine.submit_stages(dist.group.WORLD, "b0", stages(),
-                                                dense_bytes=4000)
+        fut = gradientflow.backend.submit_stages(dist.group.WORLD, "b0", stages(),
+                                                 dense_bytes=4000)
         fut.wait()
         sent += 16 * 4 + 64 * 2
     written = gradientflow.stop_timeline()

@@ -77,12 +77,14 @@ def test_config_parses_sizes_and_refuses_bad_values():
     assert cfg.fusion_threshold == 1000
     assert Config.resolve({"fusion_threshold": 5}, environ={
         "GRADIENTFLOW_FUSION_THRESHOLD": "1KB"}).fusion_threshold == 5
-    for env, needle in [({"GRADIENTFLOW_FUSION_THRESHOLD": "lots"}, "GRADIENTFLOW_FUSION_THRESHOLD"),
-                        ({"GRADIENTFLOW_FUSION_THRESHOLD": "-4"}, "GRADIENTFLOW_FUSION_THRESHOLD"),
-                        ({"GRADIENTFLOW_CYCLE_TIME_MS": "-1"}, "valid range"),
-                        ({"GRADIENTFLOW_DEBUG": "maybe"}, "boolean"),
-                        ({"GRADIENTFLOW_SOLO_CHANNEL": "sometimes"}, "GRADIENTFLOW_SOLO_CHANNEL"),
-                        ({"GRADIENTFLOW_FUSION_TRESHOLD": "1"}, "unknown environment variable")]:
+    for env, needle in [
+        ({"GRADIENTFLOW_FUSION_THRESHOLD": "lots"}, "GRADIENTFLOW_FUSION_THRESHOLD"),
+        ({"GRADIENTFLOW_FUSION_THRESHOLD": "-4"}, "GRADIENTFLOW_FUSION_THRESHOLD"),
+        ({"GRADIENTFLOW_CYCLE_TIME_MS": "-1"}, "valid range"),
+        ({"GRADIENTFLOW_DEBUG": "maybe"}, "boolean"),
+        ({"GRADIENTFLOW_SOLO_CHANNEL": "sometimes"}, "GRADIENTFLOW_SOLO_CHANNEL"),
+        ({"GRADIENTFLOW_FUSION_TRESHOLD": "1"}, "unknown environment variable"),
+    ]:
         with pytest.raises(ValueError, match=needle):
             Config.resolve({}, environ=env)
     with pytest.raises(ValueError, match="unknown gradientflow option"):

@@ -14,8 +14,8 @@ import operator
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gradientflow.engine.engine import _FP_MASK, MAX_BATCH, read_round, round_words
-from gradientflow.engine.scheduler import read_bits, round_bits
+from gradientflow.engine.agreement import (_FP_MASK, MAX_BATCH, read_bits, read_round,
+                                          round_bits, round_words)
 
 ranks = st.lists(st.tuples(st.integers(1, MAX_BATCH), st.integers(0, 2**61 - 1)),
                  min_size=1, max_size=8)

@@ -10,7 +10,7 @@ def keyed_different_orders(rank, world, steps, single_stage, credit):
 
     import torch
 
-    from gradientflow.engine import scheduler_of
+    from gradientflow.backend import scheduler_of
 
     sched = scheduler_of()
     sched.credit_bytes = credit
@@ -58,7 +58,7 @@ def idle_then_late(rank, world):
     import torch
     import torch.distributed as dist
 
-    from gradientflow.engine import scheduler_of
+    from gradientflow.backend import scheduler_of
 
     sched = scheduler_of()
     sched.begin(3)
@@ -97,7 +97,7 @@ def chain_and_tensor_path(rank, world, steps, fifo):
 
     import torch
 
-    from gradientflow.engine import scheduler_of
+    from gradientflow.backend import scheduler_of
 
     sched = scheduler_of()
     sched.credit_bytes = 1  # spent at once: only the priority rule decides what is held

@@ -1,6 +1,6 @@
 """Write scikit-learn's bundled handwritten digits as an ImageNet-style ImageFolder.
 
-    python experiments/imagenet/prepare.py                      # -> experiments/imagenet/data/digits
+    python experiments/imagenet/prepare.py    # -> experiments/imagenet/data/digits
     python experiments/imagenet/prepare.py --out DIR --size 32 --val-fraction 0.2 --seed 0
 
 Why this data set: it ships inside the scikit-learn wheel (no download, works offline), it is
@@ -53,19 +53,27 @@ def prepare(out: Path = DEFAULT_OUT, size: int = 32, val_fraction: float = 0.2, 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output folder (default: %(default)s)")
+    p.add_argument(
+        "--out", type=Path, default=DEFAULT_OUT, help="output folder (default: %(default)s)"
+    )
     p.add_argument("--size", type=int, default=32, help="side of the upscaled images in pixels")
     p.add_argument("--val-fraction", type=float, default=0.2, help="held-out fraction (stratified)")
     p.add_argument("--seed", type=int, default=0, help="seed of the train/val split")
     p.add_argument("--limit", type=int, default=None, help="keep only this many images per split")
     args = p.parse_args(argv)
     if not 8 <= args.size <= 512 or not 0.0 < args.val_fraction < 1.0:
-        print("prepare.py: error: --size must be in [8, 512] and --val-fraction in (0, 1)", file=sys.stderr)
+        print(
+            "prepare.py: error: --size must be in [8, 512] and --val-fraction in (0, 1)",
+            file=sys.stderr,
+        )
         return 2
     out = prepare(args.out, args.size, args.val_fraction, args.seed, args.limit)
     n_train = sum(1 for _ in (out / "train").rglob("*.png"))
     n_val = sum(1 for _ in (out / "val").rglob("*.png"))
-    print(f"digits ImageFolder at {out}: {n_train} train / {n_val} val images, {args.size}x{args.size} RGB")
+    print(
+        f"digits ImageFolder at {out}: {n_train} train / {n_val} val images, "
+        f"{args.size}x{args.size} RGB"
+    )
     return 0
 
 

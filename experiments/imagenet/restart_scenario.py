@@ -47,7 +47,8 @@ def restart_command(data: Path, ckpt: Path, log_dir: Path, kill_at_step: int,
 
 def launcher_env() -> dict:
     """This environment without a launcher's or gradientflow's variables (they would leak in)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("GRADIENTFLOW_", "TORCHELASTIC_"))
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("GRADIENTFLOW_", "TORCHELASTIC_"))
            and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
     return env
@@ -79,19 +80,23 @@ def check_resumed(logs: dict, world: int = 2) -> dict:
     attempts = sorted({a for a, _r in logs})
     assert attempts and attempts[-1] >= 1, "no restart happened (only attempt 0 in torchrun's logs)"
     killed = [r for (a, r), text in logs.items() if a == 0 and _KILLED.search(text)]
-    assert killed == [world - 1], f"expected rank {world - 1} to kill itself in attempt 0, got {killed}"
+    assert killed == [world - 1], (
+        f"expected rank {world - 1} to kill itself in attempt 0, got {killed}")
     saved = {(int(m[1]), int(m[2])): m[3] for (a, _r), t in logs.items() if a == 0
              for m in _SAVED.finditer(t)}
     last = attempts[-1]
     resumed = {}
     for r in range(world):
         ms = list(_RESUMED.finditer(logs.get((last, r), "")))
-        assert ms, f"rank {r} did not resume from a checkpoint in attempt {last} (started from scratch?)"
+        assert ms, (
+            f"rank {r} did not resume from a checkpoint in attempt {last} (started from scratch?)")
         epoch, text, l1 = int(ms[0][2]), ms[0][3], float(ms[0][4])
         assert epoch >= 1 and (r, epoch - 1) in saved, (
-            f"rank {r} resumed at epoch {epoch}, but attempt 0 saved no checkpoint of epoch {epoch - 1}")
+            f"rank {r} resumed at epoch {epoch}, but attempt 0 saved no checkpoint of epoch "
+            f"{epoch - 1}")
         assert text == saved[(r, epoch - 1)], (
-            f"rank {r}: residuals loaded ({text}) differ from those saved ({saved[(r, epoch - 1)]})")
+            f"rank {r}: residuals loaded ({text}) differ from those saved "
+            f"({saved[(r, epoch - 1)]})")
         assert l1 > 0, f"rank {r}: the saved residuals are all zero: the check would prove nothing"
         resumed[r] = {"epoch": epoch, "residuals": text}
     assert "epoch 0:" not in logs.get((last, 0), ""), f"attempt {last} trained epoch 0 again"

@@ -21,9 +21,10 @@ Two nodes (run on each node; NODE0 is any address every node can reach):
 The built-in small real data set (see prepare.py and README.md):
     python experiments/imagenet/prepare.py
     torchrun --standalone --nproc-per-node 2 experiments/imagenet/train.py \\
-        experiments/imagenet/data/digits -a resnet18 --image-size 32 --num-classes 10 --augment light \\
-        -b 64 --lr 0.05 --lr-base-batch 64 --lr-schedule cosine --lr-warmup-epochs 1 --wd 5e-4 -j 0 --epochs 8 \\
-        --compression csc --density 0.01 --momentum-correction --warmup 3 --warmup-unit step --warmup-period 3
+        experiments/imagenet/data/digits -a resnet18 --image-size 32 --num-classes 10 \\
+        --augment light -b 64 --lr 0.05 --lr-base-batch 64 --lr-schedule cosine \\
+        --lr-warmup-epochs 1 --wd 5e-4 -j 0 --epochs 8 --compression csc --density 0.01 \\
+        --momentum-correction --warmup 3 --warmup-unit step --warmup-period 3
 """
 from __future__ import annotations
 
@@ -48,6 +49,9 @@ import torch.distributed as dist
 import torch.nn as nn
 import torchvision.models as tv_models
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from models import ARCHS  # noqa: E402  (models.py sits beside this script)
+
 PROG = "train.py"
 
 
@@ -64,47 +68,151 @@ class _Parser(argparse.ArgumentParser):
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = _Parser(prog=PROG, description="Train a torchvision model with GradientFlow (see the module docstring).")
+    p = _Parser(
+        prog=PROG,
+        description="Train a torchvision model with GradientFlow (see the module docstring).",
+    )
     # --- pytorch/examples imagenet/main.py flags, names and meanings kept ---
-    p.add_argument("data", nargs="?", default="imagenet", help="dataset root with train/ and val/ (ImageFolder)")
-    p.add_argument("-a", "--arch", default="resnet18", help="torchvision.models classification model name")
-    p.add_argument("-j", "--workers", default=4, type=int, help="DataLoader workers per rank (started by forkserver/spawn)")
+    p.add_argument(
+        "data",
+        nargs="?",
+        default="imagenet",
+        help="dataset root with train/ and val/ (ImageFolder)",
+    )
+    p.add_argument(
+        "-a",
+        "--arch",
+        default="resnet18",
+        help="torchvision.models classification model "
+        "name, or alexnet_bn (AlexNet with batch normalisation, the large-batch variant)",
+    )
+    p.add_argument(
+        "-j",
+        "--workers",
+        default=4,
+        type=int,
+        help="DataLoader workers per rank (started by forkserver/spawn)",
+    )
     p.add_argument("--epochs", default=90, type=int, help="number of total epochs to run")
-    p.add_argument("--start-epoch", default=0, type=int, help="manual epoch number (useful on restarts)")
-    p.add_argument("-b", "--batch-size", default=256, type=int, help="global mini-batch size, all ranks together")
-    p.add_argument("--lr", "--learning-rate", default=0.1, type=float, dest="lr", help="LR for --lr-base-batch images")
+    p.add_argument(
+        "--start-epoch", default=0, type=int, help="manual epoch number (useful on restarts)"
+    )
+    p.add_argument(
+        "-b",
+        "--batch-size",
+        default=256,
+        type=int,
+        help="global mini-batch size, all ranks together",
+    )
+    p.add_argument(
+        "--lr",
+        "--learning-rate",
+        default=0.1,
+        type=float,
+        dest="lr",
+        help="LR for --lr-base-batch images",
+    )
     p.add_argument("--momentum", default=0.9, type=float)
     p.add_argument("--wd", "--weight-decay", default=1e-4, type=float, dest="weight_decay")
-    p.add_argument("-p", "--print-freq", default=10, type=int, help="progress-bar refresh, in steps")
-    p.add_argument("--resume", default="", type=str, help="path to checkpoint.pth.tar; 'auto': the one in "
-                   "--checkpoint-dir if it exists (what a torchrun --max-restarts restart needs), else from scratch")
-    p.add_argument("-e", "--evaluate", action="store_true", help="evaluate on the validation set and exit")
+    p.add_argument(
+        "-p", "--print-freq", default=10, type=int, help="progress-bar refresh, in steps"
+    )
+    p.add_argument(
+        "--resume",
+        default="",
+        type=str,
+        help="path to checkpoint.pth.tar; 'auto': the one in "
+        "--checkpoint-dir if it exists (what a torchrun --max-restarts restart needs), "
+        "else from scratch",
+    )
+    p.add_argument(
+        "-e", "--evaluate", action="store_true", help="evaluate on the validation set and exit"
+    )
     p.add_argument("--seed", default=None, type=int, help="seed for initialisation and data order")
-    p.add_argument("--dist-backend", default="gradientflow", help="torch.distributed backend (gradientflow, gloo, nccl)")
+    p.add_argument(
+        "--dist-backend",
+        default="gradientflow",
+        help="torch.distributed backend (gradientflow, gloo, nccl)",
+    )
     p.add_argument("--dummy", action="store_true", help="use fake data to benchmark")
     # --- GradientFlow: compression and transport ---
     p.add_argument("--compression", default="none", choices=["none", "fp16", "csc"],
                    help="gradient compression in the DDP comm hook")
-    p.add_argument("--density", default=0.01, type=float, help="CSC: fraction of chunks sent per step, in (0, 1]")
-    p.add_argument("--chunk-size", default=None, type=int, help="CSC: elements per chunk (default: the library's)")
-    p.add_argument("--wire-dtype", default=None, choices=["fp32", "fp16", "bf16"],
-                   help="dtype of the values on the wire (default: fp16 for fp16, the library's for csc)")
-    p.add_argument("--warmup", default="4", help="CSC dense warm-up: N stages of DGC's decaying density "
-                   "(0.25, 0.0625, 0.0156, 0.0039; never below --density), a comma list of densities, or none")
-    p.add_argument("--warmup-unit", default="epoch", choices=["epoch", "step"], help="what one warm-up stage counts")
-    p.add_argument("--warmup-period", default=1, type=int, help="epochs (or steps) per warm-up stage")
-    p.add_argument("--momentum-correction", action="store_true",
-                   help="CSC: DGC momentum correction (the compressor keeps the momentum; SGD then runs without)")
-    p.add_argument("--fusion-threshold", default=None, help="lazy-allreduce fusion threshold, e.g. 64MB "
-                   "(exported as GRADIENTFLOW_FUSION_THRESHOLD before init)")
-    p.add_argument("--bucket-cap-mb", default=25.0, type=float, help="DDP bucket size in MB (a compressed unit)")
+    p.add_argument(
+        "--density",
+        default=0.01,
+        type=float,
+        help="CSC: fraction of chunks sent per step, in (0, 1]",
+    )
+    p.add_argument(
+        "--chunk-size",
+        default=None,
+        type=int,
+        help="CSC: elements per chunk (default: the library's)",
+    )
+    p.add_argument(
+        "--wire-dtype",
+        default=None,
+        choices=["fp32", "fp16", "bf16"],
+        help="dtype of the values on the wire (default: fp16 for fp16, the library's for csc)",
+    )
+    # The CSC recipe flags default to None: unset, the library's own defaults apply.
+    p.add_argument(
+        "--warmup",
+        default=None,
+        help="CSC dense warm-up: N stages of DGC's decaying density "
+        "(0.25, 0.0625, 0.0156, 0.0039; never below --density), a comma list of densities, or none "
+        "(default: the library's)",
+    )
+    p.add_argument("--warmup-unit", default=None, choices=["epoch", "step"],
+                   help="what one warm-up stage counts (default: the library's)")
+    p.add_argument("--warmup-period", default=None, type=int,
+                   help="epochs (or steps) per warm-up stage (default: the library's)")
+    p.add_argument("--momentum-correction", default=None, action=argparse.BooleanOptionalAction,
+                   help="CSC: DGC momentum correction: the hook takes SGD's --momentum into the "
+                   "compressor (default: the library's, on)")
+    p.add_argument("--clip-norm", default=None, type=float,
+                   help="CSC: DGC's local gradient clipping, the L2 bound of the summed gradient "
+                   "(default: none)")
+    p.add_argument(
+        "--fusion-threshold",
+        default=None,
+        help="lazy-allreduce fusion threshold, e.g. 64MB "
+        "(passed to the gradientflow backend as pg_options)",
+    )
+    p.add_argument(
+        "--bucket-cap-mb",
+        default=25.0,
+        type=float,
+        help="DDP bucket size in MB (a compressed unit)",
+    )
     # --- training recipe ---
-    p.add_argument("--amp", action="store_true", help="mixed precision (fp16+GradScaler on CUDA, bf16 on CPU)")
-    p.add_argument("--lr-base-batch", default=256, type=int, help="batch size that --lr is meant for (linear scaling)")
-    p.add_argument("--lr-warmup-epochs", default=0.0, type=float, help="linear LR warm-up from 0 (large batches: 5)")
+    p.add_argument(
+        "--amp", action="store_true", help="mixed precision (fp16+GradScaler on CUDA, bf16 on CPU)"
+    )
+    p.add_argument(
+        "--lr-base-batch",
+        default=256,
+        type=int,
+        help="batch size that --lr is meant for (linear scaling)",
+    )
+    p.add_argument(
+        "--lr-warmup-epochs",
+        default=0.0,
+        type=float,
+        help="linear LR warm-up from 0 (large batches: 5)",
+    )
     p.add_argument("--lr-schedule", default="step", choices=["step", "cosine"])
-    p.add_argument("--lr-steps", default="30,60", help="step schedule: epochs where the LR is multiplied by 0.1")
-    p.add_argument("--lars", action="store_true", help="LARS layer-wise trust ratio (You et al. 2017) for huge batches")
+    p.add_argument(
+        "--lr-steps",
+        default="30,60",
+        help="step schedule: epochs where the LR is multiplied by 0.1",
+    )
+    p.add_argument(
+        "--lars",
+        action="store_true",
+        help="LARS layer-wise trust ratio (You et al. 2017) for huge batches",
+    )
     p.add_argument("--lars-eta", default=0.001, type=float)
     p.add_argument("--label-smoothing", default=0.0, type=float)
     # --- data and model shape ---
@@ -112,11 +220,25 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--num-classes", default=1000, type=int)
     p.add_argument("--augment", default="imagenet", choices=["imagenet", "light", "none"],
                    help="imagenet: RandomResizedCrop+flip; light: small crop jitter, no flip; none")
-    p.add_argument("--steps-per-epoch", default=0, type=int, help="cap on train (and val) steps per epoch; 0 = all")
+    p.add_argument(
+        "--steps-per-epoch",
+        default=0,
+        type=int,
+        help="cap on train (and val) steps per epoch; 0 = all",
+    )
     # --- output ---
-    p.add_argument("--json-log", default=None, dest="log", help="append one JSON line per epoch to this file "
-                   "(not --log: torchrun would take it for an abbreviation of its own --log-dir)")
-    p.add_argument("--checkpoint-dir", default=".", help="where checkpoint.pth.tar (+ one shard per rank) is written")
+    p.add_argument(
+        "--json-log",
+        default=None,
+        dest="log",
+        help="append one JSON line per epoch to this file "
+        "(not --log: torchrun would take it for an abbreviation of its own --log-dir)",
+    )
+    p.add_argument(
+        "--checkpoint-dir",
+        default=".",
+        help="where checkpoint.pth.tar (+ one shard per rank) is written",
+    )
     p.add_argument("--no-checkpoint", action="store_true", help="do not write checkpoints")
     # --- fault injection (tests and benchmarks/soak.py only) ---
     p.add_argument("--fault-kill-at-step", default=-1, type=int, metavar="N",
@@ -127,7 +249,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    """Everything the run needs, resolved once from the command line and the launcher's environment."""
+    """Everything the run needs, resolved once from the command line and the launcher's env."""
 
     # data and model
     data: str
@@ -148,7 +270,6 @@ class Config:
     lr_schedule: str
     lr_steps: tuple
     momentum: float
-    sgd_momentum: float       # 0 when the compressor applies the momentum (--momentum-correction)
     weight_decay: float
     lars: bool
     lars_eta: float
@@ -162,7 +283,7 @@ class Config:
     dist_backend: str
     compression: str
     compression_config: object  # gradientflow.compression.CompressionConfig, or None for "none"
-    fusion_threshold: str | None
+    backend_options: dict | None  # gradientflow options for init_process_group's pg_options
     bucket_cap_mb: float
     # output
     resume: str
@@ -174,11 +295,8 @@ class Config:
     fault_kill_at_step: int   # -1: no fault injected
 
 
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMG]i?B|B)?\s*$", re.IGNORECASE)
-
-
 def dgc_warmup(spec: str, target: float) -> tuple:
-    """Parse --warmup into per-epoch densities: "N" -> DGC's 0.25 * 4**-k for k < N (never below target)."""
+    """Parse --warmup into per-epoch densities: "N" -> DGC's 0.25 * 4**-k for k < N (>= target)."""
     spec = spec.strip()
     if spec in ("none", ""):
         return ()
@@ -187,7 +305,9 @@ def dgc_warmup(spec: str, target: float) -> tuple:
     try:
         values = tuple(float(v) for v in spec.split(",") if v.strip())
     except ValueError:
-        raise ConfigError(f"--warmup {spec!r} is neither a number of epochs nor a comma list of densities")
+        raise ConfigError(
+            f"--warmup {spec!r} is neither a number of epochs nor a comma list of densities"
+        )
     if not all(0.0 < v <= 1.0 for v in values):
         raise ConfigError(f"--warmup densities must lie in (0, 1], got {spec!r}")
     return values
@@ -199,15 +319,18 @@ def build_compression_config(args, warmup: tuple):
         from gradientflow.compression import CompressionConfig
         from gradientflow.hooks import register  # noqa: F401  (checked here, used after init)
     except ImportError as exc:
-        raise ConfigError(f"--compression {args.compression} is waiting on gradientflow.hooks.register and "
-                          f"gradientflow.compression.CompressionConfig ({exc}); use --compression none for now")
+        raise ConfigError(
+            f"--compression {args.compression} is waiting on gradientflow.hooks.register and "
+            f"gradientflow.compression.CompressionConfig ({exc}); use --compression none for now"
+        )
+    # Only what the user set is passed: the rest is the library's default recipe.
     kwargs = dict(method=args.compression, wire_dtype=args.wire_dtype or "fp16")
     if args.compression == "csc":
-        kwargs.update(density=args.density, warmup_densities=warmup, warmup_unit=args.warmup_unit,
-                      warmup_period=args.warmup_period, momentum_correction=args.momentum_correction,
-                      momentum=args.momentum)
-        if args.chunk_size is not None:
-            kwargs["chunk_size"] = args.chunk_size
+        # No momentum: under momentum correction the hook takes the optimizer's.
+        given = dict(warmup_densities=warmup, warmup_unit=args.warmup_unit,
+                     warmup_period=args.warmup_period, momentum_correction=args.momentum_correction,
+                     chunk_size=args.chunk_size, clip_norm=args.clip_norm)
+        kwargs.update(density=args.density, **{k: v for k, v in given.items() if v is not None})
     try:
         return CompressionConfig(**kwargs)
     except (TypeError, ValueError) as exc:
@@ -216,20 +339,41 @@ def build_compression_config(args, warmup: tuple):
 
 def resolve(args: argparse.Namespace, env=os.environ) -> Config:
     """Validate the arguments and derive the run's values; raise ConfigError with one sentence."""
-    if args.arch not in tv_models.list_models(module=tv_models):
-        raise ConfigError(f"unknown arch {args.arch!r}: choose a torchvision.models classification model, "
-                          f"e.g. alexnet, resnet18, resnet50")
+    if args.arch not in ARCHS and args.arch not in tv_models.list_models(module=tv_models):
+        raise ConfigError(
+            f"unknown arch {args.arch!r}: choose a torchvision.models classification model, "
+            f"e.g. alexnet, resnet18, resnet50, or one of {', '.join(ARCHS)}"
+        )
     if not args.dummy:
         for split in ("train", "val"):
             if not os.path.isdir(os.path.join(args.data, split)):
-                raise ConfigError(f"data directory {os.path.join(args.data, split)!r} not found: pass the "
-                                  f"ImageFolder root holding train/ and val/, or --dummy")
+                raise ConfigError(
+                    f"data directory {os.path.join(args.data, split)!r} not found: pass the "
+                    f"ImageFolder root holding train/ and val/, or --dummy"
+                )
     if not 0.0 < args.density <= 1.0:
-        raise ConfigError(f"--density must lie in (0, 1] (the fraction of chunks sent), got {args.density}")
+        raise ConfigError(
+            f"--density must lie in (0, 1] (the fraction of chunks sent), got {args.density}"
+        )
     if args.chunk_size is not None and args.chunk_size < 1:
-        raise ConfigError(f"--chunk-size must be a positive number of elements, got {args.chunk_size}")
-    if args.fusion_threshold is not None and not _SIZE.match(args.fusion_threshold):
-        raise ConfigError(f"--fusion-threshold {args.fusion_threshold!r} is not a size such as 64MB or 1048576")
+        raise ConfigError(
+            f"--chunk-size must be a positive number of elements, got {args.chunk_size}"
+        )
+    backend_options = None
+    if args.fusion_threshold is not None:
+        if args.dist_backend != "gradientflow":
+            raise ConfigError(
+                "--fusion-threshold is a gradientflow option; "
+                f"--dist-backend is {args.dist_backend}"
+            )
+        from gradientflow.config import parse_size
+
+        try:  # the backend's own parser: one meaning of "64MB" everywhere
+            backend_options = {
+                "fusion_threshold": parse_size(args.fusion_threshold, "--fusion-threshold")
+            }
+        except ValueError as exc:
+            raise ConfigError(str(exc))
     resume = args.resume
     if resume == "auto":  # the same command line starts a run and resumes it after a restart
         resume = os.path.join(args.checkpoint_dir, "checkpoint.pth.tar")
@@ -237,36 +381,76 @@ def resolve(args: argparse.Namespace, env=os.environ) -> Config:
     elif resume and not os.path.isfile(resume):
         raise ConfigError(f"--resume: no checkpoint at {args.resume!r}")
     if args.epochs < 1 or not 0 <= args.start_epoch <= args.epochs:
-        raise ConfigError(f"--epochs must be >= 1 and --start-epoch in [0, epochs], got {args.epochs}, {args.start_epoch}")
+        raise ConfigError(
+            "--epochs must be >= 1 and --start-epoch in [0, epochs], "
+            f"got {args.epochs}, {args.start_epoch}"
+        )
     for name in ("workers", "steps_per_epoch"):
         if getattr(args, name) < 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 0")
-    if args.image_size < 8 or args.num_classes < 2 or args.print_freq < 1 or args.lr <= 0 or args.lr_base_batch < 1:
-        raise ConfigError("--image-size >= 8, --num-classes >= 2, -p >= 1, --lr > 0 and --lr-base-batch >= 1 are required")
+    if (
+        args.image_size < 8
+        or args.num_classes < 2
+        or args.print_freq < 1
+        or args.lr <= 0
+        or args.lr_base_batch < 1
+    ):
+        raise ConfigError(
+            "--image-size >= 8, --num-classes >= 2, -p >= 1, --lr > 0 "
+            "and --lr-base-batch >= 1 are required"
+        )
     try:
         lr_steps = tuple(sorted(float(s) for s in args.lr_steps.split(",") if s.strip()))
     except ValueError:
-        raise ConfigError(f"--lr-steps {args.lr_steps!r} must be a comma list of epochs, e.g. 30,60")
+        raise ConfigError(
+            f"--lr-steps {args.lr_steps!r} must be a comma list of epochs, e.g. 30,60"
+        )
     world_size = int(env.get("WORLD_SIZE", "1"))
     if args.batch_size < world_size or args.batch_size % world_size:
-        raise ConfigError(f"-b {args.batch_size} (the global batch) must be a multiple of the world size {world_size}")
-    warmup = dgc_warmup(args.warmup, args.density)
+        raise ConfigError(
+            f"-b {args.batch_size} (the global batch) must be a multiple of the world size "
+            f"{world_size}"
+        )
+    warmup = None if args.warmup is None else dgc_warmup(args.warmup, args.density)
     comp = None if args.compression == "none" else build_compression_config(args, warmup)
     return Config(
-        data=args.data, dummy=args.dummy, arch=args.arch, num_classes=args.num_classes,
-        image_size=args.image_size, augment=args.augment, workers=args.workers,
-        epochs=args.epochs, start_epoch=args.start_epoch, steps_per_epoch=args.steps_per_epoch,
-        batch_size=args.batch_size, per_rank_batch=args.batch_size // world_size,
-        peak_lr=args.lr * args.batch_size / args.lr_base_batch, lr_warmup_epochs=args.lr_warmup_epochs,
-        lr_schedule=args.lr_schedule, lr_steps=lr_steps, momentum=args.momentum,
-        sgd_momentum=0.0 if (args.momentum_correction and args.compression == "csc") else args.momentum,
-        weight_decay=args.weight_decay, lars=args.lars, lars_eta=args.lars_eta,
-        label_smoothing=args.label_smoothing, amp=args.amp, seed=args.seed,
-        world_size=world_size, rank=int(env.get("RANK", "0")), local_rank=int(env.get("LOCAL_RANK", "0")),
-        dist_backend=args.dist_backend, compression=args.compression, compression_config=comp,
-        fusion_threshold=args.fusion_threshold, bucket_cap_mb=args.bucket_cap_mb,
-        resume=resume, evaluate=args.evaluate, print_freq=args.print_freq, log=args.log,
-        checkpoint_dir=args.checkpoint_dir, checkpoint=not args.no_checkpoint,
+        data=args.data,
+        dummy=args.dummy,
+        arch=args.arch,
+        num_classes=args.num_classes,
+        image_size=args.image_size,
+        augment=args.augment,
+        workers=args.workers,
+        epochs=args.epochs,
+        start_epoch=args.start_epoch,
+        steps_per_epoch=args.steps_per_epoch,
+        batch_size=args.batch_size,
+        per_rank_batch=args.batch_size // world_size,
+        peak_lr=args.lr * args.batch_size / args.lr_base_batch,
+        lr_warmup_epochs=args.lr_warmup_epochs,
+        lr_schedule=args.lr_schedule,
+        lr_steps=lr_steps,
+        momentum=args.momentum,
+        weight_decay=args.weight_decay,
+        lars=args.lars,
+        lars_eta=args.lars_eta,
+        label_smoothing=args.label_smoothing,
+        amp=args.amp,
+        seed=args.seed,
+        world_size=world_size,
+        rank=int(env.get("RANK", "0")),
+        local_rank=int(env.get("LOCAL_RANK", "0")),
+        dist_backend=args.dist_backend,
+        compression=args.compression,
+        compression_config=comp,
+        backend_options=backend_options,
+        bucket_cap_mb=args.bucket_cap_mb,
+        resume=resume,
+        evaluate=args.evaluate,
+        print_freq=args.print_freq,
+        log=args.log,
+        checkpoint_dir=args.checkpoint_dir,
+        checkpoint=not args.no_checkpoint,
         fault_kill_at_step=args.fault_kill_at_step,
     )
 
@@ -275,15 +459,15 @@ def resolve(args: argparse.Namespace, env=os.environ) -> Config:
 # Process group, data, model, optimiser.
 # --------------------------------------------------------------------------------------------
 def init_distributed(cfg: Config) -> torch.device:
-    """Create the process group (env://, set by torchrun; a free local port when run alone)."""
+    """Create the process group (env://, set by torchrun; a free local port when run alone).
+
+    Backend options travel as pg_options, which the backend resolves once with its defaults.
+    """
+    init_method = "env://"
     if "MASTER_ADDR" not in os.environ:  # plain `python train.py`: a one-rank group on this machine
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
-            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(s.getsockname()[1]),
-                              RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-    if cfg.fusion_threshold is not None:
-        # The backend reads its configuration once, at init, from GRADIENTFLOW_* variables.
-        os.environ["GRADIENTFLOW_FUSION_THRESHOLD"] = cfg.fusion_threshold.strip()
+            init_method = f"tcp://127.0.0.1:{s.getsockname()[1]}"
     if cfg.dist_backend == "gradientflow":
         import gradientflow  # noqa: F401  registers the backend (the entry point does too)
     if torch.cuda.is_available():
@@ -291,8 +475,9 @@ def init_distributed(cfg: Config) -> torch.device:
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-    dist.init_process_group(backend=cfg.dist_backend, init_method="env://",
-                            world_size=cfg.world_size, rank=cfg.rank)
+    options = {"pg_options": cfg.backend_options} if cfg.backend_options else {}
+    dist.init_process_group(backend=cfg.dist_backend, init_method=init_method,
+                            world_size=cfg.world_size, rank=cfg.rank, **options)
     return device
 
 
@@ -306,17 +491,31 @@ def build_datasets(cfg: Config):
         n_train = cfg.steps_per_epoch * cfg.batch_size if cfg.steps_per_epoch else 1281167
         n_val = cfg.steps_per_epoch * cfg.batch_size if cfg.steps_per_epoch else 50000
         shape = (3, cfg.image_size, cfg.image_size)
-        return (datasets.FakeData(n_train, shape, cfg.num_classes, T.ToTensor()),
-                datasets.FakeData(n_val, shape, cfg.num_classes, T.ToTensor(), random_offset=n_train))
+        return (
+            datasets.FakeData(n_train, shape, cfg.num_classes, T.ToTensor()),
+            datasets.FakeData(n_val, shape, cfg.num_classes, T.ToTensor(), random_offset=n_train),
+        )
     s = cfg.image_size
     train_tf = {
         "imagenet": [T.RandomResizedCrop(s), T.RandomHorizontalFlip()],
-        "light": [T.RandomResizedCrop(s, scale=(0.7, 1.0), ratio=(0.9, 1.1))],  # digits are not mirror-symmetric
+        "light": [
+            T.RandomResizedCrop(s, scale=(0.7, 1.0), ratio=(0.9, 1.1))
+        ],  # digits are not mirror-symmetric
         "none": [T.Resize(s), T.CenterCrop(s)],
     }[cfg.augment]
-    val_tf = [T.Resize(int(s * 256 / 224)), T.CenterCrop(s)] if cfg.augment == "imagenet" else [T.Resize(s), T.CenterCrop(s)]
-    return (datasets.ImageFolder(os.path.join(cfg.data, "train"), T.Compose(train_tf + [T.ToTensor(), normalize])),
-            datasets.ImageFolder(os.path.join(cfg.data, "val"), T.Compose(val_tf + [T.ToTensor(), normalize])))
+    val_tf = (
+        [T.Resize(int(s * 256 / 224)), T.CenterCrop(s)]
+        if cfg.augment == "imagenet"
+        else [T.Resize(s), T.CenterCrop(s)]
+    )
+    return (
+        datasets.ImageFolder(
+            os.path.join(cfg.data, "train"), T.Compose(train_tf + [T.ToTensor(), normalize])
+        ),
+        datasets.ImageFolder(
+            os.path.join(cfg.data, "val"), T.Compose(val_tf + [T.ToTensor(), normalize])
+        ),
+    )
 
 
 def make_loader(dataset, cfg: Config, sampler, device) -> torch.utils.data.DataLoader:
@@ -332,8 +531,15 @@ def make_loader(dataset, cfg: Config, sampler, device) -> torch.utils.data.DataL
         pin_memory=device.type == "cuda", drop_last=sampler is not None)
 
 
+def build_model(cfg: Config) -> nn.Module:
+    """The --arch model, randomly initialised: ours (ARCHS) or torchvision's."""
+    if cfg.arch in ARCHS:
+        return ARCHS[cfg.arch](num_classes=cfg.num_classes)
+    return tv_models.get_model(cfg.arch, weights=None, num_classes=cfg.num_classes)
+
+
 class LARS(torch.optim.SGD):
-    """SGD whose update of each weight matrix is scaled by eta*||w|| / (||g + wd*w||) (You et al. 2017).
+    """SGD scaling each weight matrix's update by eta*||w|| / (||g + wd*w||) (You et al. 2017).
 
     Tensors in groups with lars=False (biases, BatchNorm) take plain SGD, as in the LARS paper.
     """
@@ -356,18 +562,30 @@ class LARS(torch.optim.SGD):
                     continue
                 p.grad.add_(p, alpha=group["lars_wd"])
                 w_norm, g_norm = torch.linalg.vector_norm(p), torch.linalg.vector_norm(p.grad)
-                trust = torch.where((w_norm > 0) & (g_norm > 0), self.eta * w_norm / g_norm, torch.ones_like(w_norm))
+                trust = torch.where(
+                    (w_norm > 0) & (g_norm > 0), self.eta * w_norm / g_norm, torch.ones_like(w_norm)
+                )
                 p.grad.mul_(trust)
         return super().step(closure)
 
 
 def build_optimizer(model: nn.Module, cfg: Config) -> torch.optim.Optimizer:
     if not cfg.lars:
-        return torch.optim.SGD(model.parameters(), lr=cfg.peak_lr, momentum=cfg.sgd_momentum, weight_decay=cfg.weight_decay)
+        return torch.optim.SGD(
+            model.parameters(), lr=cfg.peak_lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay
+        )
     matrices = [p for p in model.parameters() if p.ndim > 1]
     vectors = [p for p in model.parameters() if p.ndim <= 1]
-    return LARS([{"params": matrices, "lars": True}, {"params": vectors, "lars": False, "weight_decay": 0.0}],
-                lr=cfg.peak_lr, momentum=cfg.sgd_momentum, weight_decay=cfg.weight_decay, eta=cfg.lars_eta)
+    return LARS(
+        [
+            {"params": matrices, "lars": True},
+            {"params": vectors, "lars": False, "weight_decay": 0.0},
+        ],
+        lr=cfg.peak_lr,
+        momentum=cfg.momentum,
+        weight_decay=cfg.weight_decay,
+        eta=cfg.lars_eta,
+    )
 
 
 def learning_rate(cfg: Config, epoch: float) -> float:
@@ -384,7 +602,7 @@ def learning_rate(cfg: Config, epoch: float) -> float:
 # Gradient communication: gradientflow's hook, or a plain timed allreduce for --compression none.
 # --------------------------------------------------------------------------------------------
 class TimedDDP(nn.parallel.DistributedDataParallel):
-    """DDP that times whatever comm hook is registered: comm_s sums each bucket's hook-to-result time.
+    """DDP timing whatever comm hook is registered: comm_s sums each bucket's hook-to-result time.
 
     With overlap the buckets' times can exceed the wall time they cover; without it (a hook that
     completes synchronously) the sum is the time backward spent communicating and compressing.
@@ -406,7 +624,7 @@ class TimedDDP(nn.parallel.DistributedDataParallel):
 
 
 class DenseAllreduce:
-    """The --compression none path: DDP's allreduce-mean, with its bytes counted like gradientflow's."""
+    """The --compression none path: DDP's allreduce-mean, bytes counted like gradientflow's."""
 
     def __init__(self, ddp_model: TimedDDP):
         self.ddp, self.world_size, self.wire_bytes = ddp_model, dist.get_world_size(), 0
@@ -423,8 +641,12 @@ class DenseAllreduce:
         pass
 
     def stats(self) -> dict:
-        return {"wire_bytes": self.wire_bytes, "dense_bytes": self.wire_bytes, "comm_s": self.ddp.comm_s,
-                "density": 1.0}
+        return {
+            "wire_bytes": self.wire_bytes,
+            "dense_bytes": self.wire_bytes,
+            "comm_s": self.ddp.comm_s,
+            "density": 1.0,
+        }
 
     def state_dict(self) -> dict:
         return {}
@@ -436,12 +658,13 @@ class DenseAllreduce:
 class GradientFlowHook:
     """gradientflow.hooks.register's state, seen through the same four calls as DenseAllreduce."""
 
-    def __init__(self, ddp_model: TimedDDP, config, grad_scaler):
+    def __init__(self, ddp_model: TimedDDP, config, grad_scaler, optimizer):
         import gradientflow.hooks
 
         self.ddp = ddp_model
         self.state = gradientflow.hooks.register(
-            ddp_model, config, grad_scaler=grad_scaler if grad_scaler.is_enabled() else None)
+            ddp_model, config, optimizer=optimizer,  # momentum correction takes its momentum
+            grad_scaler=grad_scaler if grad_scaler.is_enabled() else None)
 
     def set_epoch(self, epoch: int) -> None:
         self.state.set_epoch(epoch)  # drives the dense warm-up
@@ -503,7 +726,9 @@ def train_one_epoch(cfg, epoch, model, criterion, optimizer, scaler, loader, com
         scaler.step(optimizer)
         scaler.update()
         top1, top5 = accuracy(output.detach().float(), target)
-        sums += torch.tensor([loss.item() * len(target), top1, top5, len(target)], dtype=torch.float64)
+        sums += torch.tensor(
+            [loss.item() * len(target), top1, top5, len(target)], dtype=torch.float64
+        )
         bar.update(1)
         if i % cfg.print_freq == 0:
             bar.set_postfix(loss=f"{sums[0] / sums[3]:.3f}", top1=f"{100 * sums[1] / sums[3]:.1f}",
@@ -515,9 +740,11 @@ def train_one_epoch(cfg, epoch, model, criterion, optimizer, scaler, loader, com
     comm_after = comm.stats()
     dist.all_reduce(sums)  # exact: a plain all_reduce is never compressed
     return {
-        "steps": steps, "train_time_s": elapsed,
+        "steps": steps,
+        "train_time_s": elapsed,
         "images_per_s": sums[3].item() / elapsed,
-        "train_loss": sums[0].item() / sums[3].item(), "train_top1": 100 * sums[1].item() / sums[3].item(),
+        "train_loss": sums[0].item() / sums[3].item(),
+        "train_top1": 100 * sums[1].item() / sums[3].item(),
         "comm_s": comm_after["comm_s"] - comm_before["comm_s"],
         "wire_bytes": comm_after["wire_bytes"] - comm_before["wire_bytes"],
         "dense_bytes": comm_after["dense_bytes"] - comm_before["dense_bytes"],
@@ -540,10 +767,16 @@ def evaluate(cfg, model, criterion, val_set, device) -> dict:
             output = model(images)
         loss = criterion(output.float(), target)
         top1, top5 = accuracy(output.float(), target)
-        sums += torch.tensor([loss.item() * len(target), top1, top5, len(target)], dtype=torch.float64)
+        sums += torch.tensor(
+            [loss.item() * len(target), top1, top5, len(target)], dtype=torch.float64
+        )
     dist.all_reduce(sums)
     n = max(sums[3].item(), 1.0)
-    return {"val_loss": sums[0].item() / n, "val_top1": 100 * sums[1].item() / n, "val_top5": 100 * sums[2].item() / n}
+    return {
+        "val_loss": sums[0].item() / n,
+        "val_top1": 100 * sums[1].item() / n,
+        "val_top5": 100 * sums[2].item() / n,
+    }
 
 
 def maybe_kill_self(cfg: Config) -> None:
@@ -586,10 +819,19 @@ def save_checkpoint(cfg, epoch, model, optimizer, scaler, comm, best_acc1) -> No
     print(f"[rank {cfg.rank}] checkpoint saved after epoch {epoch}: compressor residuals "
           f"{residual_checksum(shard['compressor'])}", flush=True)
     if cfg.rank == 0:
-        torch.save({"epoch": epoch + 1, "arch": cfg.arch, "state_dict": model.module.state_dict(),
-                    "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict(),
-                    "best_acc1": best_acc1, "world_size": cfg.world_size,
-                    "config": {k: repr(v) for k, v in dataclasses.asdict(cfg).items()}}, path + ".tmp")
+        torch.save(
+            {
+                "epoch": epoch + 1,
+                "arch": cfg.arch,
+                "state_dict": model.module.state_dict(),
+                "optimizer": optimizer.state_dict(),
+                "scaler": scaler.state_dict(),
+                "best_acc1": best_acc1,
+                "world_size": cfg.world_size,
+                "config": {k: repr(v) for k, v in dataclasses.asdict(cfg).items()},
+            },
+            path + ".tmp",
+        )
         os.replace(path + ".tmp", path)
     dist.barrier()  # every shard is on disk before anyone goes on (or exits)
 
@@ -613,15 +855,24 @@ def load_checkpoint(cfg, model, optimizer, scaler, comm, device) -> tuple:
         if shard["rng"]["cuda"] is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state(shard["rng"]["cuda"])
     else:
-        print(f"[rank {cfg.rank}] warning: {shard_file} missing or saved by {ckpt.get('world_size')} ranks "
-              f"(now {cfg.world_size}): compressor residuals start at zero", file=sys.stderr)
+        print(
+            f"[rank {cfg.rank}] warning: {shard_file} missing or saved by "
+            f"{ckpt.get('world_size')} ranks "
+            f"(now {cfg.world_size}): compressor residuals start at zero",
+            file=sys.stderr,
+        )
     return ckpt["epoch"], ckpt.get("best_acc1", 0.0)
 
 
 def print_config(cfg: Config, device: torch.device) -> None:
-    derived = {"world_size": cfg.world_size, "device": str(device), "per_rank_batch": cfg.per_rank_batch,
-               "peak_lr": round(cfg.peak_lr, 6), "compression": cfg.compression_config or "none",
-               "threads_per_rank": torch.get_num_threads()}
+    derived = {
+        "world_size": cfg.world_size,
+        "device": str(device),
+        "per_rank_batch": cfg.per_rank_batch,
+        "peak_lr": round(cfg.peak_lr, 6),
+        "compression": cfg.compression_config or "none",
+        "threads_per_rank": torch.get_num_threads(),
+    }
     print("config: " + " ".join(f"{k}={v}" for k, v in dataclasses.asdict(cfg).items()
                                 if k not in ("compression_config",)), flush=True)
     print("derived: " + " ".join(f"{k}={v}" for k, v in derived.items()), flush=True)
@@ -642,24 +893,32 @@ def main(argv=None) -> int:
             torch.manual_seed(cfg.seed)
             torch.backends.cudnn.deterministic = True
         train_set, val_set = build_datasets(cfg)
-        model = tv_models.get_model(cfg.arch, weights=None, num_classes=cfg.num_classes).to(device)
+        model = build_model(cfg).to(device)
         # DDP re-buckets parameters by gradient order after its first step; a resumed run would
         # do that one step late and cut other CSC chunks for that step. find_unused_parameters
         # switches the re-bucketing off, so every step of every run uses the same buckets.
-        ddp = TimedDDP(model, device_ids=[device.index] if device.type == "cuda" else None,
-                       bucket_cap_mb=cfg.bucket_cap_mb, find_unused_parameters=cfg.compression == "csc")
+        ddp = TimedDDP(
+            model,
+            device_ids=[device.index] if device.type == "cuda" else None,
+            bucket_cap_mb=cfg.bucket_cap_mb,
+            find_unused_parameters=cfg.compression == "csc",
+        )
         criterion = nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing).to(device)
         optimizer = build_optimizer(model, cfg)
         scaler = torch.amp.GradScaler(device.type, enabled=cfg.amp and device.type == "cuda")
         comm = (DenseAllreduce(ddp) if cfg.compression == "none"
-                else GradientFlowHook(ddp, cfg.compression_config, scaler))
+                else GradientFlowHook(ddp, cfg.compression_config, scaler, optimizer))
         start_epoch, best_acc1 = cfg.start_epoch, 0.0
         if cfg.resume:
             start_epoch, best_acc1 = load_checkpoint(cfg, ddp, optimizer, scaler, comm, device)
         if cfg.rank == 0:
             print_config(cfg, device)
-            print(f"model: {cfg.arch}, {sum(p.numel() for p in model.parameters()) / 1e6:.2f} M parameters; "
-                  f"train {len(train_set)} / val {len(val_set)} images", flush=True)
+            print(
+                f"model: {cfg.arch}, "
+                f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f} M parameters; "
+                f"train {len(train_set)} / val {len(val_set)} images",
+                flush=True,
+            )
         if cfg.evaluate:
             result = evaluate(cfg, ddp, criterion, val_set, device)
             if cfg.rank == 0:
@@ -667,14 +926,24 @@ def main(argv=None) -> int:
             return 0
 
         sampler = torch.utils.data.distributed.DistributedSampler(
-            train_set, num_replicas=cfg.world_size, rank=cfg.rank, shuffle=True, seed=cfg.seed or 0, drop_last=True)
+            train_set,
+            num_replicas=cfg.world_size,
+            rank=cfg.rank,
+            shuffle=True,
+            seed=cfg.seed or 0,
+            drop_last=True,
+        )
         train_loader = make_loader(train_set, cfg, sampler, device)
         for epoch in range(start_epoch, cfg.epochs):
             sampler.set_epoch(epoch)
             comm.set_epoch(epoch)
             record = {"epoch": epoch, "lr": learning_rate(cfg, epoch)}
             gradientflow.reset_stats()
-            record.update(train_one_epoch(cfg, epoch, ddp, criterion, optimizer, scaler, train_loader, comm, device))
+            record.update(
+                train_one_epoch(
+                    cfg, epoch, ddp, criterion, optimizer, scaler, train_loader, comm, device
+                )
+            )
             # The backend's own counters for the epoch: operations, fused messages, agreement
             # rounds, time in communication, overlap (see gradientflow.observability.stats).
             record["engine"] = gradientflow.stats()
@@ -683,10 +952,15 @@ def main(argv=None) -> int:
             record["dense_bytes_per_step"] = record["dense_bytes"] / record["steps"]
             best_acc1 = max(best_acc1, record["val_top1"])
             if cfg.rank == 0:
-                print(f"epoch {epoch}: loss {record['train_loss']:.4f} val top-1 {record['val_top1']:.2f} "
-                      f"top-5 {record['val_top5']:.2f} | {record['images_per_s']:.0f} img/s | "
-                      f"wire {record['wire_bytes_per_step'] / 1e6:.3f} MB/step of "
-                      f"{record['dense_bytes_per_step'] / 1e6:.3f} dense | comm {record['comm_s']:.2f} s", flush=True)
+                print(
+                    f"epoch {epoch}: loss {record['train_loss']:.4f} "
+                    f"val top-1 {record['val_top1']:.2f} "
+                    f"top-5 {record['val_top5']:.2f} | {record['images_per_s']:.0f} img/s | "
+                    f"wire {record['wire_bytes_per_step'] / 1e6:.3f} MB/step of "
+                    f"{record['dense_bytes_per_step'] / 1e6:.3f} dense "
+                    f"| comm {record['comm_s']:.2f} s",
+                    flush=True,
+                )
                 if cfg.log:
                     Path(cfg.log).parent.mkdir(parents=True, exist_ok=True)
                     with open(cfg.log, "a") as f:

@@ -1,111 +1,29 @@
-"""The gradientflow process-group backend: thin validation over the ordered engine.
+"""The gradientflow process-group backend: argument checks over the ordered engine.
 
 A Python subclass of torch's C++ `Backend`, registered per device with extended_api=True.
-Each collective is validated, numbered in issue order by the engine and handed to the
-transport underneath: PyTorch's own ProcessGroupGloo for CPU tensors, ProcessGroupNCCL for CUDA
-tensors (created lazily on first CUDA use, on the same store). We never write sockets.
+Each collective is validated here (validate.py) and handed to one engine entry point per
+kind: `engine.allreduce` (which routes it), `engine.collective`, `engine.barrier`. The
+engine numbers it in issue order and sends it on the transports (transports.py).
+Point-to-point operations involve two ranks only and go to the transport directly.
 """
 from __future__ import annotations
 
 import datetime
-import os
 import threading
-from typing import Any, Callable
+from typing import Any
 
 import torch
-from torch._C._distributed_c10d import (
-    AllreduceOptions,
-    Backend as _CBackend,
-    PrefixStore,
-    ProcessGroupGloo,
-    ReduceOp,
-)
+from torch._C._distributed_c10d import AllreduceOptions, Backend as _CBackend, ReduceOp
 
 from gradientflow import agreement_check
-from gradientflow.backend import layouts, p2p
+from gradientflow.algorithms import Algorithms
+from gradientflow.backend import layouts, p2p, registry
 from gradientflow.backend import validate as V
+from gradientflow.backend.transports import Transports, attempt_store, make_gloo
 from gradientflow.config import Config, current_overrides
+from gradientflow.backend.registry import backend_of  # noqa: F401 - its old home
 from gradientflow.engine.engine import Engine
-from gradientflow.engine.stall import DEFERRED, Inspector, check_world
-from gradientflow.engine.work import BothWork, FutureWork
-
-_UNSET = object()
-_DEFERRED_AR = "all_reduce" + DEFERRED  # fused path: differs on the wire from an eager one
-
-# Strong references: torch's TORCH_DISTRIBUTED_DEBUG=DETAIL wrapper needs the backend kept
-# alive by its creator, and `pg._get_backend()` returns the wrapper then, so this registry is
-# how the rest of gradientflow reaches its own backend (by group name).
-_BACKENDS: dict[str, "GradientFlowBackend"] = {}
-_BACKENDS_LOCK = threading.Lock()
-
-
-def _make_gloo(store, rank: int, size: int, timeout: datetime.timedelta, prefix: str):
-    return ProcessGroupGloo(PrefixStore(prefix, store), rank, size, timeout)
-
-
-def _make_nccl(store, rank: int, size: int, timeout: datetime.timedelta, prefix: str):
-    from torch._C._distributed_c10d import ProcessGroupNCCL
-
-    opts = ProcessGroupNCCL.Options()
-    opts._timeout = timeout
-    return ProcessGroupNCCL(PrefixStore(prefix, store), rank, size, opts)
-
-
-def attempt_store(store):
-    """The store namespaced by torchrun's restart count: one attempt never reads another's keys.
-
-    Under `torchrun --max-restarts` the agent's store outlives the workers, and a restarted
-    attempt gets the same store with the same group name. Without a namespace, gloo's
-    rendezvous reads the dead attempt's addresses ("Connection refused" at init), and the
-    inspector would adopt the dead attempt's fault. (TORCHELASTIC_RESTART_COUNT is torchrun's,
-    read here rather than in gradientflow.config: it is not a gradientflow setting.)
-    """
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-    return PrefixStore(f"gradientflow/attempt{attempt}/", store) if attempt else store
-
-
-class Transports:
-    """The transport process group per device type; CUDA's is created on first use."""
-
-    # Factories are class attributes so tests can substitute fakes for the CUDA path.
-    factories: dict[str, Callable[..., Any]] = {"cpu": _make_gloo, "cuda": _make_nccl}
-
-    def __init__(self, store, rank: int, size: int, timeout: datetime.timedelta,
-                 prefix: str = "gradientflow/", connect_cpu: bool = True) -> None:
-        self._args = (store, rank, size, timeout)
-        self._prefix = prefix
-        self._by_type: dict[str, Any] = {}
-        self._lock = threading.Lock()
-        if connect_cpu:
-            self.get(torch.device("cpu"))  # gloo eagerly: connecting it is part of init
-
-    def existing(self, device_type: str) -> Any:
-        """The transport for `device_type` if it was created, else None."""
-        return self._by_type.get(device_type)
-
-    def get(self, device: torch.device) -> Any:
-        """The transport for `device`, created on first use."""
-        pg = self._by_type.get(device.type)
-        if pg is None:
-            with self._lock:
-                pg = self._by_type.get(device.type)
-                if pg is None:
-                    factory = self.factories.get(device.type)
-                    if factory is None:
-                        raise RuntimeError(f"gradientflow has no transport for {device.type}")
-                    pg = factory(*self._args, f"{self._prefix}{device.type}/")
-                    self._by_type[device.type] = pg
-        return pg
-
-    def created(self) -> list[str]:
-        return sorted(self._by_type)
-
-    def shutdown(self) -> None:
-        for pg in self._by_type.values():
-            try:
-                pg.shutdown()
-            except Exception:  # noqa: BLE001 - best effort at teardown
-                pass
+from gradientflow.inspector import Inspector, check_world
 
 
 @layouts.conform  # strided views and sparse COO, as gloo takes them (backend/layouts.py)
@@ -126,30 +44,38 @@ class GradientFlowBackend(_CBackend):
         # Before any transport: a setting such as debug decides which groups get connected.
         agreement_check.check(store, rank, size, config, timeout.total_seconds())
         self.transports = Transports(store, rank, size, timeout)
-        # The solo channel (Engine.on_solo_channel): a second gloo group, connected by every
-        # rank at its first solo allreduce, which is the same call on every rank.
+        # The solo channel (engine/issue.py): a second gloo group, connected by every rank at
+        # its first solo allreduce, which is the same call on every rank.
         self.solo_transports = Transports(store, rank, size, timeout,
                                           prefix="gradientflow/solo-", connect_cpu=False)
         # A side group for the agreement rounds, so that they never pair with data messages.
-        agree = _make_gloo(store, rank, size, timeout, "gradientflow/agree/")
+        agree = make_gloo(store, rank, size, timeout, "gradientflow/agree/")
         self._agree = agree
+        # Check-ins, mismatch detection, the stall inspector (gradientflow/inspector). Its
+        # faults fail the engine; the engine's first error is explained by it (which rank
+        # died or is missing, what differed).
+        self.inspector = Inspector(
+            rank, size, store, timeout.total_seconds(), config, group_name or "gradientflow",
+            on_fault=self._abort,
+            make_group=lambda prefix: make_gloo(store, rank, size, timeout, prefix))
+        # [algorithms] Fused, solo, stage and scheduler messages are allreduced under the
+        # group's algorithm (ring: the transport, bytes counted); subgroups on the same
+        # transports.
+        self.algorithms = Algorithms(
+            config, store, rank, size, timeout.total_seconds(),
+            lambda dev, r, n, p: Transports.factories[dev](store, r, n, timeout, p),
+            group_name or "gradientflow")
         self.engine = Engine(rank, size, config, timeout.total_seconds(),
-                             self.transports.get, agree, name=group_name or "gradientflow")
+                             self.algorithms.channel("fused", self.transports.get), agree,
+                             name=group_name or "gradientflow",
+                             solo=self.algorithms.transports("solo", self.solo_transports),
+                             inspector=self.inspector)
         # The keyed scheduler is a second ordered stream (see engine/scheduler.py): its own
         # agreement group and its own transports, created on first use by every rank.
         self._store = store
         self._scheduler = None
         self._scheduler_lock = threading.Lock()
-        # Check-ins, mismatch detection, the stall inspector (engine/stall.py).
-        self.inspector = Inspector(
-            rank, size, store, timeout.total_seconds(), config, group_name or "gradientflow",
-            on_fault=self._abort,
-            make_group=lambda prefix: _make_gloo(store, rank, size, timeout, prefix))
-        self._debug_lock = threading.Lock()
-        if self.inspector.enabled:
-            # The engine's first error (a round, a fused message after a peer died) is named
-            # like an eager op's: which rank died or is missing, what differed.
-            self.engine.explain = self.inspector.explain_engine
+        self.tuner = None  # gradientflow.autotune's Tuner of this group, if any
 
     # ------------------------------------------------------------------ plumbing
     def _get_backend_name(self) -> str:
@@ -174,18 +100,21 @@ class GradientFlowBackend(_CBackend):
                 from gradientflow.engine.scheduler import KeyedScheduler
 
                 store, rank, size, timeout = (self._store, self._rank, self._size, self._timeout)
-                self._sched_agree = _make_gloo(store, rank, size, timeout,
-                                               "gradientflow/sched-agree/")
+                self._sched_agree = make_gloo(store, rank, size, timeout,
+                                              "gradientflow/sched-agree/")
                 self._sched_transports = Transports(store, rank, size, timeout,
                                                     prefix="gradientflow/sched-")
                 self._scheduler = KeyedScheduler(
-                    rank, size, self._sched_agree, self._sched_transports.get,
+                    rank, size, self._sched_agree,
+                    self.algorithms.channel("sched", self._sched_transports.get),  # [algorithms]
                     self.config.schedule_credit,
                     timeout.total_seconds(), name=self.group_name or "gradientflow")
             return self._scheduler
 
     def shutdown(self) -> None:
         """Close the engine (failing queued operations clearly) and the transports."""
+        if self.tuner is not None:
+            self.tuner.close()
         self.inspector.close()
         if self._scheduler is not None:
             self._scheduler.close()
@@ -193,69 +122,38 @@ class GradientFlowBackend(_CBackend):
         self.engine.close()
         self.transports.shutdown()
         self.solo_transports.shutdown()
+        self.algorithms.shutdown()  # [algorithms]
         try:
             self._agree.shutdown()
         except Exception:  # noqa: BLE001
             pass
-        with _BACKENDS_LOCK:
-            if _BACKENDS.get(self.group_name) is self:
-                del _BACKENDS[self.group_name]
+        registry.remove(self.group_name, self)
 
     def flush(self) -> None:
         """Agree on every queued allreduce now (a local hint: results never change)."""
         self.engine.flush()
 
-    def _tp(self, device: torch.device):
-        return self.transports.get(device)
+    def reconfigure(self, config: Config) -> None:
+        """Drain the engine and use `config` from the next collective on (engine.reconfigure).
+
+        Every rank must call it at the same point of its collective sequence, with no other
+        thread issuing on this group; gradientflow.autotune does so at a step boundary.
+        """
+        self.engine.drain()
+        self.engine.reconfigure(config)
+        if self._scheduler is not None:
+            self._scheduler.set_credit(config.schedule_credit)
+        self.config = config
 
     def _abort(self, err: BaseException) -> None:
         """The inspector found a fault: fail what is queued and refuse new work with `err`."""
         self.engine.abort(err)
 
-    def _issue(self, name: str, submit: Callable[[], Any], sig: Any, opts: Any,
-               device: torch.device, rop: Any = _UNSET,
-               pair_bytes: Callable[[], tuple[list, list]] | None = None) -> Any:
-        """Submit in sequence order, recording the call for the inspector (and checking it
-        first under GRADIENTFLOW_DEBUG); a synchronous CPU call is waited on here, in slices."""
-        insp = self.inspector
-        if not insp.enabled:
-            return submit()
-        # Which fields an options type has, cached: a getattr that misses costs microseconds.
-        fields = _OPT_FIELDS.get(type(opts))
-        if fields is None:
-            fields = _OPT_FIELDS[type(opts)] = tuple(
-                hasattr(opts, f) for f in ("rootRank", "reduceOp", "asyncOp"))
-        root = opts.rootRank if fields[0] else None
-        if rop is _UNSET:
-            rop = opts.reduceOp if fields[1] else None
-        engine = self.engine
-        if insp._debug_group is not None:
-            with self._debug_lock:  # the debug check and the submission in one order
-                insp.debug_check(engine._seq, name, sig, root, rop, pair_bytes)
-                with engine._lock:
-                    seq = engine._seq
-                    work = submit()
-                    insp.record(seq, name, sig, root, rop, work)
-        else:
-            # Reentrant lock: the sequence number read is the one submit() takes, and records
-            # happen in sequence order even when several threads issue collectives.
-            with engine._lock:
-                seq = engine._seq
-                work = submit()
-                insp.record(seq, name, sig, root, rop, work)
-        if isinstance(work, FutureWork):
-            insp.attach(work, seq, name)
-        elif insp.sliced and fields[2] and not opts.asyncOp and device.type == "cpu":
-            insp.wait_sync(work, seq, name)
-        return work
-
-    def _eager(self, name: str, device: torch.device, call: Callable[[Any], Any],
-               outputs: Any, opts: Any = None, sig: torch.Tensor | None = None,
-               pair_bytes: Callable[[], tuple[list, list]] | None = None) -> Any:
+    def _eager(self, name: str, device: torch.device, call: Any, outputs: Any,
+               opts: Any = None, sig: torch.Tensor | None = None, pair_bytes: Any = None) -> Any:
+        """Any collective but allreduce and barrier: `call(transport)` sends it (engine)."""
         self._seq_for_group += 1
-        return self._issue(name, lambda: self.engine.submit_eager(
-            name, lambda: call(self._tp(device)), outputs, device), sig, opts, device,
-            pair_bytes=pair_bytes)
+        return self.engine.collective(name, device, call, outputs, opts, sig, pair_bytes)
 
     # ------------------------------------------------------------------ reductions
     def allreduce(self, tensors, opts=None):
@@ -263,33 +161,10 @@ class GradientFlowBackend(_CBackend):
         t = V.check_single(self._rank, "all_reduce", tensors)
         rop = opts.reduceOp  # read once: each read of this pybind property costs microseconds
         V.check_reduce(self._rank, "all_reduce", t, rop)
-        async_op = getattr(opts, "asyncOp", True)
-        engine = self.engine
-        nbytes = _nbytes(t)  # both routes below read it: once per call of a per-tensor loop
-        if engine.on_solo_channel(t.device, nbytes):
-            # Connected here on first use, outside the engine's lock: a rank that arrives first
-            # waits for the others, whose engine threads must still run their rounds.
-            tp = self.solo_transports.get(t.device)
-            self._seq_for_group += 1
-            return self._issue("all_reduce", lambda: engine.submit_solo(
-                lambda: tp.allreduce(tensors, opts), t), t, opts, t.device, rop)
-        if engine.fusable(nbytes, async_op):
-            self._seq_for_group += 1
-            insp = self.inspector
-            if insp.enabled and insp._debug_group is None:
-                # _issue's common case, for the call a per-tensor loop makes 161 times a step.
-                with engine._lock:
-                    seq = engine._seq
-                    work = engine.submit_allreduce(t, rop, not async_op)
-                    insp.record(seq, _DEFERRED_AR, t, None, rop, work)
-                return insp.attach(work, seq, _DEFERRED_AR)
-            return self._issue(_DEFERRED_AR, lambda: engine.submit_allreduce(t, rop, not async_op),
-                               t, opts, t.device, rop)
         self._seq_for_group += 1
-        return self._issue("all_reduce", lambda: self.engine.submit_eager(
-            "all_reduce", lambda: self._tp(t.device).allreduce(tensors, opts), tensors,
-            t.device),
-            t, opts, t.device, rop)
+        # The engine routes it (solo channel, fused, eager) from its byte size.
+        return self.engine.allreduce(tensors, opts, t, rop, t.numel() * t.element_size(),
+                                     getattr(opts, "asyncOp", True))
 
     def allreduce_coalesced(self, tensors, opts=None):
         dev = V.check_tensors(self._rank, "all_reduce_coalesced", tensors)
@@ -443,26 +318,9 @@ class GradientFlowBackend(_CBackend):
 
     def barrier(self, opts=None):
         # A barrier is a collective like any other: it goes through the sequence, after
-        # everything issued before it (and the deferred allreduces are agreed first). gloo's
-        # barrier also waits for the collectives before it on its own group; the solo
-        # channel's are on another, so it gets a barrier too (issued first, in its own issue
-        # order), and the barrier's Work waits for both.
-        cpu = torch.device("cpu")
-        solo = self.solo_transports.existing("cpu")
-        if solo is None:
-            return self._eager("barrier", cpu, lambda tp: tp.barrier(opts), [], opts)
-        engine = self.engine
-
-        def submit():
-            # On the caller's thread, in issue order (the solo channel's order), after the
-            # debug check; nothing is posted on a group that already failed.
-            engine._check_usable("barrier")
-            first = solo.barrier(opts)
-            return BothWork(first, engine.submit_eager(
-                "barrier", lambda: self._tp(cpu).barrier(opts), [], cpu))
-
+        # everything issued before it (and the deferred allreduces are agreed first).
         self._seq_for_group += 1
-        return self._issue("barrier", submit, None, opts, cpu)
+        return self.engine.barrier(opts)
 
     # ------------------------------------------------------------------ point to point
     # Point-to-point operations involve two ranks only, so they take no sequence number
@@ -470,12 +328,12 @@ class GradientFlowBackend(_CBackend):
     def send(self, tensors, dst_rank, tag):
         t = V.check_single(self._rank, "send", tensors)
         V.check_root(self._rank, "send", dst_rank, self._size)
-        return self._tp(t.device).send(tensors, dst_rank, tag)
+        return self.transports.get(t.device).send(tensors, dst_rank, tag)
 
     def recv(self, tensors, src_rank, tag):
         t = V.check_single(self._rank, "recv", tensors)
         V.check_root(self._rank, "recv", src_rank, self._size)
-        return self._tp(t.device).recv(tensors, src_rank, tag)
+        return self.transports.get(t.device).recv(tensors, src_rank, tag)
 
     def recv_anysource(self, tensors, tag):
         raise p2p.recv_anysource_error(self._rank)  # why: backend/p2p.py
@@ -486,9 +344,6 @@ class GradientFlowBackend(_CBackend):
 
     def monitored_barrier(self, opts=None, wait_all_ranks=False):
         p2p.monitored_barrier(self, opts, wait_all_ranks)  # gloo's own (backend/p2p.py)
-
-
-_OPT_FIELDS: dict[type, tuple[bool, bool, bool]] = {}
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -521,8 +376,7 @@ def create_backend(dist_backend_opts, pg_options) -> GradientFlowBackend:
         dist_backend_opts.store, dist_backend_opts.group_rank, dist_backend_opts.group_size,
         dist_backend_opts.timeout, config, str(dist_backend_opts.group_id),
     )
-    with _BACKENDS_LOCK:
-        _BACKENDS[backend.group_name] = backend
+    registry.add(backend.group_name, backend)
     if config.timeline:
         from gradientflow.observability.timeline import TIMELINE
 
@@ -532,13 +386,3 @@ def create_backend(dist_backend_opts, pg_options) -> GradientFlowBackend:
             rank = dist.get_rank() if dist.is_initialized() else dist_backend_opts.group_rank
             TIMELINE.start(config.timeline, rank=rank)
     return backend
-
-
-def backend_of(group=None) -> GradientFlowBackend | None:
-    """The gradientflow backend of `group` (default: the world group), or None."""
-    import torch.distributed as dist
-
-    if not dist.is_initialized():
-        return None
-    pg = group if group is not None else dist.group.WORLD
-    return _BACKENDS.get(str(pg.group_name))

@@ -6,13 +6,11 @@ from typing import Iterable, Sequence
 import torch
 from torch._C._distributed_c10d import ReduceOp
 
+from gradientflow.errors import CollectiveError
+
 _BITWISE = {ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR}
 _ORDERED = {ReduceOp.MIN, ReduceOp.MAX, ReduceOp.PRODUCT}
 SUPPORTED_DEVICES = ("cpu", "cuda")
-
-
-class CollectiveError(ValueError):
-    """A collective was called with arguments gradientflow cannot run correctly."""
 
 
 def op_type(reduce_op) -> "ReduceOp.RedOpType":

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import abc
-import warnings
+import math
 from typing import ClassVar, Generator
 
 import torch
@@ -26,12 +26,32 @@ class Compressor(abc.ABC):
     """
 
     name: ClassVar[str] = "?"
+    # True only for the plain dense average: the optimizer then sums in the gradients' own dtype
+    # without a compressor (and without its float32-only limit).
+    dense_average: ClassVar[bool] = False
+    # Whether the density follows the config's warm-up schedule (CSC); others ignore it.
+    uses_warmup: ClassVar[bool] = False
+
+    @classmethod
+    def check_config(cls, config: CompressionConfig) -> None:
+        """Refuse a config this method cannot run (called by CompressionConfig at construction)."""
+
+    @classmethod
+    def applies_momentum(cls, config: CompressionConfig) -> bool:
+        """Whether this method applies momentum itself under `config` (so the optimizer must
+        not)."""
+        return False
 
     def __init__(self, config: CompressionConfig, world_size: int) -> None:
         if not isinstance(config, CompressionConfig):
-            raise TypeError(f"{type(self).__name__}: config must be a CompressionConfig, got {type(config).__name__}")
+            raise TypeError(
+                f"{type(self).__name__}: config must be a CompressionConfig, got "
+                f"{type(config).__name__}"
+            )
         if not isinstance(world_size, int) or world_size < 1:
-            raise ValueError(f"{type(self).__name__}: world_size={world_size!r} must be an integer >= 1")
+            raise ValueError(
+                f"{type(self).__name__}: world_size={world_size!r} must be an integer >= 1"
+            )
         # --- tuned by the user ---
         self.config = config
         self.world_size = world_size
@@ -40,8 +60,8 @@ class Compressor(abc.ABC):
         self.epoch = 0
         self.step = 0
         self._epoch_told = False
-        self._warned_epoch = False
-        self._step_non_finite = False  # a bucket of this step reduced to inf/NaN: undo the step's commits
+        # a bucket of this step reduced to inf/NaN: undo the step's commits
+        self._step_non_finite = False
         # --- statistics ---
         self.stats = CompressionStats()
 
@@ -65,12 +85,14 @@ class Compressor(abc.ABC):
 
     # --- schedule ---------------------------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
-        """Tell the compressor the epoch (for an epoch-based warm-up), like DistributedSampler.set_epoch."""
+        """Tell the compressor the epoch (for an epoch-based warm-up), like
+        DistributedSampler.set_epoch."""
         self.epoch = int(epoch)
         self._epoch_told = True
 
     def set_step(self, step: int) -> None:
-        """Set the step counter (for a step-based warm-up resumed without this state's checkpoint)."""
+        """Set the step counter (for a step-based warm-up resumed without this state's
+        checkpoint)."""
         self.step = int(step)
 
     def end_step(self) -> None:
@@ -85,18 +107,42 @@ class Compressor(abc.ABC):
         self._step_non_finite = False
         self.step += 1
 
+    def check_schedule(self) -> None:
+        """Refuse to run an epoch-counted warm-up whose epoch nobody sets (it would never advance).
+
+        The hook state and the optimizer call it on the user's thread before a step's first
+        bucket, so the error reaches the caller instead of an engine thread.
+        """
+        cfg = self.config
+        if (self.uses_warmup and cfg.warmup_unit == "epoch" and cfg.warmup_densities
+                and not self._epoch_told):
+            raise RuntimeError(
+                f"{type(self).__name__}: the warm-up counts epochs (warmup_unit='epoch') but no "
+                "epoch was set, so it would stay at its first stage "
+                f"({cfg.density_at(0, 0):g}) for ever: call set_epoch(epoch) at the start of "
+                "every epoch (on the hook state or the DistributedOptimizer), or count steps "
+                "(warmup_unit='step', the default)")
+
     def density_in_force(self) -> float:
         """Return the density the warm-up schedule prescribes now."""
-        cfg = self.config
-        if (cfg.warmup_unit == "epoch" and cfg.warmup_densities and not self._epoch_told
-                and not self._warned_epoch and self.step == 0):
-            self._warned_epoch = True
-            warnings.warn(
-                f"{type(self).__name__}: the warm-up schedule is per epoch but no epoch was set; density "
-                f"stays at {cfg.density_at(0, 0):g} until you call set_epoch(epoch) at the start of every "
-                "epoch (or configure warmup_unit='step', or warmup_densities=() for none)",
-                RuntimeWarning, stacklevel=3)
-        return cfg.density_at(self.epoch, self.step)
+        self.check_schedule()
+        return self.config.density_at(self.epoch, self.step)
+
+    def clip_local(self, flat: torch.Tensor, layout: Layout, loss_scale: float = 1.0) -> None:
+        """DGC's local clipping: scale each parameter's gradient to norm <= clip_norm / sqrt(n).
+
+        `flat` is in loss-scaled units, so the bound is scaled too. Per parameter, as DGC's
+        implementation clips per tensor, so the result does not depend on the bucketing.
+        """
+        bound = self.config.clip_norm * float(loss_scale) / math.sqrt(self.world_size)
+        parts = [flat[start:end] for _, start, end in layout.slices() if end > start]
+        if not parts:
+            return
+        norms = torch.stack([torch.linalg.vector_norm(p) for p in parts])
+        factors = (bound / norms.clamp(min=1e-30)).clamp_(max=1.0).tolist()  # one sync
+        for p, f in zip(parts, factors):
+            if f < 1.0:
+                p.mul_(f)
 
     def in_warmup(self) -> bool:
         """Whether a warm-up stage (not the target density) is in force."""
@@ -104,7 +150,8 @@ class Compressor(abc.ABC):
 
     # --- checkpoints ------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        """Return this rank's state: residual/momentum by parameter name (unscaled), schedule, stats."""
+        """Return this rank's state: residual/momentum by parameter name (unscaled), schedule,
+        stats."""
         return {
             "method": self.name,
             "world_size": self.world_size,
@@ -115,16 +162,21 @@ class Compressor(abc.ABC):
         }
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore one rank's state saved by `state_dict` (same method; see checkpoint.py for resizes)."""
+        """Restore one rank's state saved by `state_dict` (same method; see checkpoint.py for
+        resizes)."""
         if state.get("method") != self.name:
             raise ValueError(
-                f"{type(self).__name__}.load_state_dict: the checkpoint is for method {state.get('method')!r}, "
-                f"this compressor is {self.name!r}; build the state with the checkpoint's method")
+                f"{type(self).__name__}.load_state_dict: the checkpoint is for method "
+                f"{state.get('method')!r}, "
+                f"this compressor is {self.name!r}; build the state with the checkpoint's method"
+            )
         if int(state["world_size"]) != self.world_size:
             raise ValueError(
-                f"{type(self).__name__}.load_state_dict: this shard was saved with world size {state['world_size']}, "
+                f"{type(self).__name__}.load_state_dict: this shard was saved with world size "
+                f"{state['world_size']}, "
                 f"the group now has {self.world_size}; load the whole checkpoint through "
-                "gradientflow.compression.checkpoint.shard_for_rank, which applies a resize policy")
+                "gradientflow.compression.checkpoint.shard_for_rank, which applies a resize policy"
+            )
         self.epoch = int(state["epoch"])
         self.step = int(state["step"])
         self._epoch_told = True

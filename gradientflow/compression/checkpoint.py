@@ -27,7 +27,8 @@ def is_full_checkpoint(state: dict) -> bool:
 
 
 def gather_shards(shard: dict, process_group=None, dst: int = 0) -> dict | None:
-    """Collect every rank's shard on rank `dst` (None elsewhere); without a group, wrap this one shard.
+    """Collect every rank's shard on rank `dst` (None elsewhere); without a group, wrap this one
+    shard.
 
     Call it on every rank of the group, as any collective.
     """
@@ -39,42 +40,64 @@ def gather_shards(shard: dict, process_group=None, dst: int = 0) -> dict | None:
     rank = dist.get_rank(process_group)
     cpu_shard = _to_cpu(shard)
     out = [None] * world if rank == dst else None
-    dist.gather_object(cpu_shard, out, dst=dist.get_global_rank(process_group, dst) if process_group else dst,
-                       group=process_group)
+    dist.gather_object(
+        cpu_shard,
+        out,
+        dst=dist.get_global_rank(process_group, dst) if process_group else dst,
+        group=process_group,
+    )
     return {"world_size": world, "shards": out} if rank == dst else None
 
 
-def shard_for_rank(checkpoint: dict, rank: int, world_size: int, policy: str = "redistribute") -> dict:
+def shard_for_rank(
+    checkpoint: dict, rank: int, world_size: int, policy: str = "redistribute"
+) -> dict:
     """Return the shard `rank` of a group of `world_size` should load from a full checkpoint."""
     if policy not in RESIZE_POLICIES:
         raise ValueError(f"shard_for_rank: policy={policy!r} must be one of {RESIZE_POLICIES}")
     if not is_full_checkpoint(checkpoint):
-        raise ValueError("shard_for_rank: expected a full checkpoint {'world_size', 'shards'} (see gather_shards)")
+        raise ValueError(
+            "shard_for_rank: expected a full checkpoint {'world_size', 'shards'} (see "
+            "gather_shards)"
+        )
     old = int(checkpoint["world_size"])
     shards = checkpoint["shards"]
     if old == world_size:
         return shards[rank]
     if policy == "error":
         raise ValueError(
-            f"shard_for_rank: the checkpoint was saved by {old} ranks and is being loaded by {world_size}; "
-            "pass policy='redistribute' (keep the summed residual) or 'reset' (drop it)")
+            f"shard_for_rank: the checkpoint was saved by {old} ranks and is being loaded by "
+            f"{world_size}; "
+            "pass policy='redistribute' (keep the summed residual) or 'reset' (drop it)"
+        )
     base = shards[rank] if rank < old else shards[0]
     new = dict(base)
     new["world_size"] = world_size
     if policy == "reset":
-        warnings.warn(f"compression checkpoint from {old} ranks loaded by {world_size}: residuals reset to zero "
-                      "(policy 'reset')", RuntimeWarning, stacklevel=2)
+        warnings.warn(
+            f"compression checkpoint from {old} ranks loaded by {world_size}: residuals reset to "
+            "zero (policy 'reset')",
+            RuntimeWarning,
+            stacklevel=2,
+        )
         new["memory"] = {}
         return new
-    warnings.warn(f"compression checkpoint from {old} ranks loaded by {world_size}: every rank gets the sum of the "
-                  f"old ranks' residuals divided by {world_size} (policy 'redistribute')", RuntimeWarning, stacklevel=2)
+    warnings.warn(
+        f"compression checkpoint from {old} ranks loaded by {world_size}: every rank gets the sum "
+        f"of the old ranks' residuals divided by {world_size} (policy 'redistribute')",
+        RuntimeWarning,
+        stacklevel=2,
+    )
     memory: dict[str, dict[str, torch.Tensor]] = {}
     for shard in shards:
         for slot, per_name in shard["memory"].items():
             acc = memory.setdefault(slot, {})
             for name, t in per_name.items():
                 acc[name] = acc[name] + t.double() if name in acc else t.double().clone()
-    new["memory"] = {slot: {n: (t / world_size).float() for n, t in per_name.items()} for slot, per_name in memory.items()}
+    new["memory"] = {
+        slot: {n: (t / world_size).float() for n, t in per_name.items()}
+        for slot, per_name in memory.items()
+    }
     return new
 
 

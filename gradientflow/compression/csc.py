@@ -1,7 +1,8 @@
-"""Coarse-grained sparse communication (CSC) with error feedback and optional DGC momentum correction.
+"""Coarse-grained sparse communication (CSC) with error feedback and DGC momentum correction.
 
 Per flat buffer (one bucket), on every rank::
 
+    grad = grad scaled to norm <= clip_norm / sqrt(n) per parameter   (only with clip_norm set)
     v = grad + residual                     (momentum correction: u = m*u + grad; v = residual + u)
                                             into the spare residual buffer; grad zeroed, same pass
     norms = per-chunk L1 (or squared L2) of v, with the dense parameters' elements left out
@@ -27,7 +28,8 @@ Non-finite input (an FP16 loss-scale overflow) is decided from REDUCED tensors, 
 takes the same branch: if the reduced norms or the reduced payload hold inf/NaN, the residual and
 momentum are left as they were (new values go to spare buffers, committed by a swap; a step with
 any non-finite bucket undoes the other buckets' swaps at end_step), and the output is
-what every rank received (non-finite somewhere) with zeros elsewhere, so GradScaler sees inf/NaN and skips the step on every rank.
+what every rank received (non-finite somewhere) with zeros elsewhere, so GradScaler sees inf/NaN and
+skips the step on every rank.
 """
 from __future__ import annotations
 
@@ -61,7 +63,11 @@ class _Plan:
 
 
 def _build_plan(layout: Layout, config, device: torch.device) -> _Plan:
-    dense = [(s, e) for (name, s, e), shape in zip(layout.slices(), layout.shapes) if config.is_dense_param(shape)]
+    dense = [
+        (s, e)
+        for (name, s, e), shape in zip(layout.slices(), layout.shapes)
+        if config.is_dense_param(shape)
+    ]
     dense = [(s, e) for s, e in dense if e > s]
     if not dense:
         return _Plan(None, None, None)
@@ -83,8 +89,11 @@ def _chunk_rows(t: torch.Tensor, chunk_size: int) -> tuple[torch.Tensor, int]:
     return t[: full * chunk_size].view(full, chunk_size), full
 
 
-def _write_chunks(dst: torch.Tensor, idx: torch.Tensor, rows: torch.Tensor, chunk_size: int) -> None:
-    """dst's chunk idx[j] = rows[j] (cut at the end of dst); rows float32 (k x C). Rare path only."""
+def _write_chunks(
+    dst: torch.Tensor, idx: torch.Tensor, rows: torch.Tensor, chunk_size: int
+) -> None:
+    """dst's chunk idx[j] = rows[j] (cut at the end of dst); rows float32 (k x C). Rare path
+    only."""
     body, full = _chunk_rows(dst, chunk_size)
     is_full = idx < full
     if bool(is_full.any()):
@@ -94,7 +103,9 @@ def _write_chunks(dst: torch.Tensor, idx: torch.Tensor, rows: torch.Tensor, chun
         dst[full * chunk_size:] = rows[~is_full][0, :tail]
 
 
-def _fill_chunks(dst: torch.Tensor, idx: torch.Tensor, values: torch.Tensor, chunk_size: int) -> None:
+def _fill_chunks(
+    dst: torch.Tensor, idx: torch.Tensor, values: torch.Tensor, chunk_size: int
+) -> None:
     """dst's chunk idx[j] = values[j] everywhere in it (values float32, one per chunk)."""
     rows = values[:, None].expand(-1, chunk_size).contiguous()
     _write_chunks(dst, idx, rows, chunk_size)
@@ -102,7 +113,15 @@ def _fill_chunks(dst: torch.Tensor, idx: torch.Tensor, values: torch.Tensor, chu
 
 @register_compressor("csc")
 class CSCCompressor(Compressor):
-    """Send the top ceil(density x chunks) chunks of grad + residual, agreed through allreduced chunk norms."""
+    """Send the top ceil(density x chunks) chunks of grad + residual, agreed through allreduced
+    chunk norms."""
+
+    uses_warmup = True
+
+    @classmethod
+    def applies_momentum(cls, config) -> bool:
+        """Under momentum correction the velocity lives here, not in the optimizer."""
+        return bool(config.momentum_correction)
 
     def __init__(self, config, world_size: int) -> None:
         super().__init__(config, world_size)
@@ -130,31 +149,39 @@ class CSCCompressor(Compressor):
         k = 0 if d == numel else min(nch, max(1, math.ceil(density * nch)))
         wire_dtype, dense_dtype = cfg.torch_wire_dtype, cfg.torch_dense_wire_dtype
 
+        if cfg.clip_norm is not None:
+            self.clip_local(flat, layout, loss_scale)
         # --- v = grad + residual (+ momentum), norms; nothing persistent is modified yet ---------
         # Each state slot has a spare: the new values are written there and committed by a swap,
         # so a step found non-finite later (even in another bucket) can be undone.
         ef, mc = cfg.error_feedback, cfg.momentum_correction
-        slots = (("residual", "_residual_spare") if ef else ()) + (("momentum", "_momentum_spare") if mc else ())
+        slots = (("residual", "_residual_spare") if ef else ()) + (
+            ("momentum", "_momentum_spare") if mc else ()
+        )
         mem = self.memory.get(layout, slots, flat, loss_scale) if slots else {}
         residual = mem.get("residual")
         new_residual = mem.get("_residual_spare")
         mom_kw = {}
         if mc:
             mom_kw = dict(momentum=mem["momentum"], momentum_out=mem["_momentum_spare"],
-                          m=cfg.momentum, nesterov=cfg.nesterov)
+                          m=cfg.momentum_value, nesterov=cfg.nesterov)
         if ef:
             # v goes straight into the spare residual (the new residual wherever nothing is sent)
             # and the bucket is zeroed while it is in cache: after the collectives only the k sent
             # chunks are written (unpack_sent), not a second full pass over the bucket.
             v = new_residual
-            norms = kernels.chunk_norms(flat, residual, c, cfg.norm, v_out=v, zero_grad=True, **mom_kw)
+            norms = kernels.chunk_norms(
+                flat, residual, c, cfg.norm, v_out=v, zero_grad=True, **mom_kw
+            )
         else:
             v = flat
             norms = kernels.chunk_norms(flat, residual, c, cfg.norm, **mom_kw)
         dense_v = None
         if d:
             dense_v = v.index_select(0, plan.dense_idx)
-            kernels.masked_chunk_norms(v, plan.mixed_chunks, plan.mixed_keep, c, cfg.norm, out=norms)
+            kernels.masked_chunk_norms(
+                v, plan.mixed_chunks, plan.mixed_keep, c, cfg.norm, out=norms
+            )
 
         # --- stage 1: norms (+ the dense part when it travels in fp32, like the norms) ------------
         dense_in_1 = d > 0 and dense_dtype == torch.float32
@@ -174,7 +201,9 @@ class CSCCompressor(Compressor):
         self.stats.add_bucket(numel=numel, chunks_sent=k, chunks_total=nch, elements_sent_dense=d,
                               density=density, warmup=self.in_warmup())
         if not kernels.all_finite(reduced1):
-            return self._non_finite(flat, plan, reduced1[:nch], None, None, reduced1[nch:] if dense_in_1 else None)
+            return self._non_finite(
+                flat, plan, reduced1[:nch], None, None, reduced1[nch:] if dense_in_1 else None
+            )
         reduced_norms = reduced1[:nch]
 
         # --- stage 2: the chosen chunks, pre-scaled by 1/n (+ the dense part in the wire dtype) ---
@@ -197,17 +226,26 @@ class CSCCompressor(Compressor):
             third = kernels.cast_scaled(dense_v, 1.0 / n, dense_dtype)
             dense_local = third.clone()
             dense_reduced = yield from self._stage(third)
-        # The dense part was checked with its stage (stage 1 above, or inside reduced2) unless it had its own.
+        # The dense part was checked with its stage (stage 1 above, or inside reduced2) unless it
+        # had its own.
         dense_own = d > 0 and not dense_in_1 and not dense_in_2
-        if not kernels.all_finite(reduced2) or (dense_own and not kernels.all_finite(dense_reduced)):
-            return self._non_finite(flat, plan, reduced_norms, idx, reduced2[: k * c], dense_reduced)
+        if not kernels.all_finite(reduced2) or (
+            dense_own and not kernels.all_finite(dense_reduced)
+        ):
+            return self._non_finite(
+                flat, plan, reduced_norms, idx, reduced2[: k * c], dense_reduced
+            )
 
-        # --- commit: out (in place over v) and the new residual in one pass, then the dense part ---
+        # --- commit: out (in place over v) and the new residual in one pass, then the dense part --
         if ef:
             # flat is zero and new_residual holds v: only the sent chunks change.
-            kernels.unpack_sent(flat, new_residual, reduced2[: k * c], local[: k * c], idx, c, ws.post, ws.err)
+            kernels.unpack_sent(
+                flat, new_residual, reduced2[: k * c], local[: k * c], idx, c, ws.post, ws.err
+            )
         else:
-            kernels.unpack_update(flat, None, reduced2[: k * c], None, idx, c, ws.post, ws.err, out=flat)
+            kernels.unpack_update(
+                flat, None, reduced2[: k * c], None, idx, c, ws.post, ws.err, out=flat
+            )
         if d:
             kernels.dense_scatter(flat, new_residual if ef else None, plan.dense_idx, dense_reduced,
                                   dense_local, dense_v, 1.0, float(n))
@@ -223,8 +261,11 @@ class CSCCompressor(Compressor):
             self.memory.commit(layout, tuple(zip(slots[::2], slots[1::2])))
         return flat
 
-    def _non_finite(self, flat, plan: _Plan, reduced_norms, idx, reduced_chunks, dense_reduced) -> torch.Tensor:
-        """Output what every rank received (non-finite somewhere), zeros elsewhere; leave residual and momentum alone."""
+    def _non_finite(
+        self, flat, plan: _Plan, reduced_norms, idx, reduced_chunks, dense_reduced
+    ) -> torch.Tensor:
+        """Output what every rank received (non-finite somewhere), zeros elsewhere; leave residual
+        and momentum alone."""
         c = self.config.chunk_size
         self._step_non_finite = True
         flat.zero_()

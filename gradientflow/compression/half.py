@@ -24,6 +24,16 @@ __all__ = ["HalfCompressor"]
 class HalfCompressor(Compressor):
     """Send the whole buffer in the half-precision wire dtype (config.wire_dtype: fp16 or bf16)."""
 
+    @classmethod
+    def check_config(cls, config) -> None:
+        """Refuse an FP32 wire: this method exists to halve the bytes."""
+        if config.wire_dtype == "fp32":
+            raise ValueError(
+                "CompressionConfig: method 'fp16' casts to a half-precision wire, but "
+                "wire_dtype='fp32'; "
+                "use wire_dtype 'fp16' or 'bf16' (or method 'none' for the dense FP32 average)"
+            )
+
     def __init__(self, config, world_size: int) -> None:
         super().__init__(config, world_size)
         # One wire buffer per (layout, device), reused every step: a fresh 51 MB tensor per

@@ -26,12 +26,19 @@ class Layout:
     def __post_init__(self) -> None:
         n = len(self.names)
         if not (len(self.offsets) == len(self.numels) == len(self.shapes) == n):
-            raise ValueError("Layout: names, offsets, numels and shapes must have one entry per parameter")
+            raise ValueError(
+                "Layout: names, offsets, numels and shapes must have one entry per parameter"
+            )
         if len(set(self.names)) != n:
-            raise ValueError(f"Layout: parameter names repeat in {self.names}; each parameter must appear once")
+            raise ValueError(
+                f"Layout: parameter names repeat in {self.names}; each parameter must appear once"
+            )
         for name, off, numel, shape in zip(self.names, self.offsets, self.numels, self.shapes):
             if off < 0 or numel != math.prod(shape):
-                raise ValueError(f"Layout: parameter {name!r} has offset {off}, numel {numel} and shape {shape}, which disagree")
+                raise ValueError(
+                    f"Layout: parameter {name!r} has offset {off}, numel {numel} and shape "
+                    f"{shape}, which disagree"
+                )
 
     @classmethod
     def from_shapes(cls, named_shapes: Iterable[tuple[str, Sequence[int]]]) -> "Layout":
@@ -61,15 +68,22 @@ class Layout:
     def check(self, flat: torch.Tensor, op: str) -> None:
         """Refuse a buffer that this layout does not describe, with a sentence saying why."""
         if flat.dim() != 1 or not flat.is_contiguous():
-            raise ValueError(f"{op}: the gradient buffer must be a 1-D contiguous tensor, got shape {tuple(flat.shape)}")
+            raise ValueError(
+                f"{op}: the gradient buffer must be a 1-D contiguous tensor, got shape "
+                f"{tuple(flat.shape)}"
+            )
         if flat.dtype != torch.float32:
             raise ValueError(
                 f"{op}: the gradient buffer has dtype {flat.dtype}; compression works on float32 "
-                "gradients (keep FP32 master gradients and let the compressor choose the wire dtype)")
+                "gradients (keep FP32 master gradients and let the compressor choose the wire "
+                "dtype)"
+            )
         if flat.numel() != self.numel:
             raise ValueError(
-                f"{op}: the buffer has {flat.numel()} elements but its layout ({len(self.names)} parameters, "
-                f"first {self.names[:1]}) covers {self.numel}; pass the layout of this exact buffer")
+                f"{op}: the buffer has {flat.numel()} elements but its layout ({len(self.names)} "
+                "parameters, "
+                f"first {self.names[:1]}) covers {self.numel}; pass the layout of this exact buffer"
+            )
 
     def slices(self) -> Iterable[tuple[str, int, int]]:
         """Yield (name, start, end) for every parameter."""

@@ -30,7 +30,8 @@ class _Entry:
 
 
 class ResidualMemory:
-    """Hold flat per-layout state tensors (residual, momentum, ...) whose identity is the parameter name.
+    """Hold flat per-layout state tensors (residual, momentum, ...) whose identity is the parameter
+    name.
 
     Slots whose name starts with "_" are scratch (e.g. a double buffer) and never checkpointed.
     """
@@ -44,14 +45,19 @@ class ResidualMemory:
         self._journal: list[tuple[Layout, tuple[tuple[str, str], ...]]] = []
 
     # --- use -------------------------------------------------------------------------------------
-    def get(self, layout: Layout, slots: tuple[str, ...], like: torch.Tensor, scale: float = 1.0) -> dict[str, torch.Tensor]:
-        """Return this layout's flat state tensors (creating, re-laying out or rescaling as needed)."""
+    def get(
+        self, layout: Layout, slots: tuple[str, ...], like: torch.Tensor, scale: float = 1.0
+    ) -> dict[str, torch.Tensor]:
+        """Return this layout's flat state tensors (creating, re-laying out or rescaling as
+        needed)."""
         entry = self._entries.get(layout)
         if entry is None:
             entry = self._build(layout, slots, like, scale)
         for slot in slots:
             if slot not in entry.slots:
-                entry.slots[slot] = torch.zeros(layout.numel, dtype=torch.float32, device=like.device)
+                entry.slots[slot] = torch.zeros(
+                    layout.numel, dtype=torch.float32, device=like.device
+                )
         if entry.scale != scale:
             ratio = float(scale) / float(entry.scale)
             for t in entry.slots.values():
@@ -60,7 +66,8 @@ class ResidualMemory:
         return entry.slots
 
     def commit(self, layout: Layout, pairs: tuple[tuple[str, str], ...]) -> None:
-        """Make each spare slot the live one, (live, spare) -> (spare, live): a double buffer, no copy.
+        """Make each spare slot the live one, (live, spare) -> (spare, live): a double buffer, no
+        copy.
 
         The old values stay in the spare slot until the end of the step, so `end_step(revert=True)`
         can restore them when a LATER bucket of the same step turns out non-finite (GradScaler then
@@ -82,8 +89,12 @@ class ResidualMemory:
                     entry.slots[live], entry.slots[spare] = entry.slots[spare], entry.slots[live]
         self._journal.clear()
 
-    def _build(self, layout: Layout, slots: tuple[str, ...], like: torch.Tensor, scale: float) -> _Entry:
-        bufs = {s: torch.zeros(layout.numel, dtype=torch.float32, device=like.device) for s in slots}
+    def _build(
+        self, layout: Layout, slots: tuple[str, ...], like: torch.Tensor, scale: float
+    ) -> _Entry:
+        bufs = {
+            s: torch.zeros(layout.numel, dtype=torch.float32, device=like.device) for s in slots
+        }
         entry = _Entry(bufs, float(scale), set(layout.names))
         for name, start, end in layout.slices():
             old_layout = self._owner.get(name)
@@ -93,7 +104,9 @@ class ResidualMemory:
                 ratio = float(scale) / old.scale
                 for slot, t in old.slots.items():
                     if slot not in bufs:
-                        bufs[slot] = torch.zeros(layout.numel, dtype=torch.float32, device=like.device)
+                        bufs[slot] = torch.zeros(
+                            layout.numel, dtype=torch.float32, device=like.device
+                        )
                     bufs[slot][start:end].copy_(t[o_start:o_start + end - start]).mul_(ratio)
                 old.live.discard(name)
                 if not old.live:
@@ -105,10 +118,14 @@ class ResidualMemory:
                         continue
                     if saved.numel() != end - start:
                         raise ValueError(
-                            f"ResidualMemory: the checkpoint's {slot} for parameter {name!r} has {saved.numel()} "
-                            f"elements but the parameter has {end - start}; was the model changed?")
+                            f"ResidualMemory: the checkpoint's {slot} for parameter {name!r} has "
+                            f"{saved.numel()} "
+                            f"elements but the parameter has {end - start}; was the model changed?"
+                        )
                     if slot not in bufs:
-                        bufs[slot] = torch.zeros(layout.numel, dtype=torch.float32, device=like.device)
+                        bufs[slot] = torch.zeros(
+                            layout.numel, dtype=torch.float32, device=like.device
+                        )
                     bufs[slot][start:end].copy_(saved.reshape(-1)).mul_(float(scale))
             self._owner[name] = layout
         self._entries[layout] = entry
@@ -116,7 +133,8 @@ class ResidualMemory:
 
     # --- checkpoints ---------------------------------------------------------------------------
     def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
-        """Return {slot: {parameter name: unscaled tensor of its shape}} (copies; scratch slots left out)."""
+        """Return {slot: {parameter name: unscaled tensor of its shape}} (copies; scratch slots left
+        out)."""
         out: dict[str, dict[str, torch.Tensor]] = {}
         for slot, per_name in self._pending.items():
             for name, t in per_name.items():

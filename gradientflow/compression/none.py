@@ -13,7 +13,10 @@ __all__ = ["NoCompression"]
 
 @register_compressor("none")
 class NoCompression(Compressor):
-    """Average the FP32 buffer densely: divide by the world size, then SUM-allreduce (as DDP's allreduce_hook)."""
+    """Average the FP32 buffer densely: divide by the world size, then SUM-allreduce (as DDP's
+    allreduce_hook)."""
+
+    dense_average = True
 
     def reduce(self, flat: torch.Tensor, layout: Layout, *, loss_scale: float = 1.0) -> StageGen:
         """Return a StageGen yielding `flat / world_size` once; its result is the average."""

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from ..observability.stats import STATS
+
 __all__ = ["CompressionStats", "StepRecord"]
 
 
@@ -29,7 +31,11 @@ class StepRecord:
 
 
 class CompressionStats:
-    """Accumulate per-step wire statistics; `as_dict()` is what a hook state's `stats()` returns."""
+    """Accumulate per-step wire statistics; `as_dict()` is what a hook state's `stats()` returns.
+
+    Each bucket's selection is also reported to the process-wide sink, so
+    `gradientflow.stats()["density"]` is the density the compressors really used.
+    """
 
     def __init__(self) -> None:
         self.current = StepRecord()
@@ -44,8 +50,16 @@ class CompressionStats:
         """Count one tensor handed to an allreduce."""
         self.current.wire_bytes += int(nbytes)
 
-    def add_bucket(self, *, numel: int, chunks_sent: int = 0, chunks_total: int = 0,
-                   elements_sent_dense: int = 0, density: float = 1.0, warmup: bool = False) -> None:
+    def add_bucket(
+        self,
+        *,
+        numel: int,
+        chunks_sent: int = 0,
+        chunks_total: int = 0,
+        elements_sent_dense: int = 0,
+        density: float = 1.0,
+        warmup: bool = False,
+    ) -> None:
         """Count one bucket's dense equivalent and selection."""
         c = self.current
         c.dense_fp32_bytes += 4 * int(numel)
@@ -54,6 +68,8 @@ class CompressionStats:
         c.elements_sent_dense += int(elements_sent_dense)
         c.density = float(density)
         c.warmup = c.warmup or bool(warmup)
+        if chunks_total:
+            STATS.record_chunks(int(chunks_sent), int(chunks_total))
 
     def end_step(self, skipped: bool = False) -> None:
         """Close the current step (a hook calls this after a backward pass's last bucket)."""
@@ -76,7 +92,12 @@ class CompressionStats:
         """Return the statistics as plain numbers (per step: steady state and whole-run average)."""
         def per_step(acc: StepRecord, n: int) -> dict:
             if n == 0:
-                return {"wire_bytes": None, "dense_fp32_bytes": None, "ratio": None, "chunks_sent": None}
+                return {
+                    "wire_bytes": None,
+                    "dense_fp32_bytes": None,
+                    "ratio": None,
+                    "chunks_sent": None,
+                }
             return {
                 "wire_bytes": acc.wire_bytes / n,
                 "dense_fp32_bytes": acc.dense_fp32_bytes / n,
@@ -101,8 +122,13 @@ class CompressionStats:
 
     def state_dict(self) -> dict:
         """Return the counters (so a resumed run's whole-run average continues)."""
-        return {"steps": self.steps, "steady_steps": self.steady_steps, "skipped_steps": self.skipped_steps,
-                "total": asdict(self._total), "steady": asdict(self._steady)}
+        return {
+            "steps": self.steps,
+            "steady_steps": self.steady_steps,
+            "skipped_steps": self.skipped_steps,
+            "total": asdict(self._total),
+            "steady": asdict(self._steady),
+        }
 
     def load_state_dict(self, state: dict) -> None:
         """Restore counters saved by `state_dict`."""

@@ -13,7 +13,8 @@ Multiplying by a power of two is exact in FP32 (away from its own limits), so th
 is FP16's, now relative to the message's largest value: a message whose values span less than
 FP16's dynamic range (2^40 with subnormals) arrives without flushing, down to FP32's normal
 range (2^-126). The exponent stays in [MIN_EXPONENT, MAX_EXPONENT] so that 2^e / n, 2^-e and
-n / 2^e are normal FP32 numbers. BF16 has FP32's range: its messages keep e = 0 and no bound is sent.
+n / 2^e are normal FP32 numbers. BF16 has FP32's range: its messages keep e = 0 and no bound
+is sent.
 
 How the bound travels: the FP16 compressor sends it as one more FP32 element before its
 message (`agree`); CSC sends it inside its norms message, which it allreduces anyway.
@@ -106,7 +107,10 @@ def local_bound(*tensors: torch.Tensor | None) -> torch.Tensor:
 def norms_bound(norms: torch.Tensor, norm: str, dense: torch.Tensor | None) -> torch.Tensor:
     """A float32 (1,) bound >= max |v| from CSC's chunk norms ("l1", or "l2" squared) and the
     values sent dense (which the masked norms of mixed chunks leave out)."""
-    top = norms.max().to(torch.float32) if norms.numel() else norms.new_zeros((), dtype=torch.float32)
+    if norms.numel():
+        top = norms.max().to(torch.float32)
+    else:
+        top = norms.new_zeros((), dtype=torch.float32)
     if norm == "l2":
         top = top.sqrt()
     return (top + local_bound(dense).to(top.device)).reshape(1)

@@ -10,8 +10,11 @@ task per future cost a thread wake-up each, 4-7 ms for a 24-tensor message on 2 
 more than the message's transport. A callback may still block (wait on a later future of the
 same message, say): a watchdog hands the rest of the batch to another pool thread when one
 settle has run longer than `_HANDOFF_S`, so the guarantee above holds after that delay.
-The one exception, `settle`, is for futures nobody else holds (Engine._finish_ops): no
-user callback can run there.
+The one exception, `settle`, is for futures nobody else holds (FusedCompletion): no user
+callback can run there.
+
+`FusedCompletion` is the last stage of a deferred allreduce: its op is marked done, and a
+future is made and settled only if somebody asked for one.
 """
 from __future__ import annotations
 
@@ -60,7 +63,7 @@ def _settle(fut: torch.futures.Future, value: Any, error: BaseException | None,
 
 def settle(fut: torch.futures.Future, value: Any, error: BaseException | None = None) -> None:
     """Complete `fut` on this thread: only for a future no user callback can be attached to
-    (Engine._finish_ops and Engine.future_of decide)."""
+    (FusedCompletion decides)."""
     _settle(fut, value, error)
 
 
@@ -190,3 +193,61 @@ def _settle_in_order(items: list[tuple[torch.futures.Future, Any, BaseException 
     if len(items) > 1:
         _watchdog.add(batch)
     batch.run()
+
+
+class FusedCompletion:
+    """Completion of deferred (fused) allreduces: `done` flags, futures only on demand.
+
+    A CPU op is made without a future: the reaper marks it done (with its error) and settles
+    its future only if a blocking wait or get_future() asked for one meanwhile. Settling a
+    future per op, and a pool hop per message, cost more than the rest of a message's
+    completion; a per-tensor loop asks for neither. The lock orders a Work asking for a
+    future (future_of) against the reaper finishing its op (finish): either the reaper sees
+    the future, or future_of sees the op done and settles the future it makes itself.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+
+    def future_of(self, op: Any, for_user: bool = False) -> torch.futures.Future | None:
+        """The future of fused op `op`, made now if it has none.
+
+        For a blocking wait (`for_user` False): None if the op is already done. For
+        get_future() (`for_user` True): its public future; if `op` is not done yet, it is marked
+        `chained`, so its completion runs on the pool, never on the reaper, where a user
+        callback that blocks would stall every later message.
+        """
+        with self._lock:
+            fut = op.fut
+            if fut is None:
+                if op.done and not for_user:
+                    return None
+                fut = op.fut = new_source()
+                if op.done:  # nothing is attached to it yet: settle it here
+                    settle(fut, [op.tensor], op.error)
+            if for_user:
+                if not fut.done():
+                    op.chained = True
+                return public(fut)
+            return fut
+
+    def finish(self, ops: list, error: BaseException | None) -> None:
+        """Mark fused ops done (values written back, or failed with `error`) and settle the
+        futures somebody asked for: here when only our own wait() is attached to them, on the
+        pool (which a blocked callback cannot stall) when get_future() handed them out."""
+        pooled = []
+        with self._lock:
+            for op in ops:
+                if op.done:  # a failure path reaching ops that already finished
+                    continue
+                op.error = error
+                op.done = True
+                fut = op.fut
+                if fut is not None:
+                    if op.chained or error is not None:
+                        pooled.append((fut, [op.tensor], error))
+                    else:
+                        settle(fut, [op.tensor])
+        if pooled:
+            complete_all(pooled)
+

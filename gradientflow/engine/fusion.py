@@ -1,17 +1,16 @@
-"""Lazy allreduce: cutting an agreed batch into fused messages, and their persistent buffers.
+"""Lazy allreduce's plan: the queued op, the message, and the pure cut of an agreed batch.
 
 Everything here is a pure function of the agreed batch (the same on every rank), so every
 rank cuts the same messages in the same order without talking.
 """
 from __future__ import annotations
 
-import functools
-import threading
-import zlib
 from dataclasses import dataclass, field
 from typing import Any, Hashable, Sequence
 
 import torch
+
+from gradientflow.fingerprint import redop_name, tensor_fingerprint
 
 
 class FusableOp:
@@ -20,10 +19,11 @@ class FusableOp:
     A plain class with slots: one is made per queued allreduce (161 per ResNet-50 step) on the
     caller's thread, and numel and nbytes, read several times per op, are computed once.
 
-    Completion (engine.py): a CPU op is made without a future. The reaper marks it `done`
-    (with `error` on failure) and settles `fut` only if somebody asked for one meanwhile
-    (a blocking wait, get_future): a per-tensor loop waits on Works that are already done,
-    and making and settling a torch Future per op cost more than the rest of its completion.
+    Completion (messages.py, completion.py): a CPU op is made without a future. The reaper
+    marks it `done` (with `error` on failure) and settles `fut` only if somebody asked for
+    one meanwhile (a blocking wait, get_future): a per-tensor loop waits on Works that are
+    already done, and making and settling a torch Future per op cost more than the rest of
+    its completion.
     A CUDA op carries its future from the start: its completion records a stream event
     that waiters must sync with, so `done` is never set on success there.
     """
@@ -37,7 +37,7 @@ class FusableOp:
         self.tensor = tensor
         self.key = key  # (device, dtype, reduce op): one fusion queue per key
         self.reduce_op = reduce_op
-        self.fut = fut  # CUDA: from the start; CPU: made on demand (Engine.future_of)
+        self.fut = fut  # CUDA: from the start; CPU: made on demand (completion.FusedCompletion)
         self.ready = ready  # CUDA: streams.mark() of the submitting thread's stream
         self.name = "allreduce"
         self.queued_us: float | None = None  # timeline: when it was queued (while recording)
@@ -49,18 +49,12 @@ class FusableOp:
 
     @property
     def reduce_op_name(self) -> str:
-        return str(getattr(self.reduce_op, "op", self.reduce_op)).split(".")[-1]
+        return redop_name(self.reduce_op)
 
     @property
     def fingerprint(self) -> int:
         """A process-independent hash of what must match across ranks: dtype, size, op."""
-        return _fingerprint(self.tensor.dtype, self.numel, self.key[2])
-
-
-@functools.lru_cache(maxsize=4096)
-def _fingerprint(dtype: torch.dtype, numel: int, op: Any) -> int:
-    # Cached: a training step repeats the same few hundred (dtype, size, op) every step.
-    return zlib.crc32(f"{dtype}|{numel}|{op}".encode())
+        return tensor_fingerprint(self.tensor.dtype, self.numel, self.key[2])
 
 
 @dataclass(slots=True)
@@ -84,9 +78,8 @@ def pack(ops: Sequence[FusableOp], buf: torch.Tensor) -> None:
 
 
 def unpack(buf: torch.Tensor, ops: Sequence[FusableOp]) -> None:
-    """Copy `buf`'s pieces back into the ops' tensors, in one call: a copy_ per tensor released
-    and re-took the GIL each time, a hand-off to the issuing thread per tensor (ResNet-50 list,
-    2 ranks, 64 MB: 121-123 vs 128 ms per list, alternated in one launch)."""
+    """Copy `buf`'s pieces back into the ops' tensors, in one call: a copy_ per tensor releases
+    and re-takes the GIL each time, a hand-off to the issuing thread per tensor."""
     srcs = buf.split([op.numel for op in ops])
     torch._foreach_copy_([op.tensor for op in ops],
                          [src.view(op.tensor.shape) for src, op in zip(srcs, ops)])
@@ -124,56 +117,3 @@ def plan_messages(batch: Sequence[FusableOp], threshold: int,
         cur.nbytes += op.nbytes
         cur.numel += op.numel
     return out + list(open_msgs.values())
-
-
-class SegmentPool:
-    """Persistent fusion buffers of one key; a message takes any free one.
-
-    Packing message i+1 into another segment overlaps the transport of message i; a segment
-    is reused only after its message was unpacked. Which segment a message gets does not
-    matter to the other ranks (only the transport order does), so the engine never waits for a
-    particular one. Memory: at most `segments` buffers of `capacity` elements (the threshold)
-    per key.
-
-    Where a round cuts a batch depends on timing, so message sizes vary from step to step, and
-    a segment sized to the largest message so far was reallocated whenever a larger one came:
-    each time, the new buffer's pages were faulted in again while packing (17 MB segments,
-    ~1,500 page faults per ResNet-50 list, averaged over the first 12 lists). A segment
-    therefore grows at least twofold (capped at `capacity`), so it is reallocated a few times
-    at most. (Allocating the full capacity at once on CPU, where untouched pages cost nothing,
-    measured no better in one A/B launch: within its +-5% noise.)
-    """
-
-    def __init__(self, dtype: torch.dtype, device: torch.device, segments: int,
-                 capacity: int) -> None:
-        self._dtype = dtype
-        self._device = device
-        self._capacity = capacity
-        self._buffers: list[torch.Tensor | None] = [None] * segments
-        self._free = [True] * segments
-        self._lock = threading.Lock()
-
-    def try_acquire(self, numel: int) -> tuple[int, torch.Tensor] | None:
-        """A free segment as (index, a view of `numel` elements), or None if all are in use."""
-        with self._lock:
-            try:
-                idx = self._free.index(True)
-            except ValueError:
-                return None
-            self._free[idx] = False
-        buf = self._buffers[idx]
-        if buf is None or buf.numel() < numel:
-            old = 0 if buf is None else buf.numel()
-            size = max(numel, min(self._capacity, 2 * old))
-            buf = torch.empty(size, dtype=self._dtype, device=self._device)
-            self._buffers[idx] = buf
-        return idx, buf[:numel]
-
-    def release(self, idx: int) -> None:
-        """Mark segment `idx` reusable."""
-        with self._lock:
-            self._free[idx] = True
-
-    @property
-    def allocated_bytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self._buffers if b is not None)

@@ -18,9 +18,8 @@ What the call sequence decides, and what local time decides:
   pair without polling, and a rank never has to answer a round it did not start itself. The
   step's last round is the one that agrees its last key; it launches everything left. begin()
   of the next step waits until the previous step's transfers completed here, so a step's rounds
-  are all issued before the next step's. (The version before counted one round per partition
-  ready and one per transfer completed, 18 for 9 partitions; a round costs each rank 0.3-0.7 ms
-  of CPU on two busy cores, measured.)
+  are all issued before the next step's. Rounds are chained, not one per event, because each
+  costs every rank CPU time.
 - WHAT each round decides: the launches after round i are a function of round i's result (the
   keys ready everywhere, the launch-sequence prefix complete everywhere) and of the rounds
   before it, processed in index order; once every key is agreed, everything left is launched.
@@ -58,63 +57,22 @@ import math
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
 import torch
 from torch._C._distributed_c10d import AllreduceOptions, ReduceOp
 
 from gradientflow.engine import completion, streams
+from gradientflow.engine.agreement import MAX_KEYS, read_bits, round_bits
 from gradientflow.engine.stages import StageGen
 from gradientflow.observability import timeline as tl
 from gradientflow.observability.stats import STATS
 from gradientflow.observability.timeline import TIMELINE, now_us
 
-MAX_KEYS = 1024  # most partitions one step may declare (the round carries one bit per key)
-_BITS = 63  # bits used per int64 word of a keyed round (the sign bit stays clear)
-
-
-def round_bits(n: int, ready: Iterable[int], done: int, span: int) -> list[int]:
-    """A rank's keyed round as int64 words to BAND-allreduce.
-
-    Bit k < n is set iff key k is ready here. The next `span` bits hold `done` in a thermometer
-    code (its lowest `done` bits set): the AND of such codes over the ranks is the code of the
-    smallest count, so one BAND carries both the AND of the ready bits and the MIN of the
-    counts. `span` must be the same on every rank (the scheduler uses the launches not yet
-    agreed complete, a function of the rounds processed so far).
-
-    Why bits: a gloo allreduce of 1-2 int64 takes 1.0-1.1 ms at 4 ranks on this 2-core
-    machine, one of 10-26 elements (a slot per key, the layout before) 3.2-5.7 ms, and 2 ranks
-    0.6-0.7 vs 0.8 ms (rounds issued after a 10 ms pause, medians).
-    """
-    if not 0 <= done <= span:
-        raise ValueError(f"round_bits: completion count {done} outside [0, {span}]")
-    x = ((1 << done) - 1) << n
-    for k in ready:
-        x |= 1 << k
-    words = max(1, -(-(n + span) // _BITS))
-    mask = (1 << _BITS) - 1
-    return [(x >> (_BITS * i)) & mask for i in range(words)]
-
-
-def read_bits(words: Iterable[int], n: int, span: int) -> tuple[int, int]:
-    """The BAND-reduced words of round_bits as (ready mask: bit k set iff key k is ready on
-    every rank, the smallest completion count)."""
-    x = 0
-    for i, w in enumerate(words):
-        x |= int(w) << (_BITS * i)
-    code = (x >> n) & ((1 << span) - 1)
-    return x & ((1 << n) - 1), ((code + 1) & ~code).bit_length() - 1
-
-
-# Ops kept in flight whatever the byte credit. Measured on loopback gloo (2 ranks, 8 x 4 MiB
-# sent back to back): two in flight took 51 ms, one at a time 81 ms (the transport idles while
-# the next is issued), all at once 70 ms (they compete for gloo's two worker threads and the
-# cores). One more than two covers the agreement round that frees the next credit: in the
-# overlap benchmark (8 x 4.2 MB partitions) a credit of 3 partitions took 97 ms per iteration
-# and one of 1 partition (+1 forced) 115 ms, on the same loaded machine. Measured again later
-# on the scheduler's own transport (8 x 4.2 MB, medians of 20): all at once 23 ms wall and 18 ms
-# of CPU per rank, two at a time 27 / 21, one 36 / 25: holding back costs, which is why the
-# credit only holds an op while a more urgent key may still overtake it (_decide).
+# Ops kept in flight whatever the byte credit: two in flight keep the transport busy while the
+# next is issued, a third covers the agreement round that frees the next credit. Holding back
+# costs, which is why the credit only holds an op while a more urgent key may still overtake
+# it (_decide).
 MIN_IN_FLIGHT = 3
 
 
@@ -276,6 +234,17 @@ class KeyedScheduler:
         """Keys declared this step and not launched yet."""
         with self._cv:
             return len(self._outstanding)
+
+    def set_credit(self, credit_bytes: int) -> None:
+        """Use `credit_bytes` from the next step on; only between steps (nothing declared or
+        waiting for credit), at the same step on every rank, since launches follow from it."""
+        with self._cv:
+            if self._outstanding or self._pool:
+                raise RuntimeError(
+                    f"gradientflow: rank {self.rank}: the scheduler's credit of process group "
+                    f"{self._name} was changed with {len(self._outstanding)} key(s) of this "
+                    "step not launched; change it between steps")
+            self.credit_bytes = credit_bytes
 
     def close(self) -> None:
         """Fail what is still waiting and stop the thread."""

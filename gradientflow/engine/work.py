@@ -20,15 +20,13 @@ class FutureWork(Work):
     is_completed() stays False there: use get_future().done().
 
     The public future (a chained copy whose errors are C++ errors, see completion.new_future)
-    is made only when get_future() asks for it. Every object an op keeps alive until it
-    completes costs the garbage collector: with 19 per op, its collections were a quarter of
-    the issuing cost (world of one, ResNet-50 list: 88 vs 66 us per all_reduce with the
-    collector off).
+    is made only when get_future() asks for it: every object an op keeps alive until it
+    completes costs the garbage collector, on the issuing thread.
     """
 
-    # Set per Work by the group's inspector (stall.py): a fault it finds (collective mismatch,
-    # stall abort) ends a wait early with that fault, checked every `slice_s` seconds. Class
-    # defaults, so a Work without an inspector sets neither.
+    # Set per Work by the group's inspector (gradientflow/inspector): a fault it finds
+    # (collective mismatch, stall abort) ends a wait early with that fault, checked every
+    # `slice_s` seconds. Class defaults, so a Work without an inspector sets neither.
     inspector: Any = None
     slice_s = 1.0
 
@@ -136,7 +134,7 @@ class FutureWork(Work):
 
 class FusedWork(FutureWork):
     """The Work of a deferred (fused) allreduce: its op's `done` flag, no future of its own
-    until a blocking wait or get_future() asks the engine for one (Engine.future_of).
+    until a blocking wait or get_future() asks the engine for one (completion.FusedCompletion).
 
     A wait on a queued op closes its batch (Engine.want); its public future is made by the
     engine, which settles futures with user callbacks on the pool, never on its reaper.
@@ -172,7 +170,7 @@ class FusedWork(FutureWork):
 
     def get_future(self) -> torch.futures.Future:
         if self._public is None:
-            self._public = self._owner.future_of(self._op, public=True)
+            self._public = self._owner.future_of(self._op, for_user=True)
         return self._public
 
 

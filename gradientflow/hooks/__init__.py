@@ -1,35 +1,70 @@
-"""GradientFlow's DDP communication hooks (PyTorch style: a hook function, its state class beside it).
+"""GradientFlow's DDP communication hooks (PyTorch style: a hook function, its state class beside
+it).
 
 The one-line common case::
 
-    state = gradientflow.hooks.register(ddp_model, CompressionConfig(method="csc", density=0.01))
+    state = gradientflow.hooks.register(ddp_model, CompressionConfig(density=0.01), optimizer=opt)
     ...
-    state.set_epoch(epoch); state.stats(); torch.save(state.gather_state_dict(), path)
+    state.stats(); torch.save(state.gather_state_dict(), path)
+
+The default recipe is the paper's: momentum correction (the optimizer's momentum moves into
+the compressor), a dense first warm-up stage counted in steps; see CompressionConfig.
 """
 from __future__ import annotations
 
-from ..compression import CompressionConfig
+from ..compression import CompressionConfig, attach_hook, lookup
 from ._state import CompressionState, compression_hook
 from .csc_hook import CSCState, csc_hook
 from .fp16_hook import FP16State, fp16_hook
 
-__all__ = ["CompressionState", "compression_hook", "CSCState", "csc_hook", "FP16State", "fp16_hook", "register"]
+__all__ = [
+    "CompressionState",
+    "compression_hook",
+    "CSCState",
+    "csc_hook",
+    "FP16State",
+    "fp16_hook",
+    "register",
+]
 
-_STATES = {"csc": (CSCState, csc_hook), "fp16": (FP16State, fp16_hook), "none": (CompressionState, compression_hook)}
+# The built-in methods' own states; a method registered without one gets CompressionState.
+attach_hook("csc", CSCState, csc_hook)
+attach_hook("fp16", FP16State, fp16_hook)
+attach_hook("none", CompressionState, compression_hook)
 
 
-def register(ddp_model, config: CompressionConfig, process_group=None, *, grad_scaler=None) -> CompressionState:
-    """Register the hook `config.method` names on a DDP model, with its parameter names bound; return the state.
+def register(ddp_model, config: CompressionConfig | None = None, process_group=None, *,
+             optimizer=None, grad_scaler=None) -> CompressionState:
+    """Register the hook `config.method` names on a DDP model, with its parameter names bound;
+    return the state.
+
+    Args:
+        ddp_model: the DistributedDataParallel model.
+        config: a CompressionConfig (default: CSC at 1% with the paper's recipe).
+        process_group: the group (default: the DDP model's).
+        optimizer: the optimizer stepping the model. With momentum correction (CSC's default)
+            its momentum moves into the compressor; pass it, or a step of a momentum
+            optimizer raises rather than apply momentum twice.
+        grad_scaler: the GradScaler producing the gradients, if any.
 
     Example::
 
-        >>> state = gradientflow.hooks.register(ddp, CompressionConfig(density=0.01))
+        >>> opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+        >>> state = gradientflow.hooks.register(ddp, CompressionConfig(density=0.01), optimizer=opt)
     """
+    config = CompressionConfig() if config is None else config
     if not isinstance(config, CompressionConfig):
-        raise TypeError(f"register: config must be a CompressionConfig, got {type(config).__name__}")
-    state_cls, hook = _STATES.get(config.method, (CompressionState, compression_hook))
-    state = state_cls(process_group if process_group is not None else getattr(ddp_model, "process_group", None),
-                      config, grad_scaler=grad_scaler)
+        raise TypeError(
+            f"register: config must be a CompressionConfig, got {type(config).__name__}"
+        )
+    entry = lookup(config.method)
+    state_cls, hook = entry.state or CompressionState, entry.hook or compression_hook
+    state = state_cls(
+        process_group if process_group is not None else getattr(ddp_model, "process_group", None),
+        config,
+        grad_scaler=grad_scaler,
+        optimizer=optimizer,
+    )
     state.bind_parameter_names(ddp_model.module)
     ddp_model.register_comm_hook(state, hook)
     return state

@@ -14,7 +14,8 @@ import torch.distributed as dist
 
 from ..compression import CompressionConfig, Compressor, Layout, make_compressor
 from ..compression import checkpoint as _ckpt
-from ..engine.api import submit_stages
+from ..backend.api import submit_stages
+from ..compression.momentum import guard_momentum, take_momentum
 from ..engine.stages import StageGen
 
 __all__ = ["CompressionState", "compression_hook", "submit"]
@@ -35,12 +36,26 @@ def submit(process_group, key, gen: StageGen, device: torch.device | None = None
     return submit_stages(process_group, key, gen, device=device, dense_bytes=dense_bytes)
 
 
-def _share_cores(world_size: int) -> None:
-    """Give the compression kernels this rank's share of the host's cores (config.kernel_threads)."""
-    from .. import kernels
-    from ..config import Config, current_overrides, kernel_threads
+def group_config(process_group):
+    """Return the gradientflow Config `process_group` was created with.
 
-    kernels.set_num_threads(kernel_threads(Config.resolve(current_overrides()), world_size))
+    A group of another backend (gloo, nccl) carries none: it gets the options of
+    `gradientflow.configure()` and the environment, resolved by config.py as for a new group.
+    """
+    from ..backend.registry import config_of
+    from ..config import Config, current_overrides
+
+    config = config_of(process_group)
+    return config if config is not None else Config.resolve(current_overrides())
+
+
+def _share_cores(process_group, world_size: int) -> None:
+    """Give the compression kernels this rank's share of the host's cores
+    (config.kernel_threads)."""
+    from .. import kernels
+    from ..config import kernel_threads
+
+    kernels.set_num_threads(kernel_threads(group_config(process_group), world_size))
 
 
 class CompressionState:
@@ -51,7 +66,11 @@ class CompressionState:
         config: a CompressionConfig; or leave it None and pass its fields as keyword arguments.
         grad_scaler: a GradScaler whose current scale the gradients carry (optional; see
             `set_loss_scale` for the alternative). Residuals are rescaled when it changes.
-        world_size, rank: override the group's (to simulate ranks in one process; default: the group's).
+        optimizer: the optimizer that steps these parameters. Under momentum correction (the
+            default for CSC) its momentum moves into the compressor and its own is set to 0.
+            Without it, an optimizer step that would apply momentum again raises.
+        world_size, rank: override the group's (to simulate ranks in one process; default: the
+        group's).
         **kwargs: CompressionConfig fields (only without `config`).
 
     Example::
@@ -63,27 +82,54 @@ class CompressionState:
 
     _method: str | None = None  # a subclass fixes the method (CSCState: "csc")
 
-    def __init__(self, process_group=None, config: CompressionConfig | None = None, *, grad_scaler=None,
-                 world_size: int | None = None, rank: int | None = None, **kwargs) -> None:
+    def __init__(
+        self,
+        process_group=None,
+        config: CompressionConfig | None = None,
+        *,
+        grad_scaler=None,
+        optimizer=None,
+        world_size: int | None = None,
+        rank: int | None = None,
+        **kwargs,
+    ) -> None:
         if config is not None and kwargs:
-            raise ValueError(f"{type(self).__name__}: pass either config or its fields {sorted(kwargs)}, not both")
+            raise ValueError(
+                f"{type(self).__name__}: pass either config or its fields {sorted(kwargs)}, not "
+                "both"
+            )
         if config is None:
             if self._method is not None:
                 kwargs.setdefault("method", self._method)
             config = CompressionConfig(**kwargs)  # validates: ValueError naming the range
         if not isinstance(config, CompressionConfig):
-            raise TypeError(f"{type(self).__name__}: config must be a CompressionConfig, got {type(config).__name__}")
+            raise TypeError(
+                f"{type(self).__name__}: config must be a CompressionConfig, got "
+                f"{type(config).__name__}"
+            )
         if self._method is not None and config.method != self._method:
-            raise ValueError(f"{type(self).__name__}: config.method={config.method!r} but this state is for {self._method!r}")
+            raise ValueError(
+                f"{type(self).__name__}: config.method={config.method!r} but this state is for "
+                f"{self._method!r}"
+            )
+        where = type(self).__name__
+        if optimizer is not None:
+            config = take_momentum(config, optimizer, where)
         # --- tuned by the user ---
         self.process_group = process_group
         self.config = config
         self.grad_scaler = grad_scaler
         # --- internal ---
         initialized = dist.is_available() and dist.is_initialized()
-        self.world_size = world_size if world_size is not None else (dist.get_world_size(process_group) if initialized else 1)
-        self.rank = rank if rank is not None else (dist.get_rank(process_group) if initialized else 0)
-        _share_cores(self.world_size)
+        self.world_size = (
+            world_size
+            if world_size is not None
+            else (dist.get_world_size(process_group) if initialized else 1)
+        )
+        self.rank = (
+            rank if rank is not None else (dist.get_rank(process_group) if initialized else 0)
+        )
+        _share_cores(process_group, self.world_size)
         self.compressor: Compressor = make_compressor(config, self.world_size)
         self._uid = next(_uid)
         self._names: dict[int, str] = {}  # id(parameter) -> name
@@ -91,9 +137,19 @@ class CompressionState:
         self._layouts: dict[tuple, Layout] = {}
         self._loss_scale = 1.0
         self._step_open = False
+        # Without the optimizer, refuse its first step if it would apply momentum a second time.
+        self._took_momentum = optimizer is not None
+        self._guard_momentum()
 
-    # --- parameter names ------------------------------------------------------------------------------
-    def bind_parameter_names(self, named: "torch.nn.Module | Iterable[tuple[str, torch.Tensor]]") -> None:
+    def _guard_momentum(self) -> None:
+        """Without the optimizer, refuse its first step if it would apply momentum a second time."""
+        self._guard = None if self._took_momentum else guard_momentum(
+            self, _compressed_ids, self.config, type(self).__name__)
+
+    # --- parameter names --------------------------------------------------------------------------
+    def bind_parameter_names(
+        self, named: "torch.nn.Module | Iterable[tuple[str, torch.Tensor]]"
+    ) -> None:
         """Name the parameters (a module, or (name, tensor) pairs) so residuals are keyed by name.
 
         Without it, parameters are named "param<i>" by first appearance in the hook, which is the
@@ -103,8 +159,10 @@ class CompressionState:
         for name, p in pairs:
             if p.requires_grad and p.dtype != torch.float32:
                 raise ValueError(
-                    f"{type(self).__name__}: parameter {name!r} is {p.dtype}; gradient compression needs float32 "
-                    "gradients (keep FP32 master parameters under autocast, or leave this model uncompressed)")
+                    f"{type(self).__name__}: parameter {name!r} is {p.dtype}; gradient compression "
+                    "needs float32 gradients (keep FP32 master parameters under autocast, or "
+                    "leave this model uncompressed)"
+                )
         self._names = {id(p): name for name, p in pairs}
         self._layouts.clear()
 
@@ -121,27 +179,36 @@ class CompressionState:
         key = tuple(id(p) for p in params)
         layout = self._layouts.get(key)
         if layout is None:
-            layout = self._layouts[key] = Layout.from_shapes((self._name(p), tuple(p.shape)) for p in params)
+            layout = self._layouts[key] = Layout.from_shapes(
+                (self._name(p), tuple(p.shape)) for p in params
+            )
         buf = bucket.buffer()
         if layout.numel != buf.numel():
             raise ValueError(
-                f"{type(self).__name__}: bucket {bucket.index()} has {buf.numel()} elements but its "
-                f"{len(params)} parameters add up to {layout.numel}; sparse or padded buckets are not supported")
+                f"{type(self).__name__}: bucket {bucket.index()} has {buf.numel()} elements but "
+                "its "
+                f"{len(params)} parameters add up to {layout.numel}; sparse or padded buckets are "
+                "not supported"
+            )
         return layout
 
-    # --- schedule and loss scale ------------------------------------------------------------------------
+    # --- schedule and loss scale ------------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
         """Tell the warm-up schedule the epoch (call at the start of every epoch)."""
         self.compressor.set_epoch(epoch)
 
     def set_step(self, step: int) -> None:
-        """Set the step counter of a step-based warm-up (it otherwise counts completed backward passes)."""
+        """Set the step counter of a step-based warm-up (it otherwise counts completed backward
+        passes)."""
         self.compressor.set_step(step)
 
     def set_loss_scale(self, scale: float) -> None:
-        """Tell the state the loss scale of the gradients to come (instead of giving a grad_scaler)."""
+        """Tell the state the loss scale of the gradients to come (instead of giving a
+        grad_scaler)."""
         if not (scale > 0 and torch.isfinite(torch.tensor(float(scale)))):
-            raise ValueError(f"{type(self).__name__}.set_loss_scale: scale={scale!r} must be a finite number > 0")
+            raise ValueError(
+                f"{type(self).__name__}.set_loss_scale: scale={scale!r} must be a finite number > 0"
+            )
         self._loss_scale = float(scale)
 
     def _current_loss_scale(self) -> float:
@@ -150,14 +217,17 @@ class CompressionState:
             return float(s.get_scale())
         return self._loss_scale
 
-    # --- the op -------------------------------------------------------------------------------------------
+    # --- the op -----------------------------------------------------------------------------------
     def _stages(self, bucket) -> StageGen:
         """Return the StageGen of one bucket (closes the step after the last bucket)."""
         if not self._step_open:
+            self.compressor.check_schedule()  # here, on the caller's thread, not the engine's
             self._step_open = True
-            self._step_scale = self._current_loss_scale()  # one read per step: get_scale() syncs on CUDA
+            # one read per step: get_scale() syncs on CUDA
+            self._step_scale = self._current_loss_scale()
         layout = self.layout_of(bucket)
-        layout.check(bucket.buffer(), f"{type(self).__name__} (bucket {bucket.index()})")  # refuse now, not on the engine thread
+        # refuse now, not on the engine thread
+        layout.check(bucket.buffer(), f"{type(self).__name__} (bucket {bucket.index()})")
         gen = self.compressor.reduce(bucket.buffer(), layout, loss_scale=self._step_scale)
         return self._closing(gen) if bucket.is_last() else gen
 
@@ -167,16 +237,22 @@ class CompressionState:
         self._step_open = False
         return result
 
-    # --- checkpoints and statistics ------------------------------------------------------------------
+    # --- checkpoints and statistics ---------------------------------------------------------------
     def state_dict(self) -> dict:
         """Return this rank's shard: residual/momentum by parameter name, schedule, statistics."""
-        return {"rank": self.rank, "config": dataclasses.asdict(self.config), **self.compressor.state_dict()}
+        return {
+            "rank": self.rank,
+            "config": dataclasses.asdict(self.config),
+            **self.compressor.state_dict(),
+        }
 
     def load_state_dict(self, state: dict, resize_policy: str = "redistribute") -> None:
-        """Load this rank's shard, or pick it from a full checkpoint (every rank's shards, see gather_state_dict).
+        """Load this rank's shard, or pick it from a full checkpoint (every rank's shards, see
+        gather_state_dict).
 
         A full checkpoint saved by another world size follows `resize_policy`
-        ("redistribute" | "reset" | "error", see gradientflow.compression.checkpoint), with a warning.
+        ("redistribute" | "reset" | "error", see gradientflow.compression.checkpoint), with a
+        warning.
         """
         if _ckpt.is_full_checkpoint(state):
             state = _ckpt.shard_for_rank(state, self.rank, self.world_size, resize_policy)
@@ -184,7 +260,9 @@ class CompressionState:
 
     def gather_state_dict(self, dst: int = 0) -> dict | None:
         """Collect every rank's shard on rank `dst` (a collective: call it on every rank)."""
-        return _ckpt.gather_shards(self.state_dict(), self.process_group if dist.is_initialized() else None, dst)
+        return _ckpt.gather_shards(
+            self.state_dict(), self.process_group if dist.is_initialized() else None, dst
+        )
 
     def stats(self) -> dict:
         """Return the wire statistics (see gradientflow.compression.stats for the definitions)."""
@@ -192,7 +270,8 @@ class CompressionState:
 
     def __getstate__(self) -> dict:
         # A process group cannot be pickled, and parameter ids mean nothing in another process.
-        state = {k: v for k, v in self.__dict__.items() if k not in ("process_group", "grad_scaler", "_names", "_layouts")}
+        state = {k: v for k, v in self.__dict__.items()
+                 if k not in ("process_group", "grad_scaler", "_names", "_layouts", "_guard")}
         return state
 
     def __setstate__(self, state: dict) -> None:
@@ -201,6 +280,11 @@ class CompressionState:
         self.grad_scaler = None
         self._names = {}
         self._layouts = {}
+        self._guard_momentum()
+
+
+def _compressed_ids(state: CompressionState) -> set[int]:
+    return set(state._names)
 
 
 def compression_hook(state: CompressionState, bucket) -> torch.futures.Future[torch.Tensor]:
@@ -208,7 +292,8 @@ def compression_hook(state: CompressionState, bucket) -> torch.futures.Future[to
 
     Example::
 
-        >>> ddp.register_comm_hook(CompressionState(None, CompressionConfig(method="fp16")), compression_hook)
+        >>> state = CompressionState(None, CompressionConfig(method="fp16"))
+        >>> ddp.register_comm_hook(state, compression_hook)
     """
     buf = bucket.buffer()
     return submit(state.process_group, ("ddp", state._uid, bucket.index()), state._stages(bucket),

@@ -14,7 +14,8 @@ __all__ = ["CSCState", "csc_hook"]
 
 
 class CSCState(CompressionState):
-    """Hold CSC's per-rank state: error-feedback residuals by parameter name, warm-up position, stats.
+    """Hold CSC's per-rank state: error-feedback residuals by parameter name, warm-up position,
+    stats.
 
     Args:
         process_group: the group to average over (None: the default group).
@@ -26,13 +27,16 @@ class CSCState(CompressionState):
     Raises:
         ValueError: a field out of range (density outside (0, 1], chunk_size < 1, ...).
 
+    The default is the paper's recipe: momentum correction (pass ``optimizer=`` so the
+    optimizer's momentum moves here), a dense first warm-up stage counted in steps. With
+    ``warmup_unit="epoch"``, call ``state.set_epoch(epoch)`` at the start of every epoch.
+
     Example::
 
-        >>> state = CSCState(None, density=0.01)
+        >>> opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        >>> state = CSCState(None, density=0.01, optimizer=opt)   # opt's momentum is now 0
         >>> state.bind_parameter_names(model)
         >>> ddp.register_comm_hook(state, csc_hook)
-        >>> for epoch in range(epochs):
-        ...     state.set_epoch(epoch)            # drives the dense warm-up
     """
 
     _method = "csc"

@@ -10,7 +10,8 @@ __all__ = ["FP16State", "fp16_hook"]
 
 
 class FP16State(CompressionState):
-    """Hold the FP16 hook's state: the rounding-error residual by parameter name (error feedback on).
+    """Hold the FP16 hook's state: the rounding-error residual by parameter name (error feedback
+    on).
 
     Unlike torch's ``fp16_compress_hook``, which casts first and divides by the world size
     after (so a value the average could hold already overflows in the cast) and keeps no

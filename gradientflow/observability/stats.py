@@ -1,4 +1,9 @@
-"""Count what the engine did: operations, fused messages, wire bytes, communication and overlap.
+"""The one statistics sink: what the engine, the compression layer and waits did.
+
+Every count gradientflow keeps reports here: the engine of each process group through its
+`GroupStats` (its own counters, also added to the process totals), the compression layer
+through `STATS.record_chunks` / `record_bytes`, and Work.wait() through `record_wait`.
+`gradientflow.stats()` reads the process totals.
 
 Leaf module: imports nothing of gradientflow (stdlib only). Every `record_*` call takes one
 uncontended lock (well under a microsecond), so the counters are exact under any number of
@@ -32,13 +37,19 @@ from __future__ import annotations
 import threading
 import time
 
-__all__ = ["Stats", "STATS", "stats", "reset_stats"]
+__all__ = ["GroupStats", "Stats", "STATS", "stats", "reset_stats"]
 
 _COUNTERS = (
     "operations", "fused_operations", "tensors_fused", "wire_bytes", "dense_bytes",
     "chunks_sent", "chunks_total", "comm_time_s", "agreement_rounds", "agreement_time_s",
     "codec_time_s", "exposed_wait_s", "waits", "steps",
 )
+
+
+# Per collective algorithm (ring, hierarchical, reduction_server): what this rank hands to and
+# takes from the network for gradient messages, as the algorithm's own protocol defines it.
+ALGORITHM_FIELDS = ("messages", "bytes", "sent_bytes", "recv_bytes", "inter_host_sent_bytes",
+                    "inter_host_recv_bytes")
 
 
 class Stats:
@@ -60,6 +71,7 @@ class Stats:
             self._c = dict.fromkeys(_COUNTERS, 0)
             for k in ("comm_time_s", "agreement_time_s", "codec_time_s", "exposed_wait_s"):
                 self._c[k] = 0.0
+            self._algorithms: dict[str, dict[str, int]] = {}
             self._since = time.perf_counter()
 
     # ---- recording (called by the engine, the compression layer and Work.wait) -------------
@@ -70,7 +82,8 @@ class Stats:
 
     def record_message(self, tensors: int, wire_bytes: int, dense_bytes: int,
                        seconds: float = 0.0) -> None:
-        """Count one transport message: tensors packed, bytes sent, dense FP32 bytes, time on the wire."""
+        """Count one transport message: tensors packed, bytes sent, dense FP32 bytes, time on
+        the wire."""
         with self._lock:
             c = self._c
             c["fused_operations"] += 1
@@ -86,10 +99,26 @@ class Stats:
             self._c["dense_bytes"] += dense_bytes
 
     def record_chunks(self, sent: int, total: int) -> None:
-        """Count CSC chunks selected (`sent`) out of `total` for one bucket."""
+        """Count CSC chunks selected (`sent`) out of `total` for one bucket: what
+        `snapshot()["density"]` reports, so call it with the selection really sent."""
         with self._lock:
             self._c["chunks_sent"] += sent
             self._c["chunks_total"] += total
+
+    def record_algorithm(self, algorithm: str, nbytes: int, sent: float, recv: float,
+                         inter_sent: float = 0.0, inter_recv: float = 0.0) -> None:
+        """Count one message of `nbytes` allreduced by `algorithm` and the bytes this rank sent
+        and received for it (`inter_*`: the part that crossed hosts, where hosts are known)."""
+        with self._lock:
+            c = self._algorithms.get(algorithm)
+            if c is None:
+                c = self._algorithms[algorithm] = dict.fromkeys(ALGORITHM_FIELDS, 0)
+            c["messages"] += 1
+            c["bytes"] += nbytes
+            c["sent_bytes"] += int(sent)
+            c["recv_bytes"] += int(recv)
+            c["inter_host_sent_bytes"] += int(inter_sent)
+            c["inter_host_recv_bytes"] += int(inter_recv)
 
     def record_comm_time(self, seconds: float) -> None:
         """Add engine time spent in transport collectives not reported through record_message."""
@@ -123,7 +152,9 @@ class Stats:
         """Return the counters and derived values (ratio, density, overlap, per-step) as a dict."""
         with self._lock:
             c = dict(self._c)
+            algorithms = {k: dict(v) for k, v in self._algorithms.items()}
             elapsed = time.perf_counter() - self._since
+        c["algorithms"] = algorithms
         c["elapsed_s"] = elapsed
         c["compression_ratio"] = c["dense_bytes"] / c["wire_bytes"] if c["wire_bytes"] else None
         c["density"] = c["chunks_sent"] / c["chunks_total"] if c["chunks_total"] else None
@@ -142,6 +173,78 @@ class Stats:
 
 
 STATS = Stats()
+
+
+class GroupStats:
+    """One process group's engine counters; every record also adds to the process totals.
+
+    The attributes are the group's own counts (read by tests and bench_fusion):
+    ``rounds`` / ``round_s`` agreement rounds and their engine time, ``messages`` transport
+    messages sent (fused, in place, and on the solo channel), ``fused_tensors`` tensors in
+    them, and per route the operations issued: ``deferred`` (queued for fusion), ``eager``
+    (of which ``fast_path``: sent on the caller's thread) and ``solo_channel``. They are
+    plain increments: the issuing side counts under the engine's lock, the engine thread its
+    own.
+    """
+
+    __slots__ = ("rounds", "round_s", "messages", "fused_tensors", "deferred", "eager",
+                 "fast_path", "solo_channel", "_totals")
+
+    def __init__(self, totals: Stats | None = None) -> None:
+        self.rounds = self.messages = self.fused_tensors = 0
+        self.deferred = self.eager = self.fast_path = self.solo_channel = 0
+        self.round_s = 0.0
+        self._totals = totals if totals is not None else STATS
+
+    # ---- issuing (one operation each) ----
+    def record_deferred(self) -> None:
+        """An allreduce queued for fusion."""
+        self.deferred += 1
+        self._totals.record_operation()
+
+    def record_eager(self, fast: bool) -> None:
+        """A collective sent in sequence order (`fast`: at once, on the caller's thread)."""
+        self.eager += 1
+        self.fast_path += fast
+        self._totals.record_operation()
+
+    def record_solo(self, nbytes: int, numel: int) -> None:
+        """An allreduce sent at once on the solo channel (its time on the wire is not seen)."""
+        self.solo_channel += 1
+        self.messages += 1
+        self._totals.record_operation()
+        self._totals.record_message(1, nbytes, numel * 4)
+
+    def record_stages(self) -> None:
+        """A multi-stage op (a compressed bucket) queued."""
+        self._totals.record_operation()
+
+    # ---- the engine thread ----
+    def record_agreement(self, seconds: float, rounds: int) -> None:
+        """Agreement rounds and the engine time they took."""
+        self.rounds += rounds
+        self.round_s += seconds
+        self._totals.record_agreement(seconds, rounds)
+
+    def record_send(self, tensors: int) -> None:
+        """A message handed to the transport, carrying `tensors` tensors."""
+        self.messages += 1
+        self.fused_tensors += tensors
+
+    def record_message(self, tensors: int, wire_bytes: int, dense_bytes: int,
+                       seconds: float = 0.0) -> None:
+        """A transport message finished (Stats.record_message)."""
+        self._totals.record_message(tensors, wire_bytes, dense_bytes, seconds)
+
+    def record_codec_time(self, seconds: float) -> None:
+        self._totals.record_codec_time(seconds)
+
+    def record_bytes(self, wire_bytes: int, dense_bytes: int = 0) -> None:
+        self._totals.record_bytes(wire_bytes, dense_bytes)
+
+    def snapshot(self) -> dict:
+        """The group's own counters as a dict."""
+        return {k: getattr(self, k) for k in self.__slots__ if not k.startswith("_")}
 
 
 def stats() -> dict:

@@ -31,7 +31,8 @@ __all__ = ["intervals", "phase_totals", "step_windows", "per_step_comm", "summar
 
 
 def intervals(events: Iterable[dict]) -> list[dict]:
-    """Return every duration event as {pid, tid, name, cat, ts, dur, args}: X events and matched B/E pairs."""
+    """Return every duration event as {pid, tid, name, cat, ts, dur, args}: X events and
+    matched B/E pairs."""
     out, stacks = [], collections.defaultdict(list)
     for ev in sorted((e for e in events if e.get("ph") in ("X", "B", "E")),
                      key=lambda e: (e.get("ts", 0.0), 0 if e.get("ph") == "E" else 1)):
@@ -71,7 +72,8 @@ def phase_totals(ivs: list[dict]) -> list[dict]:
 
 
 def step_windows(events: list[dict], ivs: list[dict]) -> list[dict]:
-    """Return {pid, step, ts, dur} per recorded step: from the step bars, else between step markers."""
+    """Return {pid, step, ts, dur} per recorded step: from the step bars, else between step
+    markers."""
     wins = [{"pid": i["pid"], "step": i["args"].get("step"), "ts": i["ts"], "dur": i["dur"]}
             for i in ivs if i["cat"] == CAT_STEP and i["name"] == STEP]
     if not wins:
@@ -104,7 +106,8 @@ def per_step_comm(ivs: list[dict], windows: list[dict]) -> list[dict]:
     for w in windows:
         t0, t1 = w["ts"], w["ts"] + w["dur"]
         inside = [i for i in phases if i["pid"] == w["pid"] and t0 <= i["ts"] < t1]
-        comm = [(i["ts"], min(i["ts"] + i["dur"], t1)) for i in inside if i["cat"] in COMM_CATEGORIES]
+        comm = [(i["ts"], min(i["ts"] + i["dur"], t1)) for i in inside
+                if i["cat"] in COMM_CATEGORIES]
         union = _union_us(comm)
         rows.append({"rank": w["pid"], "step": w["step"], "step_ms": w["dur"] / 1e3,
                      "comm_ms": union / 1e3, "comm_sum_ms": sum(b - a for a, b in comm) / 1e3,
@@ -137,13 +140,15 @@ def format_summary(s: dict) -> str:
              + (f", {s['dropped_events']} DROPPED (buffer full)" if s["dropped_events"] else "")]
     lines.append("")
     lines.append("Top phases by total time")
-    lines.append(f"{'phase':<16}{'cat':<10}{'count':>8}{'total ms':>12}{'mean ms':>10}{'max ms':>10}")
+    lines.append(f"{'phase':<16}{'cat':<10}{'count':>8}{'total ms':>12}{'mean ms':>10}"
+                 f"{'max ms':>10}")
     for r in s["top_phases"]:
         lines.append(f"{r['name'][:15]:<16}{r['cat'][:9]:<10}{r['count']:>8}{r['total_ms']:>12.3f}"
                      f"{r['mean_ms']:>10.3f}{r['max_ms']:>10.3f}")
     lines.append("")
     lines.append("Communication per step (union of comm/agree phases)")
-    lines.append(f"{'step':>6}{'rank':>6}{'step ms':>10}{'comm ms':>10}{'comm %':>8}{'sum ms':>10}{'events':>8}")
+    lines.append(f"{'step':>6}{'rank':>6}{'step ms':>10}{'comm ms':>10}{'comm %':>8}"
+                 f"{'sum ms':>10}{'events':>8}")
     for r in s["steps"]:
         pct = f"{r['comm_pct']:.1f}" if r["comm_pct"] is not None else "-"
         lines.append(f"{str(r['step']):>6}{r['rank']:>6}{r['step_ms']:>10.3f}{r['comm_ms']:>10.3f}"
@@ -199,7 +204,8 @@ def plot_step(path: str, out_png: str, step: int | None = None) -> str:
     for row, lane in enumerate(lanes):
         mine = [i for i in bars if (i["pid"], i["tid"]) == lane]
         for n in names:
-            segs = [((i["ts"] - origin) / 1e3, max(i["dur"] / 1e3, 1e-4)) for i in mine if i["name"] == n]
+            segs = [((i["ts"] - origin) / 1e3, max(i["dur"] / 1e3, 1e-4))
+                    for i in mine if i["name"] == n]
             if segs:
                 ax.broken_barh(segs, (row - 0.4, 0.8), facecolors=colour[n])
     for w in chosen:

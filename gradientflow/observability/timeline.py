@@ -58,7 +58,8 @@ CAT_ENGINE, CAT_CODEC, CAT_COMM, CAT_AGREE, CAT_STEP = "engine", "codec", "comm"
 COMM_CATEGORIES = frozenset({CAT_COMM, CAT_AGREE})
 
 _STEP_LANE = "steps"          # lane that carries one bar per recorded step
-_DEFAULT_CAPACITY = 1 << 20   # events held in memory before new ones are dropped (~100-200 MB worst case)
+# Events held in memory before new ones are dropped (~100-200 MB worst case).
+_DEFAULT_CAPACITY = 1 << 20
 _DEFAULT_FLUSH_S = 0.25       # the writer drains at least this often
 # Compact encoders for the writer; default=str keeps an odd arg value (a dtype, a device) legible.
 _ARGS_ENCODER = json.JSONEncoder(default=str, separators=(",", ":"), allow_nan=False)
@@ -75,7 +76,8 @@ def now_us() -> float:
 
 
 def trace_path_for_rank(path: str, rank: int) -> str:
-    """Return the per-rank file name: ``{rank}`` substituted, else ``<path minus .json>.rank<N>.json``."""
+    """Return the per-rank file name: ``{rank}`` substituted, else
+    ``<path minus .json>.rank<N>.json``."""
     path = os.fspath(path)
     if "{rank}" in path:
         return path.replace("{rank}", str(rank))
@@ -108,7 +110,8 @@ def _past(steps: range, step: int) -> bool:
 
 
 class _NullSpan:
-    """A do-nothing context manager returned by span() while recording is off (shared, no allocation)."""
+    """A do-nothing context manager returned by span() while recording is off (shared, no
+    allocation)."""
 
     __slots__ = ()
 
@@ -149,7 +152,8 @@ class Timeline:
     """A per-process Chrome-trace recorder with step-range sampling and a background writer."""
 
     def __init__(self):
-        # Checked first by every recording call: True only while started and inside the sampled steps.
+        # Checked first by every recording call: True only while started and inside the
+        # sampled steps.
         self.enabled = False
         self._lock = threading.RLock()       # guards start/stop/mark_step state, never the hot path
         self._started = False
@@ -516,7 +520,8 @@ def start_timeline(path: str, steps=None, rank: int | None = None) -> str:
 
 
 def stop_timeline() -> str | None:
-    """Stop the timeline, writing the file completely (re-exported as `gradientflow.stop_timeline`)."""
+    """Stop the timeline, writing the file completely (re-exported as
+    `gradientflow.stop_timeline`)."""
     return TIMELINE.stop()
 
 
@@ -600,7 +605,8 @@ def merge(paths: Iterable[str], out: str, align: str = "auto") -> str:
 def _main(argv=None) -> int:
     import argparse
     p = argparse.ArgumentParser(prog="python -m gradientflow.observability.timeline",
-                                description="Merge per-rank GradientFlow traces into one (pid = rank).")
+                                description="Merge per-rank GradientFlow traces into one "
+                                "(pid = rank).")
     p.add_argument("out", help="merged trace to write")
     p.add_argument("inputs", nargs="+", help="per-rank trace files")
     p.add_argument("--align", default="auto", choices=("auto", "none", "wall"))

@@ -1,4 +1,6 @@
-"""Horovod's broadcast_parameters and broadcast_optimizer_state: start every rank from root's state."""
+"""Horovod's broadcast_parameters and broadcast_optimizer_state: start every rank from root's
+state."""
+
 from __future__ import annotations
 
 from typing import Any, Iterable, Mapping
@@ -81,7 +83,12 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
                          f"this group of {world}; use 0..{world - 1}")
     src = dist.get_global_rank(process_group, root_rank) if process_group is not None else root_rank
     me = dist.get_rank(process_group)
-    box: list[Any] = [optimizer.state_dict() if me == root_rank else None]
+    # Without the per-rank compression state (residuals differ per rank by design): every
+    # rank keeps its own, and a rank that received root's would apply root's residual twice.
+    root_state = None
+    if me == root_rank:
+        root_state = {k: v for k, v in optimizer.state_dict().items() if k != "gradientflow"}
+    box: list[Any] = [root_state]
     dist.broadcast_object_list(box, src=src, group=process_group)
     if me != root_rank:
         optimizer.load_state_dict(box[0])

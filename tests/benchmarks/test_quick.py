@@ -113,6 +113,10 @@ def test_runner_reports_failures_without_stopping(tmp_path):
         " '## good\\nok')\n")
     (bench_dir / "bench_bad.py").write_text("raise SystemExit('bench_bad: broken on purpose')\n")
     out = tmp_path / "out"
+    # A re-run replaces the files of a benchmark's folder and keeps its subfolders (inputs).
+    (out / "bad" / "inputs").mkdir(parents=True)
+    (out / "bad" / "inputs" / "run.json").write_text("{}")
+    (out / "bad" / "bad.json").write_text('{"rows": []}')  # an earlier run's result
     proc = subprocess.run([sys.executable, "-m", "benchmarks.run", "--quick", "--out", str(out),
                            "--bench-dir", str(bench_dir), "--timeout", "60"],
                           capture_output=True, text=True, timeout=120)
@@ -123,12 +127,16 @@ def test_runner_reports_failures_without_stopping(tmp_path):
     status = {b["name"]: b["status"] for b in json.loads((out / "summary.json").read_text())
               ["benchmarks"]}
     assert status["good"] == "ok" and status["bad"].startswith("failed")
+    assert (out / "bad" / "inputs" / "run.json").exists()
+    assert not (out / "bad" / "bad.json").exists()  # the failed run left no stale result
+    assert (out / "good" / "good.json").exists() and (out / "good" / "good.log").exists()
 
 
 def test_e2e_quick_runs_the_peers(tmp_path):
     from benchmarks import bench_e2e
 
-    assert bench_e2e.main(["--quick", "--steps", "2", "--no-gradientflow", "--out", str(tmp_path)]) == 0
+    assert bench_e2e.main(["--quick", "--steps", "2", "--no-gradientflow",
+                           "--out", str(tmp_path)]) == 0
     data = json.loads((tmp_path / "e2e.json").read_text())
     got = {r["variant"] for r in data["rows"] if "median_ms" in r}
     assert {"nocomm", "ddp", "fp16_hook", "powersgd"} <= got

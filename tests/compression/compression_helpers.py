@@ -1,4 +1,6 @@
-"""Helpers for the compression tests: random layouts, N simulated ranks, totals by parameter name."""
+"""Helpers for the compression tests: random layouts, N simulated ranks, totals by parameter
+name."""
+
 from __future__ import annotations
 
 import math
@@ -6,13 +8,13 @@ import math
 import torch
 from hypothesis import HealthCheck, settings, strategies as st
 
+from gradientflow.compression import CompressionConfig, Layout, make_compressor
+from gradientflow.engine.stages import drive_lockstep
+
 # Applied per test, not as a global profile, so other test directories keep their own settings.
 # No deadline: the first example of a run pays for numba's kernel loading.
 SETTINGS = settings(deadline=None, max_examples=40,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-
-from gradientflow.compression import CompressionConfig, Layout, make_compressor
-from gradientflow.engine.stages import drive_lockstep
 
 
 @st.composite
@@ -24,7 +26,9 @@ def layouts(draw, max_params: int = 5, max_numel: int = 700):
         if draw(st.booleans()):
             shapes.append((f"v{i}", (draw(st.integers(1, 60)),)))
         else:
-            shapes.append((f"w{i}", (draw(st.integers(1, 30)), draw(st.integers(1, max_numel // 30)))))
+            shapes.append(
+                (f"w{i}", (draw(st.integers(1, 30)), draw(st.integers(1, max_numel // 30))))
+            )
     return Layout.from_shapes(shapes)
 
 
@@ -63,7 +67,7 @@ def lost_tolerance(cfg: CompressionConfig, world: int, steps: int, vmax: float) 
     Each step the wire sum of `world` pre-scaled terms rounds each partial sum once (relative
     eps of the wire type, on values up to vmax); applied values are multiplied back by world.
     """
-    eps = max(wire_eps(cfg.wire_dtype), wire_eps(cfg.dense_wire_dtype or cfg.wire_dtype), 2.0 ** -22)
+    eps = max(wire_eps(cfg.wire_dtype), wire_eps(cfg.dense_wire_dtype or cfg.wire_dtype), 2.0**-22)
     return 4 * steps * world * world * eps * vmax + 1e-5 * steps * vmax
 
 
@@ -73,7 +77,8 @@ def grads_for(world: int, numel: int, seed: int, scale: float = 1.0):
 
 
 def recording():
-    """A generator wrapper that records every tensor a rank yields (dtype, numel, copy before reduce)."""
+    """A generator wrapper that records every tensor a rank yields (dtype, numel, copy before
+    reduce)."""
     log: dict[int, list] = {}
 
     def wrap(gen, rank):

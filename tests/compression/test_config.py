@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gradientflow.compression import CompressionConfig, available, compressor_class, make_compressor
+from gradientflow.compression import (DENSE_FIRST_WARMUP, DGC_WARMUP, CompressionConfig, available,
+                                      compressor_class, make_compressor)
 
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -16,13 +17,16 @@ from gradientflow.compression import CompressionConfig, available, compressor_cl
     (dict(norm="l3"), r"'l1' or 'l2'"),
     (dict(wire_dtype="fp8"), r"one of \['bf16', 'fp16', 'fp32'\]"),
     (dict(wire_dtype=torch.int8), r"not a wire dtype"),
-    (dict(method="topk"), r"one of \['none', 'fp16', 'csc'\]"),
+    (dict(method="topk"), r"unknown; use one of \[.csc., .fp16., .none.\]"),
     (dict(method="fp16", wire_dtype="fp32"), r"half-precision"),
     (dict(warmup_densities=(0.5, 0.0)), r"every stage must be in \(0, 1\]"),
     (dict(warmup_unit="batch"), r"'epoch' or 'step'"),
     (dict(warmup_period=0), r">= 1"),
     (dict(momentum=1.0), r"\[0, 1\)"),
     (dict(momentum_correction=True, error_feedback=False), r"needs error_feedback"),
+    (dict(error_feedback=False), r"momentum_correction=False as well"),
+    (dict(clip_norm=0.0), r"clip_norm=0.0 must be a finite number > 0"),
+    (dict(clip_norm=float("inf")), r"clip_norm"),
     (dict(min_numel=-1), r">= 0"),
 ])
 def test_invalid_config_raises_value_error_naming_the_range(kwargs, match):
@@ -34,16 +38,23 @@ def test_defaults_and_dtype_names():
     cfg = CompressionConfig(wire_dtype=torch.bfloat16)
     assert cfg.wire_dtype == "bf16" and cfg.torch_wire_dtype is torch.bfloat16
     d = CompressionConfig()
-    assert (d.method, d.density, d.chunk_size, d.norm, d.wire_dtype) == ("csc", 0.01, 1024, "l1", "fp16")
+    assert (d.method, d.density, d.chunk_size, d.norm, d.wire_dtype) == (
+        "csc",
+        0.01,
+        1024,
+        "l1",
+        "fp16",
+    )
     with pytest.raises(Exception):
         d.density = 0.5  # frozen
 
 
 def test_warmup_schedule_ramps_to_the_target_never_below():
-    cfg = CompressionConfig(density=0.01)
+    cfg = CompressionConfig(density=0.01, warmup_densities=DGC_WARMUP, warmup_unit="epoch",
+                            warmup_period=1)
     assert [cfg.density_at(e, 0) for e in range(6)] == [0.25, 0.0625, 0.015625, 0.01, 0.01, 0.01]
     assert cfg.in_warmup(2, 0) and not cfg.in_warmup(3, 0)
-    per_step = CompressionConfig(density=0.001, warmup_unit="step", warmup_period=10)
+    per_step = CompressionConfig(density=0.001, warmup_densities=DGC_WARMUP, warmup_period=10)
     assert per_step.density_at(99, 9) == 0.25 and per_step.density_at(0, 10) == 0.0625
     assert per_step.density_at(0, 35) == 0.004 and per_step.density_at(0, 40) == 0.001
     assert CompressionConfig(warmup_densities=()).density_at(0, 0) == 0.01
@@ -57,19 +68,46 @@ def test_dense_rule():
 
 
 def test_registry_builds_by_name():
-    assert available() == ["csc", "fp16", "none"]
+    assert set(available()) >= {"csc", "fp16", "none"}
     assert make_compressor(CompressionConfig(method="fp16"), 2).name == "fp16"
     with pytest.raises(ValueError, match="not registered"):
         compressor_class("powersgd")
 
 
-def test_epoch_warmup_without_set_epoch_warns_once():
+def test_default_recipe_is_dense_first_in_steps_with_momentum_correction():
+    """The paper's recipe with nothing set: dense, then DGC's stages, counted in steps."""
+    d = CompressionConfig(density=0.01)
+    assert d.momentum_correction and d.momentum is None and d.momentum_value == 0.9
+    assert d.warmup_unit == "step" and d.warmup_densities == DENSE_FIRST_WARMUP
+    p = d.warmup_period
+    assert [d.density_at(0, s * p) for s in range(6)] == [1.0, 0.25, 0.0625, 0.015625, 0.01, 0.01]
+    assert d.in_warmup(0, 4 * p - 1) and not d.in_warmup(0, 4 * p)
+
+
+def test_default_compressor_reaches_the_target_without_set_epoch():
+    """CSCState(density=0.01) with nothing else set may not stay at a warm-up density for ever."""
     from gradientflow.compression import Layout
     from gradientflow.engine.stages import drive_lockstep
-    c = make_compressor(CompressionConfig(), 1)
+    c = make_compressor(CompressionConfig(density=0.01), 1)
     lay = Layout.from_shapes([("w", (64, 64))])
-    with pytest.warns(RuntimeWarning, match="set_epoch"):
+    for _ in range(CompressionConfig().warmup_length):
         drive_lockstep([c.reduce(torch.randn(lay.numel), lay)])
+        c.end_step()
+    assert c.density_in_force() == 0.01 and not c.in_warmup()
+
+
+def test_epoch_warmup_without_set_epoch_raises_saying_what_to_call():
+    from gradientflow.compression import Layout
+    from gradientflow.engine.stages import drive_lockstep
+    c = make_compressor(CompressionConfig(warmup_unit="epoch"), 1)
+    lay = Layout.from_shapes([("w", (64, 64))])
+    with pytest.raises(RuntimeError, match=r"set_epoch\(epoch\)"):
+        drive_lockstep([c.reduce(torch.randn(lay.numel), lay)])
+    c.set_epoch(0)
+    drive_lockstep([c.reduce(torch.randn(lay.numel), lay)])
+    assert c.density_in_force() == 1.0
+    fp16 = make_compressor(CompressionConfig(method="fp16", warmup_unit="epoch"), 1)
+    fp16.check_schedule()  # no warm-up to drive: nothing to set
 
 
 def test_non_float_gradient_is_refused():

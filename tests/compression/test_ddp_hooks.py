@@ -1,4 +1,6 @@
-"""The hooks under real DDP on 2 gloo ranks: equal to plain DDP at density 1, many small buckets, Join."""
+"""The hooks under real DDP on 2 gloo ranks: equal to plain DDP at density 1, many small buckets,
+Join."""
+
 from __future__ import annotations
 
 import os
@@ -32,27 +34,45 @@ def _worker(rank, world, init_file, result_dir, backend="gloo"):
     dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         gen = torch.Generator().manual_seed(100 + rank)
-        data = [(torch.randn(16, 256, generator=gen), torch.randint(0, 10, (16,), generator=gen)) for _ in range(30)]
+        data = [
+            (torch.randn(16, 256, generator=gen), torch.randint(0, 10, (16,), generator=gen))
+            for _ in range(30)
+        ]
         loss_fn = torch.nn.CrossEntropyLoss()
 
-        # 1. Density 1 on an FP32 wire gives plain DDP's gradients (several buckets, across the rebuild).
+        # 1. Density 1 on an FP32 wire gives plain DDP's gradients (several buckets, across the
+        # rebuild).
         plain = DDP(_model(), bucket_cap_mb=0.25)
         ours = DDP(_model(), bucket_cap_mb=0.25)
-        cfg = CompressionConfig(method="csc", density=1.0, chunk_size=256, wire_dtype="fp32",
-                                dense_wire_dtype="fp32", warmup_densities=())
+        cfg = CompressionConfig(
+            method="csc",
+            density=1.0,
+            chunk_size=256,
+            wire_dtype="fp32",
+            dense_wire_dtype="fp32",
+            warmup_densities=(),
+            momentum_correction=False,
+        )
         state = hooks.register(ours, cfg)
         for x, y in data[:3]:
             for m in (plain, ours):
                 m.zero_grad()
                 loss_fn(m(x), y).backward()
             for (name, a), b in zip(plain.module.named_parameters(), ours.module.parameters()):
-                torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+                torch.testing.assert_close(
+                    b.grad, a.grad, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}"
+                )
         assert state.stats()["steps"] == 3
 
-        # 2. CSC at 5% with many small buckets over many steps: ranks stay identical, nothing mismatches.
+        # 2. CSC at 5% with many small buckets over many steps: ranks stay identical, nothing
+        # mismatches.
         model = DDP(_model(), bucket_cap_mb=0.05)
-        opt = torch.optim.SGD(model.parameters(), lr=0.05)
-        state = hooks.register(model, CompressionConfig(method="csc", density=0.05, warmup_densities=()))
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        # the recipe: the optimizer's momentum moves over
+        state = hooks.register(
+            model, CompressionConfig(method="csc", density=0.05, warmup_densities=()), optimizer=opt
+        )
+        assert state.config.momentum == 0.9 and opt.param_groups[0]["momentum"] == 0.0
         for x, y in data[:20]:
             opt.zero_grad()
             loss_fn(model(x), y).backward()
@@ -73,7 +93,8 @@ def _worker(rank, world, init_file, result_dir, backend="gloo"):
                 opt.zero_grad()
                 loss_fn(model(x), y).backward()
                 opt.step()
-        assert state.stats()["steps"] == 4 + 2 * (world - 1)  # the joined rank shadows the others' steps
+        # the joined rank shadows the others' steps
+        assert state.stats()["steps"] == 4 + 2 * (world - 1)
         shard = state.gather_state_dict()
         if rank == 0:
             assert shard["world_size"] == world and len(shard["shards"]) == world
@@ -93,7 +114,10 @@ def test_hooks_under_ddp_on_two_ranks(backend):
         try:
             while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
                 if time.monotonic() > deadline:
-                    pytest.fail(f"DDP hook test did not finish within {TIMEOUT_S} s (a collective mismatch hangs)")
+                    pytest.fail(
+                        f"DDP hook test did not finish within {TIMEOUT_S} s (a collective mismatch "
+                        "hangs)"
+                    )
         finally:
             for p in ctx.processes:
                 if p.is_alive():

@@ -1,4 +1,6 @@
-"""The hook states: names bound from the model, layouts from buckets, checkpointable, pickle without the group."""
+"""The hook states: names bound from the model, layouts from buckets, checkpointable, pickle without
+the group."""
+
 from __future__ import annotations
 
 import pickle
@@ -33,7 +35,9 @@ class Bucket:
 
 def _model():
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(40, 50), torch.nn.BatchNorm1d(50), torch.nn.Linear(50, 3))
+    return torch.nn.Sequential(
+        torch.nn.Linear(40, 50), torch.nn.BatchNorm1d(50), torch.nn.Linear(50, 3)
+    )
 
 
 def _step(states, models, seed):
@@ -42,7 +46,9 @@ def _step(states, models, seed):
     for m in models:
         params = list(m.parameters())
         grads = [torch.randn(p.shape, generator=gen) for p in params]
-        per_rank.append([Bucket(0, params[4:], False, grads[4:]), Bucket(1, params[:4], True, grads[:4])])
+        per_rank.append(
+            [Bucket(0, params[4:], False, grads[4:]), Bucket(1, params[:4], True, grads[:4])]
+        )
     outs = []
     for b in range(2):
         outs.append(drive_lockstep([s._stages(per_rank[r][b]) for r, s in enumerate(states)]))
@@ -124,12 +130,87 @@ def test_register_binds_names_and_registers_the_hook():
 
 def test_epoch_drives_the_warmup_and_stats_report_it():
     models = [_model()]
-    s = CSCState(None, density=0.05, chunk_size=16)
+    s = CSCState(None, density=0.05, chunk_size=16, warmup_unit="epoch", warmup_period=1)
+    with pytest.raises(RuntimeError, match="set_epoch"):
+        _step([s], models, 0)  # refused on the caller's thread, before any bucket is reduced
     s.set_epoch(0)
     _step([s], models, 0)
-    assert s.stats()["density_in_force"] == 0.25
+    assert s.stats()["density_in_force"] == 1.0
     s.set_epoch(10)
     _step([s], models, 1)
     st = s.stats()
     assert st["density_in_force"] == 0.05 and st["steady_steps"] == 1 and st["steps"] == 2
     assert st["steady"]["ratio"] > st["average"]["ratio"] > 1
+
+
+def test_state_takes_kernel_threads_from_its_groups_config(monkeypatch):
+    """The group's own Config (its pg_options) sets the kernels' threads, not the environment."""
+    import dataclasses
+
+    import gradientflow.backend.registry as registry
+    from gradientflow import kernels
+    from gradientflow.config import Config
+
+    cfg = dataclasses.replace(Config.resolve({}), kernel_threads=1)
+    monkeypatch.setattr(registry, "config_of", lambda group=None: cfg)
+    seen = []
+    monkeypatch.setattr(kernels, "set_num_threads", seen.append)
+    CSCState(None, density=0.5)
+    assert seen == [1]
+
+
+def test_steps_drive_the_default_warmup_without_set_epoch():
+    models = [_model()]
+    s = CSCState(None, density=0.05, chunk_size=16)
+    seen = []
+    for t in range(s.config.warmup_length + 1):
+        _step([s], models, t)
+        seen.append(s.stats()["density_in_force"])
+    p = s.config.warmup_period
+    assert seen[0] == 1.0 and seen[p] == 0.25 and seen[-1] == 0.05
+
+
+def _sgd_step(model, opt):
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+
+
+def test_momentum_moves_from_the_optimizer_into_the_compressor():
+    """register(..., optimizer=opt) / optimizer=: momentum is applied once, by the compressor."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.95, nesterov=True)
+    s = CSCState(None, density=0.05, optimizer=opt)
+    assert s.config.momentum == 0.95 and s.config.nesterov and s.config.momentum_correction
+    assert all(g["momentum"] == 0.0 and not g["nesterov"] for g in opt.param_groups)
+    _sgd_step(model, opt)  # no guard: the optimizer was bound
+    again = CSCState(None, density=0.05, optimizer=opt)  # a second binding finds the value
+    assert again.config.momentum == 0.95
+    plain = torch.optim.SGD(model.parameters(), lr=0.1)  # no momentum to move: plain EF
+    assert not CSCState(None, optimizer=plain).config.momentum_correction
+    with pytest.raises(ValueError, match=r"momentum=0.9\) but SGD has momentum=0.8"):
+        CSCState(None, CompressionConfig(momentum=0.9),
+                 optimizer=torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.8))
+    with pytest.raises(ValueError, match="no 'momentum' setting"):
+        CSCState(None, optimizer=torch.optim.Adam(model.parameters()))
+    adam = CSCState(None, CompressionConfig(momentum_correction=False),
+                    optimizer=torch.optim.Adam(model.parameters()))
+    assert not adam.config.momentum_correction
+    assert FP16State(None, optimizer=torch.optim.Adam(model.parameters())).config.method == "fp16"
+
+
+def test_unbound_momentum_optimizer_step_raises_saying_what_to_change():
+    model = _model()
+    s = CSCState(None, density=0.05)
+    s.bind_parameter_names(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    with pytest.raises(RuntimeError, match=r"optimizer=opt"):
+        _sgd_step(model, opt)
+    _sgd_step(model, torch.optim.SGD(model.parameters(), lr=0.1))  # momentum-free: fine
+    _sgd_step(_model(), torch.optim.SGD(_model().parameters(), lr=0.1, momentum=0.9))  # not ours
+    off = CSCState(None, density=0.05, momentum_correction=False)
+    off.bind_parameter_names(model)
+    del s
+    import gc
+    gc.collect()  # the guard dies with its state
+    _sgd_step(model, opt)

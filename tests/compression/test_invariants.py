@@ -4,7 +4,15 @@ from __future__ import annotations
 import torch
 from hypothesis import given, strategies as st
 
-from compression_helpers import SETTINGS, flat_slot, grads_for, layouts, lost_tolerance, make_ranks, step
+from compression_helpers import (
+    SETTINGS,
+    flat_slot,
+    grads_for,
+    layouts,
+    lost_tolerance,
+    make_ranks,
+    step,
+)
 from gradientflow.compression import CompressionConfig
 
 
@@ -20,8 +28,11 @@ from gradientflow.compression import CompressionConfig
     dense_wire=st.sampled_from([None, "fp32", "fp16"]),
     seed=st.integers(0, 2**16),
 )
-def test_nothing_lost_without_momentum(layout, world, density, chunk, steps, method, wire, dense_wire, seed):
-    """sum_ranks(applied so far) + sum_ranks(residual) == sum of all gradients, within the wire sum's rounding.
+def test_nothing_lost_without_momentum(
+    layout, world, density, chunk, steps, method, wire, dense_wire, seed
+):
+    """sum_ranks(applied so far) + sum_ranks(residual) == sum of all gradients, within the wire
+    sum's rounding.
 
     The applied update of a step is the same on every rank (the average), so the sum over ranks
     of what was applied is world x the output.
@@ -29,7 +40,8 @@ def test_nothing_lost_without_momentum(layout, world, density, chunk, steps, met
     if method == "fp16" and wire == "fp32":
         wire = "fp16"
     cfg = CompressionConfig(method=method, density=density, chunk_size=chunk, wire_dtype=wire,
-                            dense_wire_dtype=dense_wire, warmup_densities=(), min_numel=0)
+                            dense_wire_dtype=dense_wire, warmup_densities=(), min_numel=0,
+                            momentum_correction=False)
     comps = make_ranks(cfg, world)
     produced = torch.zeros(layout.numel, dtype=torch.float64)
     applied = torch.zeros_like(produced)
@@ -62,14 +74,23 @@ def test_momentum_correction_identity(layout, world, density, chunk, steps, nest
 
     each step a rank adds its increment a_t = u_t (Nesterov: u_t + g_t) to its residual, where
     u_t = m * u_{t-1} + g_t (Nesterov: (u_{t-1} + g_t) * m) and u_{t-1} is the factor-MASKED
-    momentum the rank held; then sum_ranks(applied so far) + sum_ranks(residual) == sum_ranks sum_t a_t.
+    momentum the rank held; then sum_ranks(applied so far) + sum_ranks(residual) == sum_ranks sum_t
+    a_t.
     Factor masking: after the step, the momentum is 0 in every sent chunk (outside dense
     parameters) and u_t elsewhere.
     """
     m = 0.9
-    cfg = CompressionConfig(method="csc", density=density, chunk_size=chunk, wire_dtype="fp32",
-                            warmup_densities=(), momentum_correction=True, momentum=m, nesterov=nesterov,
-                            min_numel=0)
+    cfg = CompressionConfig(
+        method="csc",
+        density=density,
+        chunk_size=chunk,
+        wire_dtype="fp32",
+        warmup_densities=(),
+        momentum_correction=True,
+        momentum=m,
+        nesterov=nesterov,
+        min_numel=0,
+    )
     comps = make_ranks(cfg, world)
     increments = torch.zeros(layout.numel, dtype=torch.float64)
     applied = torch.zeros_like(increments)
@@ -98,11 +119,16 @@ def test_momentum_correction_identity(layout, world, density, chunk, steps, nest
 
 
 @SETTINGS
-@given(layout=layouts(), world=st.integers(1, 4), chunk=st.sampled_from([1, 8, 64]), seed=st.integers(0, 2**16))
+@given(
+    layout=layouts(),
+    world=st.integers(1, 4),
+    chunk=st.sampled_from([1, 8, 64]),
+    seed=st.integers(0, 2**16),
+)
 def test_density_one_fp32_is_the_plain_average(layout, world, chunk, seed):
     """Density 1 on an FP32 wire gives what plain DDP gives (sum / world), step after step."""
     cfg = CompressionConfig(method="csc", density=1.0, chunk_size=chunk, wire_dtype="fp32",
-                            dense_wire_dtype="fp32", warmup_densities=())
+                            dense_wire_dtype="fp32", warmup_densities=(), momentum_correction=False)
     comps = make_ranks(cfg, world)
     ref = make_ranks(CompressionConfig(method="none"), world)
     for t in range(3):

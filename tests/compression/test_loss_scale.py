@@ -20,21 +20,38 @@ def test_scaled_gradients_give_the_unscaled_result(layout, world, method, scales
     Power-of-two scales are exact in binary floating point, so the two runs round alike except
     in FP16's subnormal range (hence a small absolute tolerance).
     """
-    cfg = CompressionConfig(method=method, density=0.25, chunk_size=8, wire_dtype="bf16" if method == "csc" else "fp16",
-                            warmup_densities=(), min_numel=0)
+    cfg = CompressionConfig(
+        method=method,
+        density=0.25,
+        chunk_size=8,
+        wire_dtype="bf16" if method == "csc" else "fp16",
+        warmup_densities=(),
+        min_numel=0,
+        momentum_correction=False,
+    )
     scaled, plain = make_ranks(cfg, world), make_ranks(cfg, world)
     for t, s in enumerate(scales):
         grads = grads_for(world, layout.numel, seed + t)
         a = step(scaled, layout, [g * s for g in grads], loss_scale=s)[0] / s
         b = step(plain, layout, grads)[0]
         torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-3)
-    torch.testing.assert_close(flat_slot(scaled[0], layout), flat_slot(plain[0], layout), rtol=1e-2, atol=1e-3)
+    torch.testing.assert_close(
+        flat_slot(scaled[0], layout), flat_slot(plain[0], layout), rtol=1e-2, atol=1e-3
+    )
 
 
 def test_untold_scale_change_would_weight_the_residual_wrongly():
-    """The control: a scale change the compressor is not told of gives a different (wrong) update."""
+    """The control: a scale change the compressor is not told of gives a different (wrong)
+    update."""
     layout = Layout.from_shapes([("w", (64, 64))])
-    cfg = CompressionConfig(method="csc", density=0.1, chunk_size=64, wire_dtype="fp32", warmup_densities=())
+    cfg = CompressionConfig(
+        method="csc",
+        density=0.1,
+        chunk_size=64,
+        wire_dtype="fp32",
+        warmup_densities=(),
+        momentum_correction=False,
+    )
     told, untold, plain = make_ranks(cfg, 1), make_ranks(cfg, 1), make_ranks(cfg, 1)
     for t, s in enumerate([1024.0, 8.0, 8.0]):
         g = grads_for(1, layout.numel, t)
@@ -73,11 +90,17 @@ class FakeBucket:
 
 def _train(world, use_scaler, inject_inf_at, state_cls, cfg_kwargs, steps=6):
     torch.manual_seed(0)
-    models = [torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4)) for _ in range(world)]
+    models = [
+        torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+        for _ in range(world)
+    ]
     for m in models[1:]:
         m.load_state_dict(models[0].state_dict())
     opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
-    scalers = [torch.amp.GradScaler("cpu", init_scale=2.0 ** 8, growth_interval=1, enabled=use_scaler) for _ in range(world)]
+    scalers = [
+        torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=1, enabled=use_scaler)
+        for _ in range(world)
+    ]
     states = []
     for r in range(world):
         st_ = state_cls(None, grad_scaler=scalers[r], world_size=world, rank=r, **cfg_kwargs)
@@ -121,10 +144,14 @@ def test_grad_scaler_with_a_moving_scale_matches_unscaled_training():
 
 
 def _train_skipping(kw):
-    """Unscaled twin of _train(2, True, 3, ...): step 3 is skipped (its gradients never enter the residual)."""
+    """Unscaled twin of _train(2, True, 3, ...): step 3 is skipped (its gradients never enter the
+    residual)."""
     world, steps = 2, 6
     torch.manual_seed(0)
-    models = [torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4)) for _ in range(world)]
+    models = [
+        torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+        for _ in range(world)
+    ]
     for m in models[1:]:
         m.load_state_dict(models[0].state_dict())
     opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]

@@ -1,4 +1,6 @@
-"""Non-finite gradients (a loss-scale overflow) leave every rank's residual and momentum as they were."""
+"""Non-finite gradients (a loss-scale overflow) leave every rank's residual and momentum as they
+were."""
+
 from __future__ import annotations
 
 import copy
@@ -29,14 +31,23 @@ def _same(a, b):
     method=st.sampled_from(["csc", "csc-momentum", "fp16"]),
     wire=st.sampled_from(["fp16", "fp32"]), seed=st.integers(0, 2**16),
 )
-def test_non_finite_step_restores_state_on_every_rank(layout, world, bad_rank, bad, where, method, wire, seed):
-    """Every rank's output is non-finite (so GradScaler skips everywhere) and the next step is as if the bad one never happened."""
+def test_non_finite_step_restores_state_on_every_rank(
+    layout, world, bad_rank, bad, where, method, wire, seed
+):
+    """Every rank's output is non-finite (so GradScaler skips everywhere) and the next step is as if
+    the bad one never happened."""
     bad_rank %= world
     if method == "fp16" and wire == "fp32":
         wire = "fp16"
-    cfg = CompressionConfig(method="fp16" if method == "fp16" else "csc", density=0.3, chunk_size=8,
-                            wire_dtype=wire, warmup_densities=(), momentum_correction=method == "csc-momentum",
-                            min_numel=0)
+    cfg = CompressionConfig(
+        method="fp16" if method == "fp16" else "csc",
+        density=0.3,
+        chunk_size=8,
+        wire_dtype=wire,
+        warmup_densities=(),
+        momentum_correction=method == "csc-momentum",
+        min_numel=0,
+    )
     comps = make_ranks(cfg, world)
     for t in range(2):
         step(comps, layout, grads_for(world, layout.numel, seed + t))
@@ -59,9 +70,14 @@ def test_non_finite_step_restores_state_on_every_rank(layout, world, bad_rank, b
 
 
 @SETTINGS
-@given(world=st.integers(1, 3), method=st.sampled_from(["csc", "csc-momentum", "fp16"]), seed=st.integers(0, 2**16))
+@given(
+    world=st.integers(1, 3),
+    method=st.sampled_from(["csc", "csc-momentum", "fp16"]),
+    seed=st.integers(0, 2**16),
+)
 def test_a_later_bucket_overflowing_undoes_the_earlier_buckets_of_the_step(world, method, seed):
-    """GradScaler skips the whole step, so a finite bucket reduced before an overflowing one is undone too."""
+    """GradScaler skips the whole step, so a finite bucket reduced before an overflowing one is
+    undone too."""
     from gradientflow.compression import Layout
     from gradientflow.engine.stages import drive_lockstep
 
@@ -72,7 +88,9 @@ def test_a_later_bucket_overflowing_undoes_the_earlier_buckets_of_the_step(world
     comps = make_ranks(cfg, world)
     for t in range(2):
         for lay in (a, b):
-            drive_lockstep([c.reduce(g, lay) for c, g in zip(comps, grads_for(world, lay.numel, seed + t))])
+            drive_lockstep(
+                [c.reduce(g, lay) for c, g in zip(comps, grads_for(world, lay.numel, seed + t))]
+            )
         for c in comps:
             c.end_step()
     before = _states(comps)

@@ -1,4 +1,6 @@
-"""What crosses the wire is the compressed payload and nothing else (GRACE once sent the raw tensor)."""
+"""What crosses the wire is the compressed payload and nothing else (GRACE once sent the raw
+tensor)."""
+
 from __future__ import annotations
 
 import math
@@ -23,7 +25,8 @@ def _dense_mask(cfg, layout):
        chunk=st.sampled_from([4, 16, 64]), wire=st.sampled_from(["fp16", "bf16", "fp32"]),
        seed=st.integers(0, 2**16))
 def test_csc_sends_only_norms_chunks_and_dense_part(layout, world, density, chunk, wire, seed):
-    """Every yielded tensor has the size the algorithm prescribes; the output lives only where something was sent."""
+    """Every yielded tensor has the size the algorithm prescribes; the output lives only where
+    something was sent."""
     cfg = CompressionConfig(method="csc", density=density, chunk_size=chunk, wire_dtype=wire,
                             warmup_densities=(), min_numel=0)
     comps = make_ranks(cfg, world)
@@ -47,21 +50,32 @@ def test_csc_sends_only_norms_chunks_and_dense_part(layout, world, density, chun
     nz = (out != 0) & ~dense
     assert torch.unique(nz.nonzero().view(-1) // chunk).numel() <= k
     if k * chunk + d < n:
-        assert sent[1].numel() + (d if wire == "fp32" else 0) < n, "sent as many values as the dense buffer"
+        assert sent[1].numel() + (d if wire == "fp32" else 0) < n, (
+            "sent as many values as the dense buffer"
+        )
 
 
 @SETTINGS
-@given(layout=layouts(), world=st.integers(1, 3), chunk=st.sampled_from([4, 32]), seed=st.integers(0, 2**16))
+@given(
+    layout=layouts(),
+    world=st.integers(1, 3),
+    chunk=st.sampled_from([4, 32]),
+    seed=st.integers(0, 2**16),
+)
 def test_csc_output_is_exactly_the_reduced_payload(layout, world, chunk, seed):
-    """Unpacking the recorded payload by hand reproduces the output, and the residual is v where nothing was sent."""
+    """Unpacking the recorded payload by hand reproduces the output, and the residual is v where
+    nothing was sent."""
     cfg = CompressionConfig(method="csc", density=0.3, chunk_size=chunk, wire_dtype="fp16",
                             warmup_densities=(), min_numel=0, dense_1d=False)
     comps = make_ranks(cfg, world)
     wrap, log = recording()
     grads = grads_for(world, layout.numel, seed)
-    outs = drive_lockstep([wrap(c.reduce(g.clone(), layout), i) for i, (c, g) in enumerate(zip(comps, grads))])
+    outs = drive_lockstep(
+        [wrap(c.reduce(g.clone(), layout), i) for i, (c, g) in enumerate(zip(comps, grads))]
+    )
     n, nch = layout.numel, math.ceil(layout.numel / chunk)
-    total = sum(log[i][1].float() for i in range(world))  # what the transport summed, re-summed here
+    # what the transport summed, re-summed here
+    total = sum(log[i][1].float() for i in range(world))
     k = total.numel() // chunk
     # The k chosen chunks are the top-k of the summed norms (ties to the lower index).
     norms = sum(log[i][0] for i in range(world))
@@ -81,7 +95,8 @@ def test_csc_output_is_exactly_the_reduced_payload(layout, world, chunk, seed):
 @SETTINGS
 @given(world=st.integers(2, 6), seed=st.integers(0, 2**16))
 def test_fp16_prescale_never_overflows_where_a_post_scaled_sum_would(world, seed):
-    """Values that fit FP16 on every rank average without overflow, although their plain FP16 sum is inf."""
+    """Values that fit FP16 on every rank average without overflow, although their plain FP16 sum is
+    inf."""
     gen = torch.Generator().manual_seed(seed)
     grads = [30000 + 35000 * torch.rand(256, generator=gen) for _ in range(world)]
     post = sum(g.half() for g in grads)
@@ -97,7 +112,8 @@ def test_fp16_prescale_never_overflows_where_a_post_scaled_sum_would(world, seed
 
 
 def test_wire_bytes_follow_the_one_definition():
-    """Per step: 4 bytes per chunk norm + wire bytes of k chunks + dense elements; dense FP32 = 4 bytes/element."""
+    """Per step: 4 bytes per chunk norm + wire bytes of k chunks + dense elements; dense FP32 = 4
+    bytes/element."""
     from gradientflow.compression import Layout
     layout = Layout.from_shapes([("w", (100, 100)), ("b", (100,)), ("w2", (50, 40))])
     cfg = CompressionConfig(method="csc", density=0.05, chunk_size=64, warmup_densities=(0.5,),

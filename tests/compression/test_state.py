@@ -1,4 +1,6 @@
-"""Residuals are keyed by parameter name: they survive state_dict round trips, bucket re-layouts and resizes."""
+"""Residuals are keyed by parameter name: they survive state_dict round trips, bucket re-layouts and
+resizes."""
+
 from __future__ import annotations
 
 import copy
@@ -23,7 +25,9 @@ def _buckets(order, cuts):
     """Split the parameters (in `order`) into consecutive buckets at the given cut points."""
     names = [PARAMS[i][0] for i in order]
     edges = [0, *sorted(set(c for c in cuts if 0 < c < len(names))), len(names)]
-    return [Layout.from_shapes((n, SHAPES[n]) for n in names[s:e]) for s, e in zip(edges, edges[1:])]
+    return [
+        Layout.from_shapes((n, SHAPES[n]) for n in names[s:e]) for s, e in zip(edges, edges[1:])
+    ]
 
 
 def _run(comps, buckets, grads_by_name, loss_scale=1.0):
@@ -31,7 +35,9 @@ def _run(comps, buckets, grads_by_name, loss_scale=1.0):
     applied = {}
     for lay in buckets:
         flats = [torch.cat([g[n].reshape(-1) for n in lay.names]) for g in grads_by_name]
-        outs = drive_lockstep([c.reduce(f, lay, loss_scale=loss_scale) for c, f in zip(comps, flats)])
+        outs = drive_lockstep(
+            [c.reduce(f, lay, loss_scale=loss_scale) for c, f in zip(comps, flats)]
+        )
         for n, s, e in lay.slices():
             applied[n] = outs[0][s:e].clone().view(SHAPES[n])
     for c in comps:
@@ -52,15 +58,20 @@ def _held(comps):
     return out
 
 
-CFG = dict(method="csc", density=0.25, chunk_size=8, wire_dtype="fp16", warmup_densities=(), min_numel=0)
+CFG = dict(
+    method="csc", density=0.25, chunk_size=8, wire_dtype="fp16", warmup_densities=(), min_numel=0
+)
 
 
 @SETTINGS
 @given(world=st.integers(1, 3), order=st.permutations(range(len(PARAMS))),
        cuts=st.lists(st.integers(1, len(PARAMS) - 1), max_size=3), momentum=st.booleans(),
        seed=st.integers(0, 2**16))
-def test_relayout_keeps_every_parameters_state_and_loses_nothing(world, order, cuts, momentum, seed):
-    """DDP's rebuild: first layout, then another; per-name state is carried over and the invariant holds."""
+def test_relayout_keeps_every_parameters_state_and_loses_nothing(
+    world, order, cuts, momentum, seed
+):
+    """DDP's rebuild: first layout, then another; per-name state is carried over and the invariant
+    holds."""
     cfg = CompressionConfig(**CFG, momentum_correction=momentum)
     comps = make_ranks(cfg, world)
     first = _buckets(list(reversed(range(len(PARAMS)))), [])
@@ -93,10 +104,15 @@ def test_relayout_keeps_every_parameters_state_and_loses_nothing(world, order, c
 
 
 @SETTINGS
-@given(world=st.integers(1, 3), order=st.permutations(range(len(PARAMS))), seed=st.integers(0, 2**16),
-       momentum=st.booleans())
+@given(
+    world=st.integers(1, 3),
+    order=st.permutations(range(len(PARAMS))),
+    seed=st.integers(0, 2**16),
+    momentum=st.booleans(),
+)
 def test_state_dict_round_trip_resumes_exactly(world, order, seed, momentum):
-    """Save after a rebuilt layout, load into fresh compressors that start from the FIRST layout again
+    """Save after a rebuilt layout, load into fresh compressors that start from the FIRST layout
+    again
     (a resumed DDP), and both continue identically once on the same layout."""
     cfg = CompressionConfig(**CFG, momentum_correction=momentum)
     comps = make_ranks(cfg, world)

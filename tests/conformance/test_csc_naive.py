@@ -50,7 +50,8 @@ def naive_step(grads: list[list[float]], residuals: list[list[float]], chunk: in
        seed=st.integers(0, 2**16))
 def test_csc_matches_the_naive_reference_over_steps(n, numel, chunk, density, norm, seed):
     cfg = CompressionConfig(method="csc", density=density, chunk_size=chunk, norm=norm,
-                            wire_dtype="fp32", warmup_densities=(), dense_1d=False, min_numel=0)
+                            wire_dtype="fp32", warmup_densities=(), dense_1d=False, min_numel=0,
+                            momentum_correction=False)
     layout = Layout.from_shapes([("w", (numel,))])
     comps = [make_compressor(cfg, n) for _ in range(n)]
     g = torch.Generator().manual_seed(seed)

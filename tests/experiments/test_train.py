@@ -1,4 +1,5 @@
-"""experiments/imagenet/train.py: bad input is refused before init, a tiny run works, resume is exact."""
+"""experiments/imagenet/train.py: bad input refused before init, a tiny run works, exact resume."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -53,6 +54,7 @@ def _gradientflow_ready() -> bool:
     (["--dummy", "--density", "1.5"], "--density"),
     (["--dummy", "--chunk-size", "0"], "--chunk-size"),
     (["--dummy", "--fusion-threshold", "lots"], "--fusion-threshold"),
+    (["--dummy", "--fusion-threshold", "64MB", "--dist-backend", "gloo"], "gradientflow option"),
     (["--dummy", "--warmup", "0.5,2"], "--warmup"),
     (["--dummy", "--resume", "/no/such/checkpoint.pth.tar"], "--resume"),
     (["--dummy", "--no-such-flag"], "unrecognized"),
@@ -75,14 +77,18 @@ def test_bad_input_from_the_command_line_exits_nonzero_with_one_line():
 
 
 def test_config_derives_per_rank_batch_and_scaled_lr():
-    cfg = train.resolve(train.parse_args(["--dummy", "-b", "512", "--lr", "0.1"]), env={"WORLD_SIZE": "4"})
+    cfg = train.resolve(
+        train.parse_args(["--dummy", "-b", "512", "--lr", "0.1"]), env={"WORLD_SIZE": "4"}
+    )
     assert cfg.per_rank_batch == 128 and cfg.peak_lr == pytest.approx(0.2)
     with pytest.raises(train.ConfigError, match="multiple of the world size"):
         train.resolve(train.parse_args(["--dummy", "-b", "6"]), env={"WORLD_SIZE": "4"})
 
 
 def test_lr_schedule_warms_up_then_steps():
-    cfg = train.resolve(train.parse_args(["--dummy", "--lr-warmup-epochs", "2", "--lr-steps", "3,5"]), env={})
+    cfg = train.resolve(
+        train.parse_args(["--dummy", "--lr-warmup-epochs", "2", "--lr-steps", "3,5"]), env={}
+    )
     peak = cfg.peak_lr
     assert train.learning_rate(cfg, 1.0) == pytest.approx(peak / 2)
     assert train.learning_rate(cfg, 2.5) == pytest.approx(peak)
@@ -90,24 +96,87 @@ def test_lr_schedule_warms_up_then_steps():
     assert train.learning_rate(cfg, 6.0) == pytest.approx(peak * 0.01)
 
 
-# ---- a tiny run -------------------------------------------------------------------------------------
+def test_backend_options_go_to_init_as_pg_options_not_the_environment(monkeypatch):
+    """--fusion-threshold is parsed by gradientflow's own size parser and handed to
+    init_process_group; train.py writes nothing into os.environ."""
+    calls = []
+    monkeypatch.setattr(train.dist, "init_process_group", lambda **kw: calls.append(kw))
+    for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    cfg = train.resolve(train.parse_args(["--dummy", "--fusion-threshold", "64MiB"]), env={})
+    before = dict(os.environ)
+    train.init_distributed(cfg)
+    assert dict(os.environ) == before
+    (kw,) = calls
+    assert kw["pg_options"] == {"fusion_threshold": 64 * 2**20}
+    assert kw["backend"] == "gradientflow" and kw["init_method"].startswith("tcp://127.0.0.1:")
+    plain = train.resolve(train.parse_args(["--dummy"]), env={})
+    train.init_distributed(plain)
+    assert "pg_options" not in calls[-1]  # unset: the backend's defaults and GRADIENTFLOW_* apply
+
+
+def test_unset_csc_flags_leave_the_library_defaults():
+    from gradientflow.compression import CompressionConfig
+
+    cfg = train.resolve(train.parse_args(["--dummy", "--compression", "csc"]), env={})
+    default = CompressionConfig(method="csc")
+    comp = cfg.compression_config
+    for field in ("warmup_densities", "warmup_unit", "warmup_period", "momentum_correction",
+                  "chunk_size", "momentum", "clip_norm"):
+        assert getattr(comp, field) == getattr(default, field), field
+    on = train.resolve(train.parse_args(["--dummy", "--compression", "csc", "--momentum-correction",
+                                         "--chunk-size", "256", "--clip-norm", "2"]), env={})
+    assert on.compression_config.momentum_correction and on.compression_config.chunk_size == 256
+    assert on.compression_config.clip_norm == 2.0
+    off = train.resolve(train.parse_args(["--dummy", "--compression", "csc",
+                                          "--no-momentum-correction"]), env={})
+    assert not off.compression_config.momentum_correction
+
+
+def test_alexnet_bn_is_an_arch_with_batch_norm_after_every_hidden_layer():
+    cfg = train.resolve(train.parse_args(["--dummy", "-a", "alexnet_bn", "--num-classes", "7"]),
+                        env={})
+    model = train.build_model(cfg).eval()
+    bn = (torch.nn.BatchNorm1d, torch.nn.BatchNorm2d)
+    norms = [m for m in model.modules() if isinstance(m, bn)]
+    linear = [m for m in model.modules() if isinstance(m, (torch.nn.Conv2d, torch.nn.Linear))]
+    assert len(norms) == 7 and len(linear) == 8  # 5 conv + 2 hidden FC normalised, not the head
+    with torch.no_grad():
+        assert model(torch.randn(2, 3, 64, 64)).shape == (2, 7)
+    plain = train.build_model(train.resolve(
+        train.parse_args(["--dummy", "-a", "alexnet", "--num-classes", "7"]), env={}))
+    # torchvision's layer shapes: the same weight matrices (biases give way to BN's shift).
+    assert (sorted(tuple(p.shape) for p in model.parameters() if p.ndim > 1)
+            == sorted(tuple(p.shape) for p in plain.parameters() if p.ndim > 1))
+
+
+# ---- a tiny run ----------------------------------------------------------------------------------
 def test_tiny_dummy_run_on_one_process(tmp_path):
     backend, comp = ("gradientflow", "csc") if _gradientflow_ready() else ("gloo", "none")
     log = tmp_path / "log.jsonl"
-    cmd = [sys.executable, str(SCRIPT), "--dummy", "-a", "resnet18", "--image-size", "32", "--num-classes", "10",
-           "-b", "4", "--steps-per-epoch", "2", "--epochs", "1", "-j", "1", "--dist-backend", backend,
-           "--compression", comp, "--density", "0.01", "--warmup", "none", "--json-log", str(log),
-           "--checkpoint-dir", str(tmp_path)]
+    cmd = [
+        sys.executable, str(SCRIPT), "--dummy", "-a", "resnet18", "--image-size", "32",
+        "--num-classes", "10", "-b", "4", "--steps-per-epoch", "2", "--epochs", "1", "-j", "1",
+        "--dist-backend", backend, "--compression", comp, "--density", "0.01",
+        "--warmup", "none", "--json-log", str(log), "--checkpoint-dir", str(tmp_path),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT, env=_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
     (record,) = [json.loads(line) for line in log.read_text().splitlines()]
-    assert record["steps"] == 2 and record["images_per_s"] > 0 and 0 < record["wire_bytes"] <= record["dense_bytes"]
-    assert (tmp_path / "checkpoint.pth.tar").is_file() and (tmp_path / "checkpoint.pth.tar.rank0").is_file()
+    assert (
+        record["steps"] == 2
+        and record["images_per_s"] > 0
+        and 0 < record["wire_bytes"] <= record["dense_bytes"]
+    )
+    assert (tmp_path / "checkpoint.pth.tar").is_file() and (
+        tmp_path / "checkpoint.pth.tar.rank0"
+    ).is_file()
 
 
-# ---- resume equivalence ---------------------------------------------------------------------------
+# ---- resume equivalence --------------------------------------------------------------------------
 def _torchrun(args, tmp_path, name):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(SCRIPT), *args]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           str(SCRIPT), *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT, env=_env())
     (tmp_path / f"{name}.out").write_text(proc.stdout + proc.stderr)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -122,15 +191,22 @@ def test_stop_and_resume_gives_the_parameters_of_an_uninterrupted_run(tmp_path):
     """2 ranks, CSC (residuals matter): 2 epochs straight == 1 epoch, stop, resume 1 more."""
     data = prepare.prepare(tmp_path / "digits", size=16, limit=48)
     backend, comp = ("gradientflow", "csc") if _gradientflow_ready() else ("gloo", "none")
-    common = [str(data), "-a", "resnet18", "--image-size", "16", "--num-classes", "10", "--augment", "none",
-              "-b", "16", "--lr", "0.05", "--lr-base-batch", "16", "-j", "0", "--seed", "3", "--dist-backend", backend,
-              "--compression", comp, "--density", "0.01", "--warmup", "0.25", "--bucket-cap-mb", "5"]
+    common = [
+        str(data), "-a", "resnet18", "--image-size", "16", "--num-classes", "10",
+        "--augment", "none", "-b", "16", "--lr", "0.05", "--lr-base-batch", "16", "-j", "0",
+        "--seed", "3", "--dist-backend", backend, "--compression", comp, "--density", "0.01",
+        "--warmup", "0.25", "--bucket-cap-mb", "5",
+    ]
     straight, stopped = tmp_path / "straight", tmp_path / "stopped"
     _torchrun(common + ["--epochs", "2", "--checkpoint-dir", str(straight)], tmp_path, "straight")
     _torchrun(common + ["--epochs", "1", "--checkpoint-dir", str(stopped)], tmp_path, "first")
-    if comp == "csc":  # the shards hold residuals: they must be non-zero for the test to mean anything
+    if (
+        comp == "csc"
+    ):  # the shards hold residuals: they must be non-zero for the test to mean anything
         shard = torch.load(stopped / "checkpoint.pth.tar.rank1", weights_only=False)["compressor"]
-        assert any(torch.is_tensor(v) and v.abs().sum() > 0 for v in _tensors(shard)), "no residual in the shard"
+        assert any(torch.is_tensor(v) and v.abs().sum() > 0 for v in _tensors(shard)), (
+            "no residual in the shard"
+        )
     _torchrun(common + ["--epochs", "2", "--resume", str(stopped / "checkpoint.pth.tar"),
                         "--checkpoint-dir", str(stopped)], tmp_path, "resumed")
     a, b = _params(straight / "checkpoint.pth.tar"), _params(stopped / "checkpoint.pth.tar")

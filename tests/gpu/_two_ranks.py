@@ -4,8 +4,8 @@
 all_reduce a CUDA tensor of ones over BACKEND: "gradientflow", "cpu:gloo,cuda:nccl" (torch's own,
 for comparison) or "transport" (our backend's NCCL factory, ``Transports``, on a FileStore:
 what the backend does on first CUDA use, runnable on a torch that cannot construct the
-backend); each writes what happened. NCCL refuses two ranks on one device ("Duplicate GPU detected") from
-2.x on; this records the message, or the result if it ran.
+backend); each writes what happened. NCCL refuses two ranks on one device ("Duplicate GPU
+detected") from 2.x on; this records the message, or the result if it ran.
 """
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ def worker(rank, backend, init_file, out_dir):
         x = torch.ones(1024, device="cuda:0") * (rank + 1)
         c = torch.ones(4) * (rank + 1)
         if backend == "transport":
-            from gradientflow.backend.backend import Transports
+            from gradientflow.backend.transports import Transports
 
             tp = Transports(dist.FileStore(init_file, 2), rank, 2, timeout)
             tp.get(torch.device("cpu")).allreduce([c]).wait()
@@ -78,8 +78,8 @@ def main() -> int:
     ranks = []
     for r in range(2):
         path = os.path.join(out_dir, f"rank{r}.json")
-        ranks.append(json.load(open(path)) if os.path.exists(path) else {"rank": r, "ok": False,
-                                                                          "error": "no result (hung or killed)"})
+        missing = {"rank": r, "ok": False, "error": "no result (hung or killed)"}
+        ranks.append(json.load(open(path)) if os.path.exists(path) else missing)
     result = {"backend": backend, "hung_ranks": hung, "ranks": ranks}
     with open(out, "w") as f:
         json.dump(result, f, indent=1)

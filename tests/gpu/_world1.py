@@ -93,8 +93,8 @@ def run_check(fn):
     faulthandler.cancel_dump_traceback_later()
     rec["seconds"] = round(time.perf_counter() - t0, 3)
     _write()
-    print(("PASS " if rec["ok"] else "FAIL ") + rec["name"] + ("" if rec["ok"] else ": " + rec["error"]),
-          flush=True)
+    status = "PASS " if rec["ok"] else "FAIL "
+    print(status + rec["name"] + ("" if rec["ok"] else ": " + rec["error"]), flush=True)
 
 
 MODE = {"mode": None}
@@ -105,7 +105,8 @@ class _EngineShim:
     """What GradientFlowBackend holds, built from the same parts (engine mode only)."""
 
     def __init__(self, store, timeout):
-        from gradientflow.backend.backend import Transports, _make_gloo
+        from gradientflow.backend.transports import Transports
+        from gradientflow.backend.transports import make_gloo as _make_gloo
         from gradientflow.config import Config
         from gradientflow.engine.engine import Engine
 
@@ -118,12 +119,14 @@ class _EngineShim:
 
     def scheduler(self):
         if self._scheduler is None:
-            from gradientflow.backend.backend import Transports, _make_gloo
+            from gradientflow.backend.transports import Transports
+            from gradientflow.backend.transports import make_gloo as _make_gloo
             from gradientflow.engine.scheduler import KeyedScheduler
 
             store, rank, size, timeout = self._args
             cfg = self.engine.config
-            self._sched_transports = Transports(store, rank, size, timeout, prefix="gradientflow/sched-")
+            self._sched_transports = Transports(store, rank, size, timeout,
+                                                prefix="gradientflow/sched-")
             self._scheduler = KeyedScheduler(
                 rank, size, _make_gloo(store, rank, size, timeout, "gradientflow/sched-agree/"),
                 self._sched_transports.get, cfg.schedule_credit,
@@ -147,11 +150,7 @@ def all_reduce(t, op=dist.ReduceOp.SUM, async_op=False):
     eng = shim.engine
     opts = AllreduceOptions()
     opts.reduceOp = op
-    if eng.fusable(t.numel() * t.element_size(), async_op):
-        w = eng.submit_allreduce(t, opts.reduceOp, not async_op)
-    else:
-        w = eng.submit_eager("all_reduce", lambda: shim.transports.get(t.device).allreduce([t], opts), [t],
-                             t.device)
+    w = eng.allreduce([t], opts, t, opts.reduceOp, t.numel() * t.element_size(), async_op)
     if async_op:
         return w
     w.wait()
@@ -161,7 +160,7 @@ def all_reduce(t, op=dist.ReduceOp.SUM, async_op=False):
 def eager(name, device, launch):
     """Engine mode: one collective in sequence order through the engine, waited on."""
     shim = SHIM["shim"]
-    w = shim.engine.submit_eager(name, lambda: launch(shim.transports.get(device)), [], device)
+    w = shim.engine.collective(name, device, launch, [])
     w.wait()
 
 
@@ -251,7 +250,9 @@ def all_reduce_async_small_fused():
     [w.wait() for w in ws]
     assert all(torch.equal(p, q) for p, q in zip(a, b)) and s.tolist() == [2.0, 3.0]
     st = gradientflow.stats()
-    return {k: v for k, v in st.items() if not isinstance(v, (dict, list))} if isinstance(st, dict) else str(st)
+    if not isinstance(st, dict):
+        return str(st)
+    return {k: v for k, v in st.items() if not isinstance(v, (dict, list))}
 
 
 @check
@@ -315,8 +316,8 @@ def stages_on_a_side_stream():
 
     def submit(g):
         if MODE["mode"] == "engine":
-            return SHIM["shim"].engine.submit_stages("stages", g, DEV)
-        from gradientflow.engine.api import submit_stages
+            return SHIM["shim"].engine.stages("stages", g, DEV)
+        from gradientflow.backend.api import submit_stages
 
         return submit_stages(None, "side-stream", g, DEV)
 
@@ -372,8 +373,12 @@ def broadcast_gather_scatter_family():
 
 
 def _family_on_engine():
-    from torch._C._distributed_c10d import (AllgatherOptions, BarrierOptions, BroadcastOptions,
-                                            ReduceScatterOptions)
+    from torch._C._distributed_c10d import (
+        AllgatherOptions,
+        BarrierOptions,
+        BroadcastOptions,
+        ReduceScatterOptions,
+    )
 
     x = pattern(10_000, 5)
     y = x.clone()
@@ -388,10 +393,12 @@ def _family_on_engine():
     eager("all_gather_into_tensor", DEV, lambda tp: tp._allgather_base(big, x, AllgatherOptions()))
     assert torch.equal(big, x)
     r = torch.empty_like(x)
-    eager("reduce_scatter", DEV, lambda tp: tp.reduce_scatter([r], [[x.clone()]], ReduceScatterOptions()))
+    eager("reduce_scatter", DEV,
+          lambda tp: tp.reduce_scatter([r], [[x.clone()]], ReduceScatterOptions()))
     assert torch.equal(r, x)
     r2 = torch.empty_like(x)
-    eager("reduce_scatter_tensor", DEV, lambda tp: tp._reduce_scatter_base(r2, x.clone(), ReduceScatterOptions()))
+    eager("reduce_scatter_tensor", DEV,
+          lambda tp: tp._reduce_scatter_base(r2, x.clone(), ReduceScatterOptions()))
     assert torch.equal(r2, x)
     eager("barrier", torch.device("cpu"), lambda tp: tp.barrier(BarrierOptions()))
     # an eager op queued behind deferred ones (the engine thread launches it, not the caller)
@@ -400,7 +407,7 @@ def _family_on_engine():
     eager("all_gather_into_tensor", DEV, lambda tp: tp._allgather_base(big2, x, AllgatherOptions()))
     [w.wait() for w in ws]
     assert torch.equal(big2, x)
-    return "engine mode: transport calls through Engine.submit_eager"
+    return "engine mode: transport calls through Engine.collective"
 
 
 @check
@@ -410,7 +417,8 @@ def cpu_and_cuda_in_one_program():
     ws = [all_reduce(c, async_op=True), all_reduce(g, async_op=True),
           all_reduce(c * 0 + 1, async_op=True)]
     [w.wait() for w in ws]
-    assert torch.equal(c, torch.arange(1000, dtype=torch.float32)) and torch.equal(g, pattern(1000, 1))
+    assert torch.equal(c, torch.arange(1000, dtype=torch.float32))
+    assert torch.equal(g, pattern(1000, 1))
     return {"transports": backend().transports.created()}
 
 
@@ -492,7 +500,8 @@ def _ddp_hook(cfg, tol, side=False):
         assert d < tol, d
     return {"max_abs_diff_vs_local": d, "numba_cuda_loaded": K._cuda_module is not None,
             "numba_cuda_error": repr(K._cuda_error), "steps": st.get("steps"),
-            "ratio": (st.get("steady") or {}).get("ratio") if isinstance(st.get("steady"), dict) else None}
+            "ratio": (st["steady"].get("ratio") if isinstance(st.get("steady"), dict)
+                      else None)}
 
 
 @check
@@ -543,8 +552,9 @@ def ddp_csc_hook_1_percent():
 def ddp_csc_hook_momentum_correction():
     from gradientflow.compression import CompressionConfig
 
-    return _ddp_hook(CompressionConfig(method="csc", density=0.05, chunk_size=64, warmup_densities=(),
-                                       momentum_correction=True, min_numel=1), None)
+    return _ddp_hook(CompressionConfig(method="csc", density=0.05, chunk_size=64,
+                                       warmup_densities=(), momentum_correction=True,
+                                       min_numel=1), None)
 
 
 def _dist_opt(compression, tol, side=False):
@@ -577,8 +587,8 @@ def distributed_optimizer_fp16():
 def distributed_optimizer_csc():
     from gradientflow.compression import CompressionConfig
 
-    return _dist_opt(CompressionConfig(method="csc", density=0.01, chunk_size=64, warmup_densities=(),
-                                       min_numel=1), None)
+    return _dist_opt(CompressionConfig(method="csc", density=0.01, chunk_size=64,
+                                       warmup_densities=(), min_numel=1), None)
 
 
 @check
@@ -602,7 +612,7 @@ def _init_engine_mode() -> None:
     """torch < 2.14: torch's own group for DDP, our engine and transports registered for it."""
     import datetime
 
-    from gradientflow.backend import backend as B
+    from gradientflow.backend import registry
 
     timeout = datetime.timedelta(seconds=120)
     dist.init_process_group("cpu:gloo,cuda:nccl" if CUDA else "gloo",
@@ -610,7 +620,7 @@ def _init_engine_mode() -> None:
                             rank=0, world_size=1, timeout=timeout)
     store = dist.FileStore(tempfile.mktemp(prefix="gf-world1-store-"), 1)
     SHIM["shim"] = _EngineShim(store, timeout)
-    B._BACKENDS[str(dist.group.WORLD.group_name)] = SHIM["shim"]
+    registry.add(str(dist.group.WORLD.group_name), SHIM["shim"])
     MODE["mode"] = "engine"
 
 
@@ -627,8 +637,10 @@ def main() -> int:
         checks = [c for c in checks if c.__name__ in only.split(",")]
     try:
         if os.environ.get("GF_WORLD1_FORCE_ENGINE"):  # dry-run engine mode on a torch that has both
-            raise TypeError("GradientFlowBackend: No constructor defined! (forced by GF_WORLD1_FORCE_ENGINE)")
-        dist.init_process_group("gradientflow", init_method=f"file://{init_file}", rank=0, world_size=1)
+            raise TypeError("GradientFlowBackend: No constructor defined! (forced by "
+                            "GF_WORLD1_FORCE_ENGINE)")
+        dist.init_process_group("gradientflow", init_method=f"file://{init_file}", rank=0,
+                                world_size=1)
         MODE["mode"] = "backend"
     except BaseException as exc:  # noqa: BLE001
         RESULTS.append({"name": "init_process_group(gradientflow)", "ok": False, "error": repr(exc),
@@ -648,7 +660,8 @@ def main() -> int:
         RESULTS.append({"name": "destroy_process_group", "ok": False, "error": repr(exc)})
     _write()
     failed = [r["name"] for r in RESULTS if not r["ok"]]
-    print(f"mode {MODE['mode']}: {len(RESULTS) - len(failed)} passed, {len(failed)} failed: {failed}",
+    print(f"mode {MODE['mode']}: {len(RESULTS) - len(failed)} passed, {len(failed)} failed: "
+          f"{failed}",
           flush=True)
     return 1 if failed else 0
 

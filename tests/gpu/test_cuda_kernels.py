@@ -7,13 +7,12 @@ error, every other output bit for bit. Skipped without a GPU (tests/gpu/conftest
 """
 from __future__ import annotations
 
-
 import pytest
 import torch
+from bits import assert_same_bits
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bits import assert_same_bits
 from gradientflow import kernels as K
 
 DEV = "cuda"
@@ -34,7 +33,9 @@ def test_numba_cuda_target_loads_and_is_used():
     """On a GPU machine the dispatch must pick the numba kernels, not fall back to torch."""
     mod = K._cuda()
     assert mod is not None, f"numba CUDA kernels unavailable: {K._cuda_error!r}"
-    assert K._backend("chunk_norms", "auto", torch.device(DEV)) is mod
+    for op, spec in K.OPS.items():
+        want = getattr(mod, op) if spec.cuda else spec.reference
+        assert K.implementation(op, "auto", torch.device(DEV)) is want, op
 
 
 def test_views_are_zero_copy():
@@ -120,7 +121,7 @@ def test_csc_step_property(n, c, density, wire, seed, mode):
     r0 = torch.randn(n, generator=gen).to(DEV)
     mom = torch.randn(n, generator=gen).to(DEV) if mode != "plain" else None
     nch = K.nchunks_of(n, c)
-    k = int(round(density * nch))
+    k = round(density * nch)
     state = {}
     for impl in ("numba", "torch"):
         gi, r = g.clone(), r0.clone()
@@ -170,10 +171,10 @@ def test_kernels_run_on_the_current_stream():
 
 
 @pytest.mark.parametrize("wire", WIRES)
-def test_csc_step_folded_into_the_residual(wire):
-    """CSC's one-pass step as the compressor runs it: v written straight into the spare residual
-    while the gradient is zeroed (chunk_norms(v_out=, zero_grad=True)), then only the sent
-    chunks written back (unpack_sent): numba CUDA and torch agree bit for bit."""
+def test_csc_step_with_v_in_the_spare_buffer(wire):
+    """The compressor's step with error feedback: v written into a spare buffer with the gradient
+    zeroed in the same pass (chunk_norms(v_out=, zero_grad=True)), then only the sent chunks
+    written back (unpack_sent): numba CUDA and torch agree bit for bit."""
     n, c = 300_001, 1024
     gen = torch.Generator().manual_seed(5)
     g0 = torch.randn(n, generator=gen).to(DEV)
@@ -183,6 +184,7 @@ def test_csc_step_folded_into_the_residual(wire):
     for impl in ("numba", "torch"):
         g, r, spare = g0.clone(), r0.clone(), torch.empty(n, device=DEV)
         norms = K.chunk_norms(g, r, c, "l1", v_out=spare, zero_grad=True, impl=impl)
+        assert bool((g == 0).all())
         idx = K.select_chunks(norms, nch // 10)
         packed = K.pack_chunks(spare, idx, c, 0.5, wire, impl=impl)
         K.unpack_sent(g, spare, packed, packed.clone(), idx, c, 2.0, 2.0, impl=impl)

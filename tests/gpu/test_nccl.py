@@ -30,7 +30,8 @@ def test_backend_world1_on_cuda(tmp_path):
     old_torch = result["mode"] == "engine"
     if old_torch:
         failed = [c for c in failed if not c["name"].startswith("init_process_group")]
-    assert not failed, "\n\n".join(f"{c['name']}: {c['error']}\n{c.get('traceback', '')}" for c in failed)
+    assert not failed, "\n\n".join(f"{c['name']}: {c['error']}\n{c.get('traceback', '')}"
+                                   for c in failed)
     if old_torch:
         pytest.xfail(f"torch {result['torch']} cannot construct the backend (needs >= 2.14); the "
                      "engine, NCCL transport, hooks and optimizer checks passed")

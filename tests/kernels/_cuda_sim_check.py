@@ -13,7 +13,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 try:
-    from gradientflow.kernels import cuda as K  # noqa: E402
+    from gradientflow.kernels import cuda as K
 except Exception as exc:  # noqa: BLE001
     print(f"SKIP: the CUDA simulator cannot import: {exc!r}")
     sys.exit(77)
@@ -24,7 +24,9 @@ CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 
 def wire_np(t):
-    return t.numpy() if t.dtype == torch.float32 else t.view(torch.int16).numpy().view(np.uint16).copy()
+    if t.dtype == torch.float32:
+        return t.numpy()
+    return t.view(torch.int16).numpy().view(np.uint16).copy()
 
 
 def from_wire(a, dtype):
@@ -83,8 +85,9 @@ def main():
                                          nesterov=mode == 2, v_out=tv2, zero_grad=True)
                     vout = np.empty(n, np.float32)
                     norms2 = np.empty(nch, np.float32)
-                    K.launch_chunk_norms(g2, r, mom, np.empty(n, np.float32) if mode else None, mode,
-                                         0.9, c, l2, norms2, vout=vout, zero_g=True)
+                    mom_out = np.empty(n, np.float32) if mode else None
+                    K.launch_chunk_norms(g2, r, mom, mom_out, mode, 0.9, c, l2, norms2, vout=vout,
+                                         zero_g=True)
                     same_bits(torch.from_numpy(vout), tv2)
                     same_bits(torch.from_numpy(g2), tg2)
                     torch.testing.assert_close(torch.from_numpy(norms2), ref2, rtol=1e-5, atol=1e-5)

@@ -1,4 +1,4 @@
-"""numba CPU kernels against the torch reference, over random sizes, chunks, norms and wire types."""
+"""numba CPU kernels against the torch reference: random sizes, chunks, norms and wire types."""
 
 import math
 
@@ -158,7 +158,7 @@ def test_unpack_update_matches_reference(lay, wire, seed, has_r, has_loc, alias,
 @given(lay=layouts(), wire=st.sampled_from(WIRES), seed=st.integers(0, 2**16),
        has_r=st.booleans(), has_loc=st.booleans(), data=st.data())
 def test_unpack_sent_matches_reference_and_unpack_update(lay, wire, seed, has_r, has_loc, data):
-    """norms into v_out + zero_grad, then unpack_sent == unpack_update on the same v, bit for bit."""
+    """norms into v_out + zero_grad, then unpack_sent == unpack_update on the same v, bitwise."""
     n, c = lay
     v = _vec(seed, n, 10.0, specials=True)
     idx = data.draw(chosen(R.nchunks_of(n, c)))
@@ -185,7 +185,8 @@ def test_unpack_sent_refuses_unsorted_or_repeated_chunks():
 
 
 @SETTINGS
-@given(lay=layouts(), norm=st.sampled_from(["l1", "l2"]), seed=st.integers(0, 2**16), data=st.data())
+@given(lay=layouts(), norm=st.sampled_from(["l1", "l2"]), seed=st.integers(0, 2**16),
+       data=st.data())
 def test_masked_chunk_norms_matches_reference(lay, norm, seed, data):
     n, c = lay
     nch = R.nchunks_of(n, c)
@@ -235,7 +236,8 @@ def test_all_finite_matches_reference(n, wire, seed, bad, data):
     x = _vec(seed, n, 100.0, specials=True).to(wire)  # specials: some overflow to inf in 16 bits
     if bad is not None and n:
         x[data.draw(st.integers(0, n - 1))] = float(bad)
-    assert K.all_finite(x, impl="numba") is K.all_finite(x, impl="torch") is bool(torch.isfinite(x).all())
+    want = bool(torch.isfinite(x).all())
+    assert K.all_finite(x, impl="numba") is K.all_finite(x, impl="torch") is want
 
 
 @SETTINGS
@@ -289,7 +291,8 @@ def test_cast_feedback_keeps_what_the_wire_rounds_away():
     x, r = _vec(3, 10_000), _vec(4, 10_000) * 0.01
     out, r_out = torch.empty(10_000, dtype=torch.float16), torch.empty(10_000)
     K.cast_feedback(x, r, 0.5, torch.float16, 2.0, out=out, residual_out=r_out)
-    torch.testing.assert_close(r_out.double() + out.double() * 2, x.double() + r.double(), rtol=0, atol=1e-6)
+    torch.testing.assert_close(r_out.double() + out.double() * 2, x.double() + r.double(),
+                               rtol=0, atol=1e-6)
     # the residual may be updated in place
     r2 = r.clone()
     K.cast_feedback(x, r2, 0.5, torch.float16, 2.0, out=out, residual_out=r2)

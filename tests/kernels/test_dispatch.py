@@ -23,14 +23,16 @@ def test_impl_torch_and_numba_agree_and_bad_impl_is_refused():
 @pytest.mark.parametrize(
     "call, match",
     [
-        (lambda: K.chunk_norms(torch.ones(4, dtype=torch.float64), None, 2), "grad must be torch.float32"),
+        (lambda: K.chunk_norms(torch.ones(4, dtype=torch.float64), None, 2),
+         "grad must be torch.float32"),
         (lambda: K.chunk_norms(torch.ones(4, 2)[:, 0], None, 2), "1-D contiguous"),
         (lambda: K.chunk_norms(torch.ones(4), None, 0), "chunk_size must be"),
         (lambda: K.chunk_norms(torch.ones(4), torch.ones(3), 2), "residual must have 4"),
         (lambda: K.chunk_norms(torch.ones(4), None, 2, "l3"), "norm must be one of"),
         (lambda: K.chunk_norms(torch.ones(4), None, 2, momentum=torch.ones(4)), "both momentum"),
         (lambda: K.pack_chunks(torch.ones(4), torch.tensor([0]), 2, 1.0, torch.int8), "wire_dtype"),
-        (lambda: K.pack_chunks(torch.ones(4), torch.tensor([5]), 2, 1.0, torch.float16), r"\[0, 2\)"),
+        (lambda: K.pack_chunks(torch.ones(4), torch.tensor([5]), 2, 1.0, torch.float16),
+         r"\[0, 2\)"),
         (lambda: K.pack_chunks(torch.ones(4), torch.tensor([0.0]), 2, 1.0, torch.float16), "int64"),
         (lambda: K.unpack_update(torch.ones(4), None, torch.ones(3), None, torch.tensor([0]), 2,
                                  1.0, 1.0, out=torch.ones(4)), "packed_reduced must have 2"),
@@ -38,7 +40,8 @@ def test_impl_torch_and_numba_agree_and_bad_impl_is_refused():
         (lambda: K.cast_feedback(torch.ones(4), torch.ones(3), 0.5, torch.float16, 2.0),
          "cast_feedback: residual must have 4"),
         (lambda: K.cast_feedback(torch.ones(4), None, 0.5, torch.float16, 2.0,
-                                 out=torch.empty(4, dtype=torch.bfloat16)), "out must be torch.float16"),
+                                 out=torch.empty(4, dtype=torch.bfloat16)),
+         "out must be torch.float16"),
         (lambda: K.cast_feedback(torch.ones(4), None, 0.5, torch.int8, 2.0), "wire_dtype"),
         (lambda: K.upcast_finite(torch.ones(4, dtype=torch.int16), 1.0, out=torch.empty(4)),
          "upcast_finite: x must be one of"),
@@ -106,7 +109,13 @@ def test_concurrent_launches_from_many_threads_are_safe():
     for t in threads:
         t.join(timeout=120)
     assert not errors and not any(t.is_alive() for t in threads)
-    assert K.threading_layer() in ("tbb", "workqueue", "omp")
+
+
+def test_threading_layer_is_tbb_on_linux():
+    """The tbb wheel is a Linux dependency (pyproject.toml): without it the kernels fall back to
+    workqueue and a lock, which serialises the ranks' communication threads."""
+    want = "tbb" if sys.platform.startswith("linux") else "workqueue"
+    assert K.threading_layer() == want
 
 
 def test_forked_child_can_run_kernels_and_torch():
@@ -160,13 +169,55 @@ def test_workqueue_layer_is_serialised_by_the_lock():
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
-def test_cuda_module_imports_without_a_gpu_and_dispatch_reports_why():
-    """On a machine without CUDA the lazily imported module loads and says why it cannot run."""
+def test_cuda_module_imports_and_is_usable_exactly_when_torch_sees_a_gpu():
+    """The lazily imported module loads everywhere; it runs kernels where torch has CUDA, and
+    elsewhere says why not (the dispatch then names that reason)."""
     proc = subprocess.run(
         [sys.executable, "-c",
          "from gradientflow.kernels import cuda\n"
-         "try:\n    cuda.check_available()\nexcept RuntimeError as e:\n    print('unavailable', e)\n"
+         "try:\n    cuda.check_available()\n"
+         "except RuntimeError as e:\n    print('unavailable', e)\n"
          "else:\n    print('available')\n"],
         capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.startswith(("unavailable", "available"))
+    if torch.cuda.is_available():
+        assert proc.stdout.startswith("available"), proc.stdout
+    else:
+        assert proc.stdout.startswith("unavailable numba.cuda.is_available() is False"), proc.stdout
+
+
+def test_the_table_names_each_op_once_with_its_implementations():
+    """Every op: a validator and a reference of its name, a numba CPU kernel, and a CUDA kernel
+    exactly where OPS says; the public function has the validator's signature plus impl."""
+    import inspect
+
+    from gradientflow.kernels import checks, cpu, cuda, reference
+
+    assert set(K.OPS) == set(reference.__all__) - {"nchunks_of"}
+    for op, spec in K.OPS.items():
+        assert spec.validate is getattr(checks, op) and spec.reference is getattr(reference, op)
+        assert spec.cpu and callable(getattr(cpu, op))
+        assert spec.cuda == (op in cuda.__all__), op
+        public = inspect.signature(getattr(K, op))
+        params = list(inspect.signature(spec.validate).parameters)
+        assert list(public.parameters) == params + ["impl"], op
+        assert getattr(K, op).__doc__ == spec.validate.__doc__
+
+
+def test_dispatch_picks_numba_on_cpu_and_the_reference_elsewhere():
+    cpu_dev, meta = torch.device("cpu"), torch.device("meta")
+    from gradientflow.kernels import cpu, reference
+
+    for op in K.OPS:
+        assert K.implementation(op, "auto", cpu_dev) is getattr(cpu, op)
+        assert K.implementation(op, "torch", cpu_dev) is getattr(reference, op)
+        assert K.implementation(op, "auto", meta) is getattr(reference, op)
+
+
+def test_forced_chunks_and_all_finite_agree_with_the_reference():
+    norms = torch.tensor([3.0, float("nan"), 1.0, 5.0, 2.0])
+    forced = torch.tensor([False, False, True, False, False])
+    for impl in ("numba", "torch"):
+        assert K.select_chunks(norms, 2, forced=forced, impl=impl).tolist() == [1, 2, 3]
+        assert K.all_finite(norms, impl=impl) is False
+        assert K.all_finite(torch.ones(3, dtype=torch.float16), impl=impl) is True

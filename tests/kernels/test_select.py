@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 
 from gradientflow import kernels as K
 
-norm_values = st.sampled_from([0.0, 1.0, 2.0, 2.0, 3.5, float("inf"), float("nan")]) | st.floats(0, 10, width=32)
+norm_values = (st.sampled_from([0.0, 1.0, 2.0, 2.0, 3.5, float("inf"), float("nan")])
+               | st.floats(0, 10, width=32))
 
 
 @settings(max_examples=200, deadline=None)
@@ -45,7 +46,8 @@ def test_forced_chunks_are_added_and_not_counted(norms, data):
 
 
 @settings(max_examples=200, deadline=None)
-@given(norms=st.lists(norm_values | st.sampled_from([-0.0, -1.0, float("-inf")]), min_size=0, max_size=300),
+@given(norms=st.lists(norm_values | st.sampled_from([-0.0, -1.0, float("-inf")]), min_size=0,
+                      max_size=300),
        data=st.data())
 def test_numba_selection_equals_the_reference(norms, data):
     """The O(n) partition kernel picks exactly what the stable sort picks, ties and NaN included."""

@@ -26,4 +26,7 @@ def test_observability_imports_only_itself_stdlib_and_allowed_packages():
                 if top == "gradientflow":
                     assert name.startswith("gradientflow.observability"), (path.name, name)
                 else:
-                    assert top in sys.stdlib_module_names or top in ALLOWED_THIRD_PARTY, (path.name, name)
+                    assert top in sys.stdlib_module_names or top in ALLOWED_THIRD_PARTY, (
+                        path.name,
+                        name,
+                    )

@@ -71,3 +71,37 @@ def test_reset_and_module_functions():
     snap = S.stats()
     assert snap["wire_bytes"] == 0 and snap["dense_bytes"] == 0 and snap["steps"] == 0
     assert isinstance(snap["comm_time_s"], float)
+
+
+def test_a_group_counts_its_own_and_adds_to_the_totals():
+    totals = S.Stats()
+    a, b = S.GroupStats(totals), S.GroupStats(totals)
+    a.record_deferred()
+    a.record_eager(fast=True)
+    b.record_eager(fast=False)
+    b.record_solo(nbytes=8_000_000, numel=2_000_000)
+    a.record_stages()
+    a.record_agreement(0.002, rounds=2)
+    a.record_send(tensors=5)
+    a.record_message(5, wire_bytes=1000, dense_bytes=1000, seconds=0.01)
+    assert (a.deferred, a.eager, a.fast_path, a.rounds, a.messages, a.fused_tensors) == (
+        1, 1, 1, 2, 1, 5)
+    assert (b.eager, b.fast_path, b.solo_channel, b.messages) == (1, 0, 1, 1)
+    assert a.snapshot()["round_s"] == pytest.approx(0.002)
+    snap = totals.snapshot()
+    assert snap["operations"] == 5  # deferred, 2 eager, solo, stages
+    assert snap["agreement_rounds"] == 2
+    assert snap["fused_operations"] == 2  # the solo message and the finished fused one
+    assert snap["wire_bytes"] == 8_001_000
+    assert snap["comm_time_s"] == pytest.approx(0.01)
+
+
+def test_density_is_what_record_chunks_reports():
+    import gradientflow
+
+    gradientflow.reset_stats()
+    assert gradientflow.stats()["density"] is None
+    S.STATS.record_chunks(sent=3, total=100)  # what the compression layer reports per bucket
+    S.STATS.record_chunks(sent=7, total=100)
+    assert gradientflow.stats()["density"] == pytest.approx(0.05)
+    gradientflow.reset_stats()

@@ -11,16 +11,54 @@ from gradientflow.observability import timeline as T
 
 def write_known_trace(path, rank=0):
     """Two steps of 1000 us; per step two buckets whose allreduces overlap by 50 us."""
-    events = [{"ph": "M", "name": "thread_name", "pid": rank, "tid": 2, "args": {"name": "bucket 0"}}]
+    events = [
+        {"ph": "M", "name": "thread_name", "pid": rank, "tid": 2, "args": {"name": "bucket 0"}}
+    ]
     for step, t0 in ((0, 0.0), (1, 1000.0)):
         events.append({"ph": "X", "name": T.STEP, "cat": T.CAT_STEP, "ts": t0, "dur": 1000.0,
                        "pid": rank, "tid": 1, "args": {"step": step}})
-        events.append({"ph": "X", "name": T.ALLREDUCE, "cat": T.CAT_COMM, "ts": t0 + 100, "dur": 100.0,
-                       "pid": rank, "tid": 2})
-        events.append({"ph": "X", "name": T.ALLREDUCE, "cat": T.CAT_COMM, "ts": t0 + 150, "dur": 100.0,
-                       "pid": rank, "tid": 3})
-        events.append({"ph": "B", "name": T.COMPRESS, "cat": T.CAT_CODEC, "ts": t0 + 10, "pid": rank, "tid": 2})
-        events.append({"ph": "E", "name": T.COMPRESS, "cat": T.CAT_CODEC, "ts": t0 + 40, "pid": rank, "tid": 2})
+        events.append(
+            {
+                "ph": "X",
+                "name": T.ALLREDUCE,
+                "cat": T.CAT_COMM,
+                "ts": t0 + 100,
+                "dur": 100.0,
+                "pid": rank,
+                "tid": 2,
+            }
+        )
+        events.append(
+            {
+                "ph": "X",
+                "name": T.ALLREDUCE,
+                "cat": T.CAT_COMM,
+                "ts": t0 + 150,
+                "dur": 100.0,
+                "pid": rank,
+                "tid": 3,
+            }
+        )
+        events.append(
+            {
+                "ph": "B",
+                "name": T.COMPRESS,
+                "cat": T.CAT_CODEC,
+                "ts": t0 + 10,
+                "pid": rank,
+                "tid": 2,
+            }
+        )
+        events.append(
+            {
+                "ph": "E",
+                "name": T.COMPRESS,
+                "cat": T.CAT_CODEC,
+                "ts": t0 + 40,
+                "pid": rank,
+                "tid": 2,
+            }
+        )
         events.append({"ph": "X", "name": T.AGREE, "cat": T.CAT_AGREE, "ts": t0 + 300, "dur": 20.0,
                        "pid": rank, "tid": 4})
     path.write_text(json.dumps({"traceEvents": events, "otherData": {"rank": rank}}))
@@ -43,8 +81,19 @@ def test_summary_of_a_known_trace(tmp_path):
 
 
 def test_steps_from_markers_when_there_are_no_step_bars(tmp_path):
-    events = [{"ph": "i", "name": f"step {k}", "cat": T.CAT_STEP, "ts": 500.0 * k, "pid": 0, "tid": 1,
-               "s": "g", "args": {"step": k}} for k in range(3)]
+    events = [
+        {
+            "ph": "i",
+            "name": f"step {k}",
+            "cat": T.CAT_STEP,
+            "ts": 500.0 * k,
+            "pid": 0,
+            "tid": 1,
+            "s": "g",
+            "args": {"step": k},
+        }
+        for k in range(3)
+    ]
     events.append({"ph": "X", "name": T.ALLREDUCE, "cat": T.CAT_COMM, "ts": 600.0, "dur": 50.0,
                    "pid": 0, "tid": 2})
     (tmp_path / "m.json").write_text(json.dumps(events))  # the JSON-array flavour
@@ -60,7 +109,9 @@ def test_cli_prints_and_plots_a_recorded_merged_trace(tmp_path, capsys):
         for step in range(3):
             tl.mark_step(step)
             t = T.now_us()
-            for k, name in enumerate((T.QUEUE, T.FUSE, T.COMPRESS, T.ALLREDUCE, T.DECOMPRESS, T.UNPACK)):
+            for k, name in enumerate(
+                (T.QUEUE, T.FUSE, T.COMPRESS, T.ALLREDUCE, T.DECOMPRESS, T.UNPACK)
+            ):
                 cat = T.CAT_COMM if name == T.ALLREDUCE else T.CAT_ENGINE
                 tl.complete(name, cat, t + 20 * k, 15.0, tid="bucket 0")
         tl.stop()

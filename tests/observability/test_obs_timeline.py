@@ -79,7 +79,7 @@ def test_trace_is_chrome_format_with_expected_phases(tmp_path):
     assert sorted(e["args"]["step"] for e in bars) == [0, 1, 2, 3]
     lanes = {e["args"]["name"] for e in data["traceEvents"] if e["name"] == "thread_name"}
     assert {"bucket 0", "bucket 1", "bucket 2", "engine", "steps"} <= lanes
-    assert any(l.startswith("thread ") for l in lanes)  # tid=None: the calling thread's lane
+    assert any(lane.startswith("thread ") for lane in lanes)  # tid=None: the calling thread's lane
     assert data["otherData"]["dropped_events"] == 0 and data["otherData"]["rank"] == 3
     assert sum(1 for e in data["traceEvents"] if e["ph"] == "C") == 4
 
@@ -245,7 +245,9 @@ def test_trace_path_for_rank(tmp_path):
     assert T.trace_path_for_rank("run/{rank}/t.json", 2) == "run/2/t.json"
     assert T.trace_path_for_rank("t.json", 1) == "t.rank1.json"
     assert T.trace_path_for_rank("trace", 0) == "trace.rank0.json"
-    assert T.trace_path_for_rank(str(tmp_path), 4) == os.path.join(str(tmp_path), "timeline.rank4.json")
+    assert T.trace_path_for_rank(str(tmp_path), 4) == os.path.join(
+        str(tmp_path), "timeline.rank4.json"
+    )
 
 
 def test_bad_times_and_odd_args_never_break_the_json(tmp_path):

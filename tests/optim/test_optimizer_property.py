@@ -1,4 +1,5 @@
-"""Property: for random MLPs, partition sizes and options, DistributedOptimizer equals a local reference.
+"""Property: for random MLPs, partition sizes and options, DistributedOptimizer equals a local
+reference.
 
 Each rank runs the same derandomized Hypothesis examples (agreed by an allgather of the example);
 every rank builds every rank's batch from the example's seed, so it computes the reference (the

@@ -75,7 +75,9 @@ def test_mismatched_world_sizes_are_refused(tmp_path):
         outs.append(out)
     for r, (p, out) in enumerate(zip(procs, outs)):
         assert p.returncode == 3, (r, out)
-        assert "mismatched world sizes" in out and "world_size=2" in out and "world_size=3" in out, out
+        assert (
+            "mismatched world sizes" in out and "world_size=2" in out and "world_size=3" in out
+        ), out
 
 
 def bad_inputs(rank, world):
@@ -135,7 +137,12 @@ def bad_inputs(rank, world):
         if async_op:
             w.wait()
         got = t.tolist()
-        ok = got[0] != got[0] and got[1] == float("inf") and got[2] == 2.0 and got[3] == -float("inf")
+        ok = (
+            got[0] != got[0]
+            and got[1] == float("inf")
+            and got[2] == 2.0
+            and got[3] == -float("inf")
+        )
         out[f"nan_inf_async={async_op}"] = "ok" if ok else f"wrong {got}"
     check_group()
     return out

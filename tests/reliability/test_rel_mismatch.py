@@ -16,7 +16,7 @@ def mismatched_program(rank, world, case):
     import torch
     import torch.distributed as dist
 
-    from gradientflow.engine.stall import CollectiveMismatchError
+    from gradientflow.errors import CollectiveMismatchError
 
     t = torch.ones(4)
     dist.all_reduce(t)
@@ -72,7 +72,7 @@ def debug_mismatch(rank, world, case):
     import torch
     import torch.distributed as dist
 
-    from gradientflow.engine.stall import CollectiveMismatchError
+    from gradientflow.errors import CollectiveMismatchError
 
     if case == "shape":
         x = torch.ones(5 + rank)
@@ -114,7 +114,7 @@ def chain_divergence(rank, world):
     """Rank body: a reduce-op mismatch far older than the detailed history is still found."""
     import torch
 
-    from gradientflow.backend.backend import backend_of
+    from gradientflow.backend import backend_of
 
     insp = backend_of().inspector
     x = torch.ones(3)
@@ -177,7 +177,7 @@ def debug_size_mismatches(rank, world):
     import torch
     import torch.distributed as dist
 
-    from gradientflow.engine.stall import CollectiveMismatchError
+    from gradientflow.errors import CollectiveMismatchError
 
     msgs = {}
     for name, call in FATAL_SIZE_MISMATCH.items():

@@ -10,7 +10,7 @@ from harness import RankFailure
 
 
 def _store():
-    from gradientflow.backend.backend import backend_of
+    from gradientflow.backend import backend_of
 
     return backend_of()._store
 
@@ -36,7 +36,7 @@ def late_joiner(rank, world):
     import torch
     import torch.distributed as dist
 
-    from gradientflow.backend.backend import backend_of
+    from gradientflow.backend import backend_of
 
     store = _store()
     insp = backend_of().inspector
@@ -190,7 +190,7 @@ def dies_between_calls(rank, world, out_dir):
     import torch
     import torch.distributed as dist
 
-    from gradientflow.backend.backend import backend_of
+    from gradientflow.backend import backend_of
 
     insp = backend_of().inspector
     t = torch.ones(20_000)  # above sync_fusion_limit: the eager path, waited on in slices
@@ -230,7 +230,7 @@ def dies_with_fused_allreduces(rank, world, out_dir, case):
     import torch
     import torch.distributed as dist
 
-    from gradientflow.backend.backend import backend_of
+    from gradientflow.backend import backend_of
 
     insp = backend_of().inspector
     dist.all_reduce(torch.ones(20_000))  # both ranks check in (pid, host) on the eager path
@@ -246,14 +246,14 @@ def dies_with_fused_allreduces(rank, world, out_dir, case):
             # with no partner, whatever the timing (waiting for "one message sent" from out
             # here raced: all ten could finish first, and rank 0 saw no error).
             engine = backend_of().engine
-            launch = engine._launch_message
+            launch = engine.messages.launch
 
             def launch_then_die(msg, seg, buf):
                 if engine.counters.messages >= 1:
                     os.kill(os.getpid(), signal.SIGKILL)
                 launch(msg, seg, buf)
 
-            engine._launch_message = launch_then_die
+            engine.messages.launch = launch_then_die
             for t in tensors:
                 dist.all_reduce(t, async_op=True)
             backend_of().flush()

@@ -30,7 +30,9 @@ def test_killed_rank_restarts_from_checkpoint_with_residuals(tmp_path):
         raise AssertionError(f"torchrun did not finish within {TIMEOUT_S} s (a hang)\n"
                              + format_logs(rank_logs(log_dir), launcher)) from None
     logs = rank_logs(log_dir)
-    assert proc.returncode == 0, f"torchrun exited {proc.returncode}\n" + format_logs(logs, proc.stderr)
+    assert proc.returncode == 0, f"torchrun exited {proc.returncode}\n" + format_logs(
+        logs, proc.stderr
+    )
     try:
         resumed = check_resumed(logs)
     except AssertionError as exc:

@@ -1,0 +1,190 @@
+"""Autotune against a grid of the same settings, on real models' gradient lists, in one launch.
+
+Each rank allreduces a model's gradient list asynchronously, one call per tensor in backward
+order, then waits for all of them: one "step". On one gradientflow group per model:
+  1. autotune (gradientflow.autotune.Tuner, its defaults unless given) runs step after step
+     until it has chosen; the steps it took are counted;
+  2. then the defaults, autotune's choice and every point of a grid of the same settings are
+     timed alternately, rep by rep (order rotated), switching the group between them with
+     GradientFlowBackend.reconfigure (the same drain-and-swap autotune uses), so all variants
+     meet the same machine load.
+The table gives autotune's choice against the best grid point (target: within 5%), and its
+gain over the defaults, both from the alternated reps. On loopback; --tiers adds the emulated
+network of benchmarks/netem.py.
+
+    python benchmarks/bench_autotune.py [--quick] [--out DIR] [--worlds 2,4] [--tiers none,10]
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.bench_fusion import _tier_label, gradient_shapes  # noqa: E402
+from benchmarks.common import machine_line, markdown_table, median, paired_ratio, write_result  # noqa: E402,E501
+from benchmarks.launch import launch  # noqa: E402
+from benchmarks.netem import Cluster, ShapeConfig  # noqa: E402
+
+MB = 10**6
+DEFAULT, AUTOTUNE = "defaults", "autotune"
+
+
+def grid_points(quick: bool) -> list[dict]:
+    """The grid: fusion threshold x solo threshold x cycle time (2 fusion segments)."""
+    if quick:
+        axes = ([1 * MB, 16 * MB], [256 * 1024, 4 * MB], [1.0, 3.0])
+    else:
+        axes = ([8 * MB, 128 * MB], [1 * MB, 4 * MB, 16 * MB], [1.0, 3.0])
+    return [{"fusion_threshold": f, "solo_threshold": s, "cycle_time_ms": c,
+             "fusion_segments": 2} for f, s, c in itertools.product(*axes)]
+
+
+def _label(p: dict) -> str:
+    return (f"fuse {p['fusion_threshold'] / MB:g}MB solo {p['solo_threshold'] / MB:g}MB "
+            f"cycle {p['cycle_time_ms']:g}ms seg {p['fusion_segments']}")
+
+
+def worker(rank: int, world_size: int, models: list[str], grid: list[dict], reps: int,
+           tuner: dict) -> dict:
+    """Autotune, then the alternated reps of defaults, choice and grid, per model."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from gradientflow.autotune import Tuner
+    from gradientflow.backend import backend_of
+
+    torch.set_num_threads(1)
+    out: dict = {}
+    for model in models:
+        group = dist.new_group(backend="gradientflow")
+        backend = backend_of(group)
+        defaults = backend.config
+        grads = [torch.randn(s) for s in gradient_shapes(model)][::-1]  # backward order
+
+        def step() -> float:
+            t0 = time.perf_counter()
+            works = [dist.all_reduce(g, group=group, async_op=True) for g in grads]
+            for w in works:
+                w.wait()
+            return time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        tune = Tuner(group, **tuner)
+        while not tune.done:
+            step()
+            tune.step()
+        tune_s = time.perf_counter() - t0
+        names = list(tune.defaults)
+        chosen = {k: getattr(backend.config, k) for k in names}
+        variants = {DEFAULT: {k: getattr(defaults, k) for k in names}, AUTOTUNE: chosen,
+                    **{_label(p): p for p in grid}}
+        reps_ms: dict[str, list[float]] = {k: [] for k in variants}
+        keys = list(variants)
+        for rep in range(reps):
+            order = keys[rep % len(keys):] + keys[:rep % len(keys)]
+            for k in order:
+                backend.reconfigure(defaults.replace(**variants[k]))
+                step()  # warm-up: new segments, new routes
+                reps_ms[k].append(1e3 * min(step(), step()))
+        out[model] = {"tensors": len(grads), "bytes": sum(g.numel() * 4 for g in grads),
+                      "tune_steps": tune.calls, "tune_s": tune_s, "chosen": chosen,
+                      "summary": tune.summary, "variants": variants, "reps_ms": reps_ms,
+                      "ms": {k: median(v) for k, v in reps_ms.items()}}
+        dist.destroy_process_group(group)
+    return out
+
+
+def _launch_on(rate: float | None, n: int, kwargs: dict, notes: list) -> object | None:
+    """One launch on loopback (rate None) or the emulated network; None where not emulated."""
+    target = "benchmarks.bench_autotune:worker"
+    if rate is None:
+        return launch(target, world_size=n, kwargs=kwargs, timeout_s=3000)
+    with Cluster(n, ShapeConfig(rate_gbps=rate)) as cluster:
+        if not cluster.shaped:
+            notes.append(f"{_tier_label(rate)} not emulated ({cluster.reason}): skipped")
+            return None
+        return launch(target, world_size=n, kwargs=kwargs, cluster=cluster, timeout_s=3000)
+
+
+def _row(tier: str, n: int, model: str, r: dict) -> dict:
+    ms = r["ms"]
+    grid = {k: v for k, v in ms.items() if k not in (DEFAULT, AUTOTUNE)}
+    best = min(grid, key=grid.get)
+    vs_best = paired_ratio([r["reps_ms"][AUTOTUNE]], [r["reps_ms"][best]])
+    gain = paired_ratio([r["reps_ms"][DEFAULT]], [r["reps_ms"][AUTOTUNE]])
+    s = r["summary"] or {}
+    return {"tier": tier, "ranks": n, "model": model, "tune steps": r["tune_steps"],
+            "default ms": ms[DEFAULT], "autotune ms": ms[AUTOTUNE], "best grid ms": grid[best],
+            "autotune / best grid": f"{vs_best[0]:.3f} [{vs_best[1]:.2f}, {vs_best[2]:.2f}]",
+            "within 5%": "yes" if vs_best[0] <= 1.05 else "no",
+            "gain over defaults": f"{gain[0] - 1:+.1%} [{gain[1] - 1:+.0%}, {gain[2] - 1:+.0%}]",
+            "own estimate": f"{s.get('gain', float('nan')):+.1%}" if s else "-",
+            "chosen": _label(r["chosen"]), "best grid": best,
+            "mattered most": (max(s["importance"], key=s["importance"].get)
+                              if s.get("importance") else "-")}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--out", default="benchmarks/results/autotune")
+    ap.add_argument("--worlds", default=None, help="rank counts, e.g. 2,4")
+    ap.add_argument("--models", default=None, help="e.g. resnet50,alexnet,bert-base")
+    ap.add_argument("--tiers", default=None, help="emulated Gbit/s besides loopback: none,10")
+    ap.add_argument("--reps", type=int, default=None)
+    ap.add_argument("--trials", type=int, default=None, help="autotune trials (default 12)")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    if args.quick:
+        models, worlds, reps, tiers = ["tiny"], [2], 3, [None]
+        tuner = {"trials": 4, "steps": 2, "warmup": 1, "confirm": 1}
+    else:
+        models, worlds, reps, tiers = ["resnet50", "alexnet", "bert-base"], [2], 3, [None]
+        # 12 trials of 1 + 4 steps, 2 confirmation rounds (4 trials): 80 steps.
+        tuner = {"trials": 12, "steps": 4, "warmup": 1, "confirm": 2}
+    tuner["seed"] = args.seed
+    if args.trials:
+        tuner["trials"] = args.trials
+    models = args.models.split(",") if args.models else models
+    worlds = [int(w) for w in args.worlds.split(",")] if args.worlds else worlds
+    if args.tiers:
+        tiers = [None if t.strip().lower() in ("none", "loopback", "") else float(t)
+                 for t in args.tiers.split(",")]
+    reps = args.reps or reps
+    grid = grid_points(args.quick)
+    kwargs = {"models": models, "grid": grid, "reps": reps, "tuner": tuner}
+    rows, raw, notes = [], {}, []
+    for rate, n in itertools.product(tiers, worlds):
+        res = _launch_on(rate, n, kwargs, notes)
+        if res is None:
+            continue
+        if not res.ok:
+            print(res.error)
+            return 1
+        raw[f"{_tier_label(rate)} {n}"] = res.results[0]
+        rows += [_row(_tier_label(rate), n, model, r) for model, r in res.results[0].items()]
+    cols = list(rows[0].keys()) if rows else []
+    md = (f"## Autotune against a grid of the same settings (median ms per step: the whole "
+          f"gradient list, one async allreduce per tensor)\n\n{machine_line()} The machine "
+          "was shared with other jobs while this ran.\n\n"
+          f"Autotune: {tuner}; grid: {len(grid)} points (fusion x solo x cycle, 2 segments). "
+          f"After tuning, defaults, autotune's choice and the grid were timed alternately "
+          f"over {reps} reps (each the faster of 2 steps after 1 warm-up step), switching "
+          "one group with reconfigure(). The bracketed ranges are 95% bootstrap intervals of "
+          "the paired per-rep ratios (benchmarks/common.py, paired_ratio); the best grid "
+          "point is picked by its time, so the ratio against it leans high. 'own estimate': "
+          "the gain autotune measured itself (confirmation rounds).\n\n"
+          + markdown_table(cols, rows) + "".join(f"\n- {x}" for x in notes))
+    print(md)
+    write_result(args.out, "autotune", {"rows": rows, "raw": raw, "notes": notes,
+                                        "tuner": tuner, "grid": grid}, md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,75 @@
+"""auto: pick ring, hierarchical or reduction_server per message from a modelled cost.
+
+The alpha-beta model, per message of D bytes, n ranks on H hosts (at most L ranks on one
+host), R reducers (0: none configured):
+
+    ring           2(n-1) a + 2(n-1)/n D / B      B = B_x when H > 1 (the ring crosses hosts;
+                                                  its slowest link sets the pace), else B_l
+    hierarchical   2 a + 2(L-1) D / B_l           reduce to and broadcast from the leader,
+                   + 2(H-1) a + 2(H-1)/H D / B_x  plus the leaders' ring across hosts
+    reduction_srv  4 a + max(D, n D / R) / B_x    each worker's link carries D each way (full
+                   + CHUNK / B_x                  duplex, pipelined by pieces); each reducer's
+                                                  link n D / R; one piece of pipeline fill
+
+plus S = 450 us for hierarchical and reduction_server (three waits on the channel's executor
+thread: the hand-off, the stages, the agreement). a = 100 us per transport step,
+B_x = 10 Gbit/s between hosts, B_l = 40 Gbit/s inside a host (shared memory or loopback on a
+real host). The smallest modelled time wins; ties go to ring,
+then hierarchical. hierarchical is a candidate only with H > 1 and L > 1 (otherwise it is the
+ring with extra steps), reduction_server only when reducers are configured and the message is
+on CPU with a reduce op the reducers implement. The choice is a pure function of the message
+size and the topology, so every rank makes the same one.
+
+What the rule gives at n = 4 is tabulated in docs/ALGORITHMS.md (tests/algorithms checks
+some of its rows).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gradientflow.algorithms.topology import Topology
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """The model's constants (seconds, bytes per second)."""
+
+    alpha_s: float = 100e-6
+    inter_host_Bps: float = 10e9 / 8
+    intra_host_Bps: float = 40e9 / 8
+    rs_chunk_bytes: int = 2**20
+    # What a multi-group algorithm pays on top: its hand-off to the channel's executor thread
+    # and back, and one wait per stage on a thread that must be woken (3 stages).
+    stages_s: float = 3 * 150e-6
+
+
+DEFAULT_MODEL = CostModel()
+
+
+def costs(nbytes: int, size: int, topo: Topology | None, reducers: int,
+          model: CostModel = DEFAULT_MODEL) -> dict[str, float]:
+    """Modelled seconds of each candidate algorithm for one message of `nbytes`."""
+    a, bx, bl = model.alpha_s, model.inter_host_Bps, model.intra_host_Bps
+    hosts = topo.num_hosts if topo is not None else 1
+    out: dict[str, float] = {}
+    if size <= 1:
+        return {"ring": 0.0}
+    b_ring = bx if hosts > 1 else bl
+    out["ring"] = 2 * (size - 1) * a + 2 * (size - 1) / size * nbytes / b_ring
+    if topo is not None and hosts > 1 and topo.max_local > 1:
+        local = topo.max_local
+        out["hierarchical"] = (model.stages_s + 2 * a + 2 * (local - 1) * nbytes / bl
+                               + 2 * (hosts - 1) * a + 2 * (hosts - 1) / hosts * nbytes / bx)
+    if reducers > 0:
+        out["reduction_server"] = (model.stages_s + 4 * a
+                                   + max(nbytes, size * nbytes / reducers) / bx
+                                   + min(nbytes, model.rs_chunk_bytes) / bx)
+    return out
+
+
+def choose(nbytes: int, size: int, topo: Topology | None, reducers: int,
+           model: CostModel = DEFAULT_MODEL) -> str:
+    """The algorithm `auto` uses for a message of `nbytes` (same on every rank)."""
+    c = costs(nbytes, size, topo, reducers, model)
+    order = ("ring", "hierarchical", "reduction_server")
+    return min((name for name in order if name in c), key=lambda k: (c[k], order.index(k)))

@@ -1,0 +1,256 @@
+"""The tuner: trials measured on every rank, decided on rank 0, applied by all at one step.
+
+Protocol (every rank, the same calls in the same order, on the thread that issues the group's
+collectives): `step()` marks the end of a training step. Between trial boundaries it only reads
+the clock. Every `warmup + steps` steps (the same count on every rank, so the same step) the
+ranks exchange two rows by all_gather on the group itself:
+
+1. REPORT: each rank's median step time of the trial (warm-up steps discarded), with checks
+   (marker, phase, trial number, a fingerprint of the tuner's settings). A row that differs
+   raises AutotuneMismatch on every rank, naming the ranks, since every rank sees every row.
+2. DECIDE: rank 0 scores the trial (the slowest rank's median), tells the study, and puts the
+   next trial's settings in its row; every rank reads rank 0's row.
+
+An all_gather is an ordered collective like any other: it takes the same sequence number on
+every rank, behind the step's allreduces. Each rank then drains its engine (everything issued
+before is finished, so no batch or message straddles two configurations) and swaps its config
+(GradientFlowBackend.reconfigure) before its next collective. So every rank routes, fuses and
+cuts from the same op on with the same values, and no gradient is touched by the swap.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import statistics
+import time
+from typing import Any, Sequence
+
+import torch
+from torch._C._distributed_c10d import AllgatherOptions
+
+from gradientflow.autotune import space
+from gradientflow.autotune.search import Search
+from gradientflow.config import read_config_file, write_config_file
+from gradientflow.errors import AutotuneMismatch
+
+log = logging.getLogger("gradientflow.autotune")
+
+MAGIC = 271828.0  # first word of every row: a row from anything else is a mismatch
+REPORT, DECIDE = 1.0, 2.0
+FAILED = -1.0  # rank 0's done flag when its search raised
+_HEAD = 5  # MAGIC, phase, trial, fingerprint, value (a median, or rank 0's done flag)
+
+
+class Tuner:
+    """Autotune of one process group's engine settings (see the module doc and AUTOTUNE.md).
+
+    `group`: the process group (None: the default one). Unset arguments come from the
+    group's Config (GRADIENTFLOW_AUTOTUNE_*). `params`: the Config fields to tune (default
+    space.DEFAULT_PARAMS). `confirm`: rounds that re-measure the best trial against the
+    defaults, alternately, after the search (the best of many noisy medians is optimistic);
+    the choice and the gain come from those rounds. Call `step()` once per training step on
+    every rank (after optimizer.step()), or use `enable(..., hook=True)`.
+    """
+
+    def __init__(self, group: Any = None, *, params: Sequence[Any] | None = None,
+                 trials: int | None = None, steps: int | None = None,
+                 warmup: int | None = None, seed: int | None = None,
+                 sampler: str | None = None, log_path: str | None = None,
+                 out: str | None = None, confirm: int = 2, backend: Any = None) -> None:
+        if backend is None:
+            from gradientflow.backend.registry import backend_of
+
+            backend = backend_of(group)
+            if backend is None:
+                raise ValueError("autotune: the process group does not use the gradientflow "
+                                 "backend (init_process_group(backend='gradientflow'))")
+        self._backend = backend
+        cfg = backend.config
+        self.rank = backend.rank()
+        self.world_size = backend.size()
+        self.params = space.params_of(params)
+        self.trials = cfg.autotune_trials if trials is None else int(trials)
+        self.steps = cfg.autotune_steps if steps is None else int(steps)
+        self.warmup = cfg.autotune_warmup if warmup is None else int(warmup)
+        self.seed = cfg.autotune_seed if seed is None else int(seed)
+        self.sampler = cfg.autotune_sampler if sampler is None else sampler
+        self.log_path = (cfg.autotune_log if log_path is None else log_path).replace(
+            "{rank}", str(self.rank))
+        self.out = cfg.autotune_out if out is None else out
+        self.confirm = int(confirm)
+        if self.trials < 1 or self.steps < 1 or self.warmup < 0 or self.confirm < 0:
+            raise ValueError("autotune: trials and steps must be >= 1, warmup and confirm >= 0")
+        self.defaults = {p.name: getattr(cfg, p.name) for p in self.params}
+        self._fp = float(space.fingerprint(self.params, self.trials,
+                                           self.steps, self.warmup, self.confirm,
+                                           self.world_size))
+        self.trial = 0  # the trial being measured
+        self.calls = 0  # step() calls so far
+        self.history: list[tuple[int, dict]] = []  # (step() call, settings applied after it)
+        self.summary: dict | None = None
+        self.done = False
+        self.loaded_from: str | None = None
+        self._samples: list[float] = []
+        self._t_last: float | None = None
+        self._search: Search | None = None
+        self._hook = None
+        loaded = self.done_loading(cfg)
+        if self.rank == 0 and not loaded:
+            try:
+                import optuna  # noqa: F401 - fail here, not at the first trial boundary
+            except ImportError:
+                raise ImportError("autotune needs optuna on rank 0: pip install "
+                                  "'gradientflow[autotune]' (or optuna)") from None
+        if loaded:
+            # Settings a previous search chose: use them, do not search again.
+            self.loaded_from = cfg.config_file
+            self.done = True
+            if self.rank == 0:
+                log.info("autotune: using the settings tuned earlier in %s", cfg.config_file)
+
+    @staticmethod
+    def done_loading(cfg: Any) -> bool:
+        """Whether `cfg` was loaded from a file autotune wrote (then it does not tune again)."""
+        return bool(cfg.config_file) and "autotune" in read_config_file(cfg.config_file)
+
+    # ------------------------------------------------------------------ the protocol
+    def step(self) -> None:
+        """Mark the end of a training step (every rank, same calls, no collective in flight
+        on another thread). At a trial boundary, all ranks agree on the next settings."""
+        if self.done:
+            return
+        now = time.perf_counter()
+        self.calls += 1
+        if self._t_last is not None:
+            self._samples.append(now - self._t_last)
+        self._t_last = now
+        if len(self._samples) < self.warmup + self.steps:
+            return
+        measured = self._samples[self.warmup:]
+        median = statistics.median(measured)
+        rows = self._exchange(REPORT, median, [])
+        rank_medians = [float(r) for r in rows[:, 4]]
+        decision: list[float] = []
+        done = 0.0
+        failure: BaseException | None = None
+        if self.rank == 0:
+            try:
+                done, decision = self._decide(max(rank_medians), rank_medians, measured)
+            except Exception as exc:  # noqa: BLE001 - every rank must hear of it, not hang
+                failure, done, decision = exc, FAILED, space.encode(self.params, self.defaults)
+        rows = self._exchange(DECIDE, done, decision)
+        if rows[0, 4] == FAILED:
+            self.done = True
+            cause = repr(failure) if failure is not None else "rank 0's error says why"
+            raise RuntimeError(
+                f"gradientflow autotune: rank {self.rank}: rank 0's search failed at trial "
+                f"{self.trial} ({cause}); tuning stopped on every rank with the settings "
+                "unchanged, and the group is still usable") from failure
+        settings = space.decode(self.params, rows[0, _HEAD:].tolist())
+        self._apply(settings)
+        self.trial += 1
+        self._samples = []
+        if rows[0, 4] == 1.0:
+            self._finish()
+        self._t_last = time.perf_counter()  # the exchange and the drain are not a step
+
+    def _decide(self, score: float, rank_medians: list[float],
+                samples: list[float]) -> tuple[float, list[float]]:
+        """Rank 0: record the trial, pick the next one; (done flag, its settings encoded)."""
+        if self._search is None:
+            self._search = Search(self.params, self.defaults, self.trials, self.seed,
+                                  self.sampler, self.confirm)
+        record = self._search.record(score, rank_medians, samples)
+        self._log({"event": "trial", **record})
+        nxt = self._search.next()
+        done = 0.0
+        if nxt is None:
+            done = 1.0
+            self.summary = self._search.summary()
+            nxt = self.summary["settings"]
+        return done, space.encode(self.params, nxt)
+
+    def _exchange(self, phase: float, value: float, values: list[float]) -> torch.Tensor:
+        """All-gather this rank's row; check every rank is at the same point; all rows."""
+        width = _HEAD + len(self.params)
+        row = torch.zeros(width, dtype=torch.float64)
+        row[:_HEAD] = torch.tensor([MAGIC, phase, float(self.trial), self._fp, value],
+                                   dtype=torch.float64)
+        if values:
+            row[_HEAD:] = torch.tensor(values, dtype=torch.float64)
+        out = [torch.zeros(width, dtype=torch.float64) for _ in range(self.world_size)]
+        try:
+            self._backend.allgather([out], [row], AllgatherOptions()).wait()
+        except RuntimeError:
+            # The group failed meanwhile (the inspector saw a mismatch: this exchange met
+            # another collective): its explained error says more than the transport's.
+            self._backend.engine.check_usable("the autotune exchange")
+            raise
+        rows = torch.stack(out)
+        want = rows[self.rank, :4]
+        bad = [r for r in range(self.world_size) if not torch.equal(rows[r, :4], want)]
+        if bad or rows[self.rank, 0] != MAGIC:
+            def where(r: int) -> str:
+                m, ph, tr, fp = rows[r, :4].tolist()
+                if m != MAGIC:
+                    return f"rank {r}: not in an autotune exchange (another collective)"
+                return (f"rank {r}: trial {int(tr)}, "
+                        f"{'report' if ph == REPORT else 'decide'}, settings {int(fp):08x}")
+            raise AutotuneMismatch(
+                f"gradientflow autotune: rank {self.rank}: the ranks are not at the same "
+                f"point of tuning ({'; '.join(where(r) for r in range(self.world_size))}). "
+                "Call Tuner.step() once per training step on every rank, with the same "
+                "tuner arguments on every rank.")
+        return rows
+
+    def _apply(self, settings: dict) -> None:
+        """Drain the engine and swap its config (same call, same values on every rank)."""
+        backend = self._backend
+        if any(getattr(backend.config, k) != v for k, v in settings.items()):
+            backend.reconfigure(backend.config.replace(**settings))
+        self.history.append((self.calls, dict(settings)))
+
+    def _finish(self) -> None:
+        # The optimizer hook stays (a no-op now) until the group is destroyed: torch cannot
+        # remove a hook while it runs its hooks.
+        self.done = True
+        if self.rank != 0:
+            return
+        summary = self.summary
+        self._log({"event": "final", **summary})
+        if self.out:
+            write_config_file(self.out, summary["settings"],
+                              {"autotune": {k: v for k, v in summary.items() if k != "settings"}})
+        log.info("%s", summary_text(summary))
+
+    def _log(self, record: dict) -> None:
+        if self.log_path and self.rank == 0:
+            with open(self.log_path, "a", encoding="utf-8") as f:
+                f.write(json.dumps(record) + "\n")
+
+    # ------------------------------------------------------------------ hooks
+    def attach_optimizer_hook(self) -> None:
+        """Call step() after every optimizer.step() of this process (until close())."""
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        if self._hook is None and not self.done:
+            self._hook = register_optimizer_step_post_hook(lambda *_: self.step())
+
+    def close(self) -> None:
+        """Stop marking steps from the optimizer hook (the backend's shutdown calls it)."""
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+
+
+def summary_text(summary: dict) -> str:
+    """One paragraph: what autotune chose, its gain over the defaults, what mattered most."""
+    chosen = ", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}"
+                       for k, v in summary["settings"].items())
+    imp = summary.get("importance") or {}
+    top = max(imp, key=imp.get) if imp else "n/a"
+    return (f"autotune chose {chosen} after {summary['trials']} trials: "
+            f"{summary['score_s'] * 1e3:.2f} ms/step against {summary['default_score_s'] * 1e3:.2f}"
+            f" ms/step with the defaults ({summary['gain'] * 100:+.1f}%, measured side by side "
+            f"in this run); the setting that mattered most: {top} "
+            f"({summary.get('importance_method', 'n/a')})")

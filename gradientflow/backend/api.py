@@ -1,0 +1,52 @@
+"""Engine entry points for the layers above (hooks, optimizer), by process group."""
+from __future__ import annotations
+
+from typing import Hashable
+
+import torch
+
+from gradientflow.backend.registry import backend_of
+from gradientflow.engine.stages import StageGen, drive
+
+
+def submit_stages(group, key: Hashable, gen: StageGen, device: torch.device | None = None,
+                  name: str = "stages", dense_bytes: int = 0) -> torch.futures.Future:
+    """Run a multi-stage op (e.g. a compressed bucket) over `group`; returns a Future of its result.
+
+    On a gradientflow group, every stage runs back to back on the engine thread in issue
+    order, so two collectives of one bucket never interleave with another bucket's differently
+    on different ranks. On any other backend (or without torch.distributed initialised, where
+    each stage is the identity of a one-rank group) the stages run here, synchronously.
+    """
+    backend = backend_of(group)
+    if backend is not None:
+        return backend.engine.stages(name, gen, device or torch.device("cpu"), key, dense_bytes)
+    import torch.distributed as dist
+
+    fut = torch.futures.Future()
+    try:
+        if dist.is_available() and dist.is_initialized():
+            result = drive(gen, lambda t: dist.all_reduce(t, group=group))
+        else:
+            result = drive(gen, lambda t: None)
+        fut.set_result(result)
+    except Exception as exc:  # noqa: BLE001 - delivered through the future
+        fut.set_exception(exc)
+    return fut
+
+
+def flush(group=None) -> None:
+    """Ask the engine to agree on every queued allreduce now (a local hint: results never
+    change)."""
+    backend = backend_of(group)
+    if backend is not None:
+        backend.engine.flush()
+
+
+def scheduler_of(group=None):
+    """The keyed priority scheduler of a gradientflow `group`, or None on other backends.
+
+    Every rank must call this at the same point the first time (it connects a new group).
+    """
+    backend = backend_of(group)
+    return None if backend is None else backend.scheduler()

@@ -1,0 +1,83 @@
+"""The transports under the engine: torch's own process groups, one per device type.
+
+gloo for CPU tensors, NCCL for CUDA tensors (created lazily on first CUDA use, on the same
+store). gradientflow never writes sockets.
+"""
+from __future__ import annotations
+
+import datetime
+import threading
+from typing import Any, Callable
+
+import torch
+from torch._C._distributed_c10d import PrefixStore, ProcessGroupGloo
+
+from gradientflow.config import restart_attempt
+
+
+def make_gloo(store, rank: int, size: int, timeout: datetime.timedelta, prefix: str):
+    return ProcessGroupGloo(PrefixStore(prefix, store), rank, size, timeout)
+
+
+def make_nccl(store, rank: int, size: int, timeout: datetime.timedelta, prefix: str):
+    from torch._C._distributed_c10d import ProcessGroupNCCL
+
+    opts = ProcessGroupNCCL.Options()
+    opts._timeout = timeout
+    return ProcessGroupNCCL(PrefixStore(prefix, store), rank, size, opts)
+
+
+def attempt_store(store):
+    """The store namespaced by torchrun's restart count: one attempt never reads another's keys.
+
+    Under `torchrun --max-restarts` the agent's store outlives the workers, and a restarted
+    attempt gets the same store with the same group name. Without a namespace, gloo's
+    rendezvous reads the dead attempt's addresses ("Connection refused" at init), and the
+    inspector would adopt the dead attempt's fault.
+    """
+    attempt = restart_attempt()
+    return PrefixStore(f"gradientflow/attempt{attempt}/", store) if attempt else store
+
+
+class Transports:
+    """The transport process group per device type; CUDA's is created on first use."""
+
+    # Factories are class attributes so tests can substitute fakes for the CUDA path.
+    factories: dict[str, Callable[..., Any]] = {"cpu": make_gloo, "cuda": make_nccl}
+
+    def __init__(self, store, rank: int, size: int, timeout: datetime.timedelta,
+                 prefix: str = "gradientflow/", connect_cpu: bool = True) -> None:
+        self._args = (store, rank, size, timeout)
+        self._prefix = prefix
+        self._by_type: dict[str, Any] = {}
+        self._lock = threading.Lock()
+        if connect_cpu:
+            self.get(torch.device("cpu"))  # gloo eagerly: connecting it is part of init
+
+    def existing(self, device_type: str) -> Any:
+        """The transport for `device_type` if it was created, else None."""
+        return self._by_type.get(device_type)
+
+    def get(self, device: torch.device) -> Any:
+        """The transport for `device`, created on first use."""
+        pg = self._by_type.get(device.type)
+        if pg is None:
+            with self._lock:
+                pg = self._by_type.get(device.type)
+                if pg is None:
+                    factory = self.factories.get(device.type)
+                    if factory is None:
+                        raise RuntimeError(f"gradientflow has no transport for {device.type}")
+                    pg = factory(*self._args, f"{self._prefix}{device.type}/")
+                    self._by_type[device.type] = pg
+        return pg
+
+    def created(self) -> list[str]:
+        return sorted(self._by_type)
+
+    def shutdown(self) -> None:
+        for pg in self._by_type.values():
+            try:
+                pg.shutdown()
+            except Exception:  # noqa: BLE001 - best effort at teardown
+                pass

@@ -1,0 +1,267 @@
+"""The front of the engine: every collective is numbered, recorded and routed here, on the
+caller's thread.
+
+Sequence numbers follow issue order (the same on every rank, because torch.distributed
+requires every rank to issue the same collectives in the same order). Under the engine's lock
+a call takes its number, is handed to the ordered queue (or the transport), and is recorded
+for the inspector, so the records stay in sequence order under any number of threads. With
+GRADIENTFLOW_DEBUG the inspector checks the call on every rank first.
+
+Routing of an allreduce, decided only here, from the call alone (so the same on every rank):
+
+- SOLO: on CPU with the solo channel on, at least the solo threshold: sent at once on the
+  caller's thread over a transport of its own (a second gloo group), where issue order is the
+  agreed order. It overtakes the deferred batch before it, which is safe because a rank
+  blocked in a wait on an earlier deferred op still takes part in that op's round (the
+  engine thread runs it), so no rank waits for a solo that another cannot send.
+- FUSED: below the fusion threshold (synchronous calls: below sync_fusion_limit too):
+  deferred, sent later fused with its neighbours once a round agreed its batch.
+- EAGER: anything else, like every other collective: in sequence order, on the caller's
+  thread when nothing is queued (the fast path), else behind what was issued before it.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Callable, Hashable
+
+import torch
+
+from gradientflow.engine import completion, streams
+from gradientflow.engine.fusion import FusableOp, solo_cut
+from gradientflow.engine.jobs import EagerOp, StagesOp
+from gradientflow.engine.stages import StageGen
+from gradientflow.engine.work import BothWork, FusedWork, FutureWork
+from gradientflow.fingerprint import DEFERRED
+from gradientflow.observability.timeline import TIMELINE, now_us
+
+SOLO, FUSED, EAGER = "solo", "fused", "eager"
+_DEFERRED_AR = "all_reduce" + DEFERRED  # fused path: differs on the wire from an eager one
+_UNSET = object()
+# Which fields an options type has, cached: a getattr that misses costs microseconds.
+_OPT_FIELDS: dict[type, tuple[bool, bool, bool]] = {}
+
+
+class Issue:
+    """Numbering, inspector records and routing of one engine's collectives."""
+
+    def __init__(self, engine: Any, config: Any, transport_for: Callable[[torch.device], Any],
+                 solo: Any, inspector: Any) -> None:
+        self._engine = engine
+        self._lock = engine.lock
+        self._cv = engine.cv
+        self._queue = engine.queue
+        self._messages = engine.messages
+        self._stats = engine.stats
+        self._transport_for = transport_for
+        self._solo = solo  # the solo channel's transports (None: no channel)
+        self._insp = inspector if inspector is not None and inspector.enabled else None
+        self._debug_lock = threading.Lock()  # the debug check and the submission in one order
+        self.seq = 0  # the next sequence number
+        self.configure(config)
+
+    def configure(self, config: Any) -> None:
+        """Take the routing settings of `config` (at creation, or Engine.reconfigure)."""
+        self._threshold = config.fusion_threshold
+        self._sync_limit = min(config.fusion_threshold, config.sync_fusion_limit)
+        self.solo_bytes = solo_cut(config.fusion_threshold, config.solo_threshold)
+        self._solo_channel = (self._solo is not None and config.solo_channel
+                              and config.fusion_threshold > 0)
+
+    # ------------------------------------------------------------------ routing
+    def route(self, device: torch.device, nbytes: int, async_op: bool = True) -> str:
+        """SOLO, FUSED or EAGER for an allreduce of `nbytes` bytes on `device` (module doc).
+
+        Synchronous allreduces are deferred too below `sync_fusion_limit`: PyTorch itself pairs
+        a synchronous allreduce on one rank with an asynchronous one on another (Join: a joined
+        rank's `all_reduce(zeros(1))` answers the others' async ones), so for small tensors the
+        route must not depend on async_op. Larger synchronous ones go eagerly, paying no round
+        (they must then be synchronous on every rank).
+        """
+        if self._solo_channel and nbytes >= self.solo_bytes and device.type == "cpu":
+            return SOLO
+        return FUSED if nbytes < (self._threshold if async_op else self._sync_limit) else EAGER
+
+    # ------------------------------------------------------------------ entry points
+    def allreduce(self, tensors: list, opts: Any, tensor: torch.Tensor, reduce_op: Any,
+                  nbytes: int, async_op: bool) -> Any:
+        """An allreduce of `tensor` (`tensors` == [tensor], validated), routed; its Work."""
+        route = self.route(tensor.device, nbytes, async_op)
+        if route is FUSED:
+            insp = self._insp
+            if insp is not None and insp.debug is not None:
+                with self._debug_lock:
+                    insp.debug.check(self.seq, _DEFERRED_AR, tensor, None, reduce_op)
+                    return self._fused(tensor, reduce_op, not async_op)
+            return self._fused(tensor, reduce_op, not async_op)
+        if route is SOLO:
+            # Connected here on first use, outside the engine's lock: a rank that arrives first
+            # waits for the others, whose engine threads must still run their rounds.
+            tp = self._solo.get(tensor.device)
+            return self._issue("all_reduce", lambda seq: self._send_solo(
+                lambda: tp.allreduce(tensors, opts), tensor), tensor, opts, tensor.device,
+                reduce_op)
+        main = self._transport_for
+        return self._issue("all_reduce", lambda seq: self._eager(
+            seq, "all_reduce", lambda: main(tensor.device).allreduce(tensors, opts), tensors,
+            tensor.device), tensor, opts, tensor.device, reduce_op)
+
+    def collective(self, name: str, device: torch.device, call: Callable[[Any], Any],
+                   outputs: Any, opts: Any = None, sig: torch.Tensor | None = None,
+                   pair_bytes: Callable[[], tuple[list, list]] | None = None) -> Any:
+        """Any other collective: `call(transport)` sends it, in sequence order; its Work.
+
+        `sig`: the tensor the inspector records; `pair_bytes` (all-to-all): what this rank
+        sends to and expects from each rank, checked pairwise under GRADIENTFLOW_DEBUG.
+        """
+        main = self._transport_for
+        return self._issue(name, lambda seq: self._eager(
+            seq, name, lambda: call(main(device)), outputs, device), sig, opts, device,
+            pair_bytes=pair_bytes)
+
+    def barrier(self, opts: Any) -> Any:
+        """A barrier, in sequence order after everything issued before it.
+
+        gloo's barrier waits for the collectives before it on its own group; the solo
+        channel's are on another, so it gets a barrier too (issued first, in its own issue
+        order, on the caller's thread), and the barrier's Work waits for both.
+        """
+        cpu = torch.device("cpu")
+        main = self._transport_for
+        solo = self._solo.existing("cpu") if self._solo is not None else None
+        if solo is None:
+            return self._issue("barrier", lambda seq: self._eager(
+                seq, "barrier", lambda: main(cpu).barrier(opts), [], cpu), None, opts, cpu)
+
+        def submit(seq: int) -> Any:
+            first = solo.barrier(opts)
+            return BothWork(first, self._eager(seq, "barrier", lambda: main(cpu).barrier(opts),
+                                               [], cpu))
+
+        return self._issue("barrier", submit, None, opts, cpu)
+
+    def stages(self, name: str, gen: StageGen, device: torch.device, key: Hashable = None,
+               dense_bytes: int = 0) -> torch.futures.Future:
+        """A multi-stage op (a compressed bucket), run in sequence order on the engine thread;
+        returns the future of its result."""
+        fut, public = completion.new_future(streams.future_devices(device))
+        ready = streams.mark(device)
+        with self._lock:
+            seq = self._take(name)
+            self._queue.issued.append(StagesOp(seq, name, gen, device, fut, key, dense_bytes,
+                                               ready))
+            self._stats.record_stages()
+            self._cv.notify_all()
+        return public
+
+    # ------------------------------------------------------------------ the routes
+    def _take(self, what: str) -> int:
+        """The next sequence number (lock held), refused on a failed or destroyed group."""
+        self._engine.check_usable(what)
+        seq = self.seq
+        self.seq = seq + 1
+        return seq
+
+    def _fused(self, tensor: torch.Tensor, reduce_op: Any, waited: bool) -> FusedWork:
+        """Queue an allreduce for fusion; its Work at once.
+
+        `waited`: the caller waits on it right away (a synchronous call), so its batch is
+        agreed at once instead of after the cycle time.
+        """
+        dev = tensor.device
+        if dev.type == "cuda":
+            fut = completion.new_source(streams.future_devices(dev))
+            ready = streams.mark(dev)
+        else:  # no future until somebody blocks or asks for one (completion.FusedCompletion)
+            fut = ready = None
+        insp = self._insp
+        with self._lock:
+            seq = self._take("allreduce")
+            # hash() of a ReduceOp or RedOpType is its op number (cheaper than reading .op).
+            op = FusableOp(seq, tensor, (dev, tensor.dtype, hash(reduce_op)), reduce_op, fut,
+                           ready)
+            wake, crossed = self._queue.push_fused(op, waited)
+            if wake:
+                self._cv.notify_all()
+            work = FusedWork(op, self._engine)
+            self._stats.record_deferred()
+            if insp is not None:
+                insp.record(seq, _DEFERRED_AR, tensor, None, reduce_op, work)
+        if TIMELINE.enabled:
+            op.queued_us = now_us()
+        if crossed:
+            # A full message is queued: let the engine have the GIL now to agree and send it.
+            # A caller in a tight loop of submissions would otherwise keep the GIL for up to
+            # Python's switch interval (5 ms), and the first message of a list would leave
+            # only when the loop ends.
+            time.sleep(0)
+        if insp is not None:
+            insp.attach(work, seq, _DEFERRED_AR)
+        return work
+
+    def _send_solo(self, launch: Callable[[], Any], tensor: torch.Tensor) -> Any:
+        """Send a solo allreduce now, on the caller's thread (lock held): `launch()` hands it to
+        the solo channel's transport and returns that Work."""
+        work = launch()
+        # The caller is not quiet, and the transport is not idle (the queue's round rule): a
+        # per-tensor loop that sends solos between its small tensors is still issuing.
+        self._queue.last_submit = time.monotonic()
+        self._messages.solo_sent(work)
+        numel = tensor.numel()
+        self._stats.record_solo(numel * tensor.element_size(), numel)
+        return work
+
+    def _eager(self, seq: int, name: str, launch: Callable[[], Any], outputs: Any,
+               device: torch.device | None = None) -> Any:
+        """Run a collective in sequence order (lock held); returns a Work.
+
+        When nothing is queued or running, the transport call is made right here on the
+        caller's thread (no hand-off, no round): this is what keeps synchronous collectives
+        as fast as plain gloo. Otherwise it queues behind what was issued before it.
+        `device`: where its tensors live (CUDA: ordered with this thread's stream).
+        """
+        queue = self._queue
+        if not queue.issued and not queue.agreed and not queue.busy:
+            self._stats.record_eager(True)
+            return launch()
+        dev = device if device is not None else torch.device("cpu")
+        fut = completion.new_source(streams.future_devices(dev))
+        queue.issued.append(EagerOp(seq, name, launch, outputs, fut, dev, streams.mark(dev)))
+        self._stats.record_eager(False)
+        self._cv.notify_all()
+        return FutureWork(fut, self._engine, seq, name)
+
+    def _issue(self, name: str, submit: Callable[[int], Any], sig: Any, opts: Any,
+               device: torch.device, reduce_op: Any = _UNSET,
+               pair_bytes: Callable[[], tuple[list, list]] | None = None) -> Any:
+        """Number the call and `submit(seq)` it under the engine's lock, recording it for the
+        inspector (checking it first under GRADIENTFLOW_DEBUG); a synchronous CPU call is
+        waited on here, in slices, so a fault found meanwhile ends it with its own error."""
+        insp = self._insp
+        if insp is None:
+            with self._lock:
+                return submit(self._take(name))
+        fields = _OPT_FIELDS.get(type(opts))
+        if fields is None:
+            fields = _OPT_FIELDS[type(opts)] = tuple(
+                hasattr(opts, f) for f in ("rootRank", "reduceOp", "asyncOp"))
+        root = opts.rootRank if fields[0] else None
+        if reduce_op is _UNSET:
+            reduce_op = opts.reduceOp if fields[1] else None
+        if insp.debug is not None:
+            with self._debug_lock:
+                insp.debug.check(self.seq, name, sig, root, reduce_op, pair_bytes)
+                with self._lock:
+                    seq = self._take(name)
+                    work = submit(seq)
+                    insp.record(seq, name, sig, root, reduce_op, work)
+        else:
+            with self._lock:
+                seq = self._take(name)
+                work = submit(seq)
+                insp.record(seq, name, sig, root, reduce_op, work)
+        if isinstance(work, FutureWork):
+            insp.attach(work, seq, name)
+        elif insp.sliced and fields[2] and not opts.asyncOp and device.type == "cpu":
+            insp.wait_sync(work, seq, name)
+        return work

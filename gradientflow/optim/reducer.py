@@ -1,0 +1,451 @@
+"""The gradient reducer: averages a list of named parameters' gradients over a group, by partition.
+
+It knows nothing of torch.optim: it is given parameters and names, watches their gradients
+(post-accumulate-grad hooks), and delivers each partition's average to a `target` (by default
+into `p.grad`; next-forward overlap gives its own buffers). The optimizer wrapper
+(optimizer.py) decides when to wait and what to step.
+
+How a step flows (on a gradientflow process group):
+1. backward: each parameter's hook marks it ready; a partition (see plan.py) whose parameters
+   are all ready is submitted to the group's keyed scheduler at once; a dense one is packed into
+   its persistent flat buffer there, on the hook's thread (already divided by the world size
+   for Average, as DDP does), and later sent as one asynchronous allreduce whose result the
+   gradients then point into (no copy back). The transport's thread only counts it done and
+   completes its future; the thread that waits for it unpacks it, so little Python competes
+   with backward for the GIL.
+2. the scheduler launches, among the partitions ready on EVERY rank, the one the next forward
+   needs first (priority = position of its first parameter in registration order, our proxy for
+   forward order; TicTac's TIC for a chain), within a byte credit; so the launch order is the
+   same on every rank although readiness timing differs (engine/scheduler.py).
+3. `submit_rest()` submits what backward did not complete (unused parameters: zeros, as DDP's
+   find_unused_parameters) and `wait_all()` waits only for what is still in flight.
+
+On any other group (plain gloo, or no torch.distributed at all) nothing is launched during
+backward: `submit_rest()` reduces every partition in priority order, synchronously. That static
+order needs no agreement, but it is the "no overlap" baseline.
+"""
+from __future__ import annotations
+
+import enum
+import functools
+import threading
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from gradientflow.compression import CompressionConfig, make_compressor
+from gradientflow.backend.api import scheduler_of, submit_stages
+from gradientflow.engine.scheduler import MAX_KEYS
+from gradientflow.optim.plan import ParamSpec, Partition, build_plan, plan_fingerprint
+from gradientflow.optim.stages import compressed_average, dense_average, sparse_allgather
+
+__all__ = ["ReduceOp", "ReducerOptions", "GradTarget", "GradientReducer"]
+
+_PREFIX = "gradientflow.DistributedOptimizer"
+
+
+class ReduceOp(enum.Enum):
+    """How gradients are combined across ranks (Horovod's hvd.Average / hvd.Sum)."""
+
+    Average = "average"
+    Sum = "sum"
+
+
+@dataclass(frozen=True)
+class ReducerOptions:
+    """The validated options of one reducer (fixed for its lifetime)."""
+
+    # --- tuned by the user ---
+    compression: CompressionConfig | None  # None: the dense average in the gradients' dtype
+    backward_passes_per_step: int = 1
+    op: ReduceOp = ReduceOp.Average
+    gradient_predivide_factor: float = 1.0
+    priority: bool = True  # TicTac order; False: FIFO (the order backward makes them ready)
+    # 25 MiB, DDP's bucket size. Each partition costs a message and up to one agreement round
+    # (the scheduler batches what becomes ready while a round is in flight; a round costs each
+    # rank 0.3-0.7 ms of CPU on two busy cores), so many small partitions cost more than ordering
+    # buys: ResNet-50 on 2 ranks at an emulated 10 Gbps stepped in 1089 ms with 1 MiB partitions
+    # (136 of them), 639 ms with 8 MiB (18), 571 ms with 25 MiB (5), DDP 489-541 ms (bench_e2e,
+    # gf_opt, same runs). A model with few large layers wants smaller partitions for priority
+    # to reorder anything (the overlap benchmark uses one per layer).
+    partition_bytes: int = 25 << 20
+    sparse_as_dense: bool = False
+
+    def __post_init__(self) -> None:
+        b = self.backward_passes_per_step
+        if not isinstance(b, int) or isinstance(b, bool) or b < 1:
+            raise ValueError(f"{_PREFIX}: backward_passes_per_step={b!r} must be an integer >= 1")
+        if not isinstance(self.op, ReduceOp):
+            raise ValueError(f"{_PREFIX}: op={self.op!r} must be gradientflow.Average or "
+                             "gradientflow.Sum")
+        f = self.gradient_predivide_factor
+        if not isinstance(f, (int, float)) or not f > 0:
+            raise ValueError(f"{_PREFIX}: gradient_predivide_factor={f!r} must be a number > 0")
+        if f != 1.0 and self.op is not ReduceOp.Average:
+            raise ValueError(f"{_PREFIX}: gradient_predivide_factor={f} only applies to "
+                             "op=Average (as in Horovod); leave it at 1.0 with op=Sum")
+        p = self.partition_bytes
+        if not isinstance(p, int) or isinstance(p, bool) or p < 1:
+            raise ValueError(f"{_PREFIX}: partition_bytes={p!r} must be an integer >= 1 "
+                             "(bytes per partition, e.g. 1 << 20)")
+
+
+class GradTarget:
+    """Where averaged gradients go by default: into `p.grad` (None where no rank had one)."""
+
+    def __init__(self, params: list[torch.Tensor], bucket_view: bool) -> None:
+        self._params = params
+        # A dense result already sits in its partition's buffer: point the gradient at it.
+        self._bucket_view = bucket_view
+        self._lock = threading.Lock()  # held only inside write: it never calls out
+
+    def write(self, seg, value: torch.Tensor, used: bool) -> None:
+        """Deliver segment `seg` of parameter seg.index (its average `value`, or unused)."""
+        # Partitions complete on the transport's threads, two at a time: the row blocks of one
+        # parameter must not both find no buffer and each allocate one (a lost block).
+        with self._lock:
+            p = self._params[seg.index]
+            if not used:
+                p.grad = None  # no rank had a gradient: leave it alone, as DDP does
+                return
+            if seg.whole and not value.is_sparse and self._bucket_view:
+                # The result already sits in this partition's buffer: point the gradient at it
+                # instead of copying it back (DDP's gradient_as_bucket_view). The buffer is
+                # reused next step, after zero_grad(); a zero_grad(set_to_none=False) zeroes it
+                # in place and backward accumulates into it, which the next fill then finds.
+                p.grad = value
+                return
+            if p.grad is None or p.grad.is_sparse:
+                p.grad = torch.zeros_like(p)
+            seg.view(p.grad).copy_(value)
+
+    def write_sparse(self, index: int, value: torch.Tensor | None) -> None:
+        """Deliver a sparse parameter's coalesced sum (None: no rank had a gradient)."""
+        self._params[index].grad = value
+
+
+class GradientReducer:
+    """Average the gradients of `named` parameters over `process_group`, partition by partition.
+
+    Args:
+        named: (name, parameter) pairs of the trainable parameters, in forward order.
+        options: a ReducerOptions.
+        process_group: the group (None: the world group, or one process without a group).
+        before_first_grad: called (under the reducer's lock) when a step's first gradient
+            arrives, before anything is submitted (next-forward overlap applies leftovers).
+    """
+
+    def __init__(self, named: list[tuple[str, torch.Tensor]], options: ReducerOptions,
+                 process_group=None, before_first_grad: Callable[[], None] | None = None) -> None:
+        self.options = options
+        self.process_group = process_group
+        initialized = dist.is_available() and dist.is_initialized()
+        self.world_size = dist.get_world_size(process_group) if initialized else 1
+        self.rank = dist.get_rank(process_group) if initialized else 0
+        self.names = [n for n, _ in named]
+        self.params = [p for _, p in named]
+        specs = [ParamSpec(n, tuple(p.shape), p.dtype, p.device) for n, p in named]
+        self.plan: list[Partition] = build_plan(specs, options.partition_bytes)
+        if len(self.plan) > MAX_KEYS:
+            raise ValueError(f"{_PREFIX}: partition_bytes={options.partition_bytes} cuts the "
+                             f"model into {len(self.plan)} partitions, more than the "
+                             f"scheduler's {MAX_KEYS}: use a larger partition_bytes")
+        self.compressor = None
+        if options.compression is not None:
+            for n, p in named:
+                if p.dtype != torch.float32:
+                    raise ValueError(f"{_PREFIX}: parameter {n!r} is {p.dtype}; compression "
+                                     f"{options.compression.method!r} needs float32 gradients "
+                                     "(keep FP32 master parameters, or pass compression=None)")
+            self.compressor = make_compressor(options.compression, self.world_size)
+        self._layouts = [part.layout() for part in self.plan]
+        self._parts_of: list[list[int]] = [[] for _ in self.params]
+        for part in self.plan:
+            for i in part.params:
+                self._parts_of[i].append(part.key)
+        n = len(self.plan)
+        # TicTac: partition k holds the k-th parameters in forward order, so its priority is k
+        # (lower runs first). FIFO runs them in the order backward makes them ready: reversed.
+        self.priority = list(range(n)) if options.priority else [n - 1 - k for k in range(n)]
+        if initialized and self.world_size > 1:
+            _check_same_everywhere(specs, options, process_group, self.rank, self.world_size)
+        # Every rank calls scheduler_of here, at the same point (it connects a new group).
+        self._sched = scheduler_of(process_group) if initialized else None
+        self.target: Any = GradTarget(self.params, bucket_view=self.compressor is None)
+        self._before_first_grad = before_first_grad
+
+        # --- internal, per step ---
+        self._lock = threading.Lock()
+        self._counts = [0] * len(self.params)  # backward passes seen since the last sync
+        self._missing = [set(part.params) for part in self.plan]  # not ready yet, per partition
+        self.futures: dict[int, torch.futures.Future] = {}  # submitted partitions of this step
+        self._begun = False
+        self.seen_grads = False  # a hook fired since the last synchronize
+        self._sparse = [False] * len(self.params)  # sticky: a sparse gradient was seen
+        self._buffers: dict[int, torch.Tensor] = {}  # partition key -> its flat buffer
+        # Dense partitions in flight: key -> the StageGen that unpacks its summed buffer, run
+        # by whoever waits for its future (settle), on the waiting thread.
+        self._unpack: dict[int, Any] = {}
+        self.step_open = False  # compressor step not closed yet
+        ref = weakref.ref(self)
+        self._hooks = [p.register_post_accumulate_grad_hook(
+            functools.partial(_on_grad_hook, ref, i)) for i, p in enumerate(self.params)]
+
+    # ------------------------------------------------------------------ backward side
+    def _on_grad(self, i: int) -> None:
+        p = self.params[i]
+        if p.grad is not None and p.grad.is_sparse:
+            if self.options.sparse_as_dense:
+                p.grad = p.grad.to_dense()
+            elif self.compressor is not None:
+                raise RuntimeError(f"{_PREFIX}: parameter {self.names[i]!r} has a sparse "
+                                   "gradient, which compression cannot take: pass "
+                                   "sparse_as_dense=True (or nn.Embedding(sparse=False))")
+        with self._lock:
+            if not self.seen_grads:
+                if self._before_first_grad is not None:
+                    self._before_first_grad()
+                if self.compressor is not None:
+                    self.compressor.check_schedule()  # here, not on the scheduler's thread
+            self.seen_grads = True
+            self._counts[i] += 1
+            bpps = self.options.backward_passes_per_step
+            if self._counts[i] > bpps:
+                self._counts[i] -= 1
+                raise RuntimeError(
+                    f"{_PREFIX}: parameter {self.names[i]!r} got a gradient "
+                    f"{self._counts[i] + 1} times, more than backward_passes_per_step="
+                    f"{bpps}, before step(): call step() after each backward(), or increase "
+                    "backward_passes_per_step to accumulate gradients locally")
+            if self._counts[i] < bpps or self._sched is None:
+                return  # on a non-gradientflow group everything waits for step()
+            for k in self._parts_of[i]:
+                self._missing[k].discard(i)
+                if not self._missing[k] and k not in self.futures:
+                    self._submit(k)
+
+    def _submit(self, k: int) -> None:
+        """Submit partition k (its gradients as they are now: None means no gradient here)."""
+        part = self.plan[k]
+        if self._sched is not None and not self._begun:
+            self._sched.begin(len(self.plan), self.priority)
+            self._begun = True
+        self.step_open = self.compressor is not None
+        dense, sparse = self._grad_inputs(part)
+        gen = self._stages(part, dense, sparse)
+        if self._sched is not None and self.compressor is None and not sparse:
+            # The dense average is one allreduce: packed here (the hook's thread) and sent
+            # asynchronously; its result is unpacked by the thread that waits for it, not on
+            # the transport's thread, where the Python work of every partition competed with
+            # backward for the GIL.
+            flat = next(gen)
+            fut = self._sched.submit_tensor(k, self.priority[k], flat, part.nbytes)
+            self._unpack[k] = gen
+        elif self._sched is not None:
+            # Compressed and sparse partitions run their stages in sequence, on the scheduler.
+            fut = self._sched.submit(k, self.priority[k], gen, part.device, part.nbytes)
+        else:
+            fut = submit_stages(self.process_group, ("optim", id(self), k), gen, part.device,
+                                name="optim", dense_bytes=part.nbytes)
+        self.futures[k] = fut
+
+    def _grad_inputs(self, part: Partition):
+        """Split a partition's segments into dense (gradient view or None) and sparse ones.
+
+        Whether a parameter's gradient is sparse must be the same on every rank (the stages
+        differ): it is remembered from the first sparse gradient seen, so an embedding that got
+        no gradient on this rank still takes the sparse route if it was sparse before.
+        """
+        dense, sparse = [], []
+        for seg in part.segments:
+            g = self.params[seg.index].grad
+            if g is not None and g.is_sparse:
+                if self.options.sparse_as_dense:
+                    g = g.to_dense()
+                else:
+                    self._sparse[seg.index] = True
+            if self._sparse[seg.index]:
+                sparse.append(seg)
+            else:
+                dense.append((None if g is None else seg.view(g), seg))
+        return dense, sparse
+
+    def _scales(self) -> tuple[float, float]:
+        f, n = float(self.options.gradient_predivide_factor), self.world_size
+        if self.compressor is not None:  # the compressor already divides by n
+            return 1.0 / f, f * (n if self.options.op is ReduceOp.Sum else 1)
+        if self.options.op is ReduceOp.Sum:
+            return 1.0, 1.0
+        if f == 1.0:
+            # Divide while packing, as DDP does before its allreduce: nothing is left to do on
+            # the transport's thread after the sum, and FP16 sums of n ranks cannot overflow.
+            return 1.0 / n, 1.0
+        return 1.0 / f, f / n
+
+    def _stages(self, part: Partition, dense, sparse):
+        """The StageGen of one partition: reduce, then write the results.
+
+        The gradients are picked here, on the submitting thread, not inside the generator:
+        a multi-stage one starts later, on the scheduler's thread, after the user may have
+        zeroed p.grad (next-forward overlap lets zero_grad() run while partitions are in flight).
+        """
+        sparse_grads = {seg.index: self.params[seg.index].grad for seg in sparse}
+        return self._run_stages(part, dense, sparse, sparse_grads)
+
+    def _run_stages(self, part: Partition, dense, sparse, sparse_grads):
+        pre, post = self._scales()
+        flat = None
+        if self.compressor is not None and dense:
+            gen = compressed_average(self.compressor, self._layouts[part.key],
+                                     [g for g, _ in dense], pre, post)
+        elif dense:
+            numels = [seg.numel for _, seg in dense]
+            buf = self._buffers.get(part.key)
+            if buf is None or buf.numel() != sum(numels) + len(numels):
+                buf = self._buffers[part.key] = torch.empty(sum(numels) + len(numels),
+                                                            dtype=part.dtype, device=part.device)
+            # One buffer per partition, reused every step: a partition runs once per step and
+            # its results are copied out before its future completes.
+            gen = dense_average([g for g, _ in dense], numels, part.dtype, part.device, pre, post,
+                                buffer=buf)
+        else:
+            gen = None
+        if gen is not None:
+            flat, used = yield from gen
+        else:
+            used = []
+        off = 0
+        for (_, seg), u in zip(dense, used):
+            self.target.write(seg, flat[off:off + seg.numel].view(seg.shape), u)
+            off += seg.numel
+        for seg in sparse:
+            if self.compressor is not None:
+                raise RuntimeError(f"{_PREFIX}: parameter {seg.name!r} has a sparse gradient, "
+                                   "which compression cannot take: pass sparse_as_dense=True")
+            if seg.row0 != 0 and not seg.whole:
+                continue  # a row-split sparse parameter travels whole with its first block
+            p = self.params[seg.index]
+            out = yield from sparse_allgather(sparse_grads[seg.index], tuple(p.shape), p.dtype,
+                                              self.rank, self.world_size, pre, post)
+            self.target.write_sparse(seg.index, out)
+        return flat
+
+    # ------------------------------------------------------------------ step side
+    def submit_rest(self) -> None:
+        """Submit every partition backward did not complete (static priority order)."""
+        with self._lock:
+            if not self.seen_grads:
+                raise RuntimeError(
+                    f"{_PREFIX}: step() was called without a backward() since the last step: "
+                    "there are no gradients to average. Call loss.backward() before step(); to "
+                    "step on gradients you already averaged (e.g. clipped after synchronize()), "
+                    "call step() inside `with optimizer.skip_synchronize():`")
+            order = sorted(range(len(self.plan)), key=lambda k: (self.priority[k], k))
+            for k in order:
+                if k not in self.futures:
+                    self._submit(k)
+
+    def settle(self, k: int, fut: torch.futures.Future) -> None:
+        """Wait for partition k's future; unpack a dense partition's result (this thread)."""
+        gen = self._unpack.pop(k, None)
+        value = fut.wait()
+        if gen is not None:
+            try:
+                gen.send(value)
+            except StopIteration:
+                pass
+            else:
+                raise RuntimeError(f"{_PREFIX}: partition {k}: the dense average asked for a "
+                                   "second allreduce")
+
+    def failed(self, k: int, exc: BaseException) -> RuntimeError:
+        """The error to raise when partition k failed (naming the rank and the partition)."""
+        return RuntimeError(f"{_PREFIX}: rank {self.rank}: partition {k} "
+                            f"({self.plan[k].segments[0].name}, ...) failed: {exc}")
+
+    def wait_all(self) -> None:
+        """Wait for every partition submitted this step (the first failure is raised)."""
+        futs, self.futures = self.futures, {}
+        errors = []
+        for k in sorted(futs):
+            try:
+                self.settle(k, futs[k])
+            except Exception as exc:  # noqa: BLE001 - the first one is raised below
+                errors.append((k, exc))
+        if errors:
+            k, exc = errors[0]
+            raise self.failed(k, exc) from exc
+
+    def take_futures(self) -> dict[int, torch.futures.Future]:
+        """Hand this step's futures to the caller (who settles them) and forget them."""
+        futs, self.futures = self.futures, {}
+        return futs
+
+    def reset_step(self) -> None:
+        """Start counting the next step's gradients (after its partitions were submitted)."""
+        self._counts = [0] * len(self.params)
+        self._missing = [set(part.params) for part in self.plan]
+        self._begun = False
+        self.seen_grads = False
+
+    def end_step(self) -> None:
+        """Close the compressor's step once every partition of it has been reduced."""
+        if self.step_open:
+            self.step_open = False
+            self.compressor.end_step()
+
+    def close(self) -> None:
+        """Remove the gradient hooks."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    @property
+    def launch_log(self) -> list[int]:
+        """The partition keys of the last step in launch order (gradientflow groups only)."""
+        return [] if self._sched is None else list(self._sched.launch_log)
+
+
+def _check_same_everywhere(specs, options: ReducerOptions, group, rank: int, world: int) -> None:
+    """Raise on every rank, naming the first difference, unless all ranks built the same plan.
+
+    One fixed-size allgather of a digest; the detailed (object) gather only on mismatch, which
+    every rank sees at once, so every rank takes the same path.
+    """
+    o = options
+    digest = plan_fingerprint(specs, f"{o.partition_bytes}|{o.compression}|"
+                                     f"{o.backward_passes_per_step}|{o.op}|{o.priority}")
+    mine = torch.tensor(list(digest[:16]), dtype=torch.int64)
+    out = [torch.zeros_like(mine) for _ in range(world)]
+    dist.all_gather(out, mine, group=group)
+    if all(torch.equal(x, out[0]) for x in out):
+        return
+    desc = [(s.name, s.shape, str(s.dtype)) for s in specs]
+    everyone: list[Any] = [None] * world
+    dist.all_gather_object(everyone, (desc, repr(options)), group=group)
+    detail = ""
+    for r, (d, opts) in enumerate(everyone):
+        if d != everyone[0][0]:
+            k = next((i for i, (a, b) in enumerate(zip(everyone[0][0], d)) if a != b),
+                     min(len(d), len(everyone[0][0])))
+            a = everyone[0][0][k] if k < len(everyone[0][0]) else "nothing"
+            b = d[k] if k < len(d) else "nothing"
+            detail = (f"rank 0 has {len(everyone[0][0])} trainable parameters, rank {r} has "
+                      f"{len(d)}; first difference at position {k}: rank 0 {a}, rank {r} {b}")
+            break
+        if opts != everyone[0][1]:
+            detail = f"options differ: rank 0 {everyone[0][1]}, rank {r} {opts}"
+            break
+    raise ValueError(f"{_PREFIX}: rank {rank}: the parameter list differs across "
+                     f"ranks ({detail}). Build the same model on every rank and pass the "
+                     "same named_parameters, in the same order, with the same options, to "
+                     "DistributedOptimizer on every rank.")
+
+
+def _on_grad_hook(ref, i: int, param: torch.Tensor) -> None:
+    reducer = ref()
+    if reducer is not None:
+        reducer._on_grad(i)

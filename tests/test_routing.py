@@ -1,0 +1,60 @@
+"""Routing of an allreduce (engine/issue.py): SOLO, FUSED or EAGER from the call alone.
+
+Every rank must route a call the same way, so the route may depend only on the call (device,
+byte size, async_op) and the group's Config: these properties pin that down without a group.
+"""
+from __future__ import annotations
+
+import threading
+from types import SimpleNamespace
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gradientflow.config import Config
+from gradientflow.engine.issue import EAGER, FUSED, SOLO, Issue
+
+CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)
+
+
+def issue_for(solo_transports=object(), **options) -> Issue:
+    """An Issue over a stand-in engine: route() reads only the Config and the solo channel."""
+    lock = threading.RLock()
+    engine = SimpleNamespace(lock=lock, cv=threading.Condition(lock), queue=None,
+                             messages=None, stats=None)
+    return Issue(engine, Config.resolve(options, environ={}), lambda d: None,
+                 solo_transports, None)
+
+
+@settings(max_examples=200, deadline=None)
+@given(nbytes=st.integers(0, 2**30), async_op=st.booleans(), cuda=st.booleans(),
+       threshold=st.sampled_from([0, 1000, 2**20, 128 * 2**20]),
+       solo=st.sampled_from([0, 500, 4 * 10**6]), channel=st.booleans(),
+       sync_limit=st.sampled_from([0, 256, 2**20]))
+def test_route_follows_the_rule(nbytes, async_op, cuda, threshold, solo, channel, sync_limit):
+    issue = issue_for(fusion_threshold=threshold, solo_threshold=solo, solo_channel=channel,
+                      sync_fusion_limit=sync_limit)
+    route = issue.route(CUDA if cuda else CPU, nbytes, async_op)
+    cut = min(solo, threshold) if solo > 0 else threshold
+    if channel and threshold > 0 and not cuda and nbytes >= cut:
+        assert route == SOLO
+    elif nbytes < (threshold if async_op else min(threshold, sync_limit)):
+        assert route == FUSED
+    else:
+        assert route == EAGER
+
+
+def test_small_allreduces_route_alike_whatever_async_op():
+    """Join pairs a synchronous allreduce on one rank with an async one on another."""
+    issue = issue_for()
+    for nbytes in (4, 255):
+        assert issue.route(CPU, nbytes, True) == issue.route(CPU, nbytes, False) == FUSED
+    assert issue.route(CPU, 4096, True) == FUSED
+    assert issue.route(CPU, 4096, False) == EAGER
+
+
+def test_no_solo_channel_without_its_transports():
+    issue = issue_for(solo_transports=None)
+    assert issue.route(CPU, 2**27 - 1, True) == FUSED
+    assert issue.route(CPU, 2**27, True) == EAGER
