@@ -28,6 +28,7 @@ AGREED = {
     "sync_fusion_limit": lambda c: c.sync_fusion_limit,
     "schedule_credit": lambda c: c.schedule_credit,
     "debug": lambda c: c.debug,
+    "algorithm": lambda c: c.algorithm,
     # Only whether the inspector runs: its interval is this rank's polling period.
     "inspect_interval_s": lambda c: c.inspect_interval_s > 0,
 }
