@@ -44,7 +44,8 @@ def test_csc_sends_only_norms_chunks_and_dense_part(layout, world, density, chun
     wdt = cfg.torch_wire_dtype
     # An FP16 wire also sends its scale's bound (one FP32 element) with the norms.
     bound = 1 if wire == "fp16" and k > 0 else 0
-    assert sent[0].dtype == torch.float32 and sent[0].numel() == nch + (d if wire == "fp32" else 0) + bound
+    assert sent[0].dtype == torch.float32
+    assert sent[0].numel() == nch + (d if wire == "fp32" else 0) + bound
     assert sent[1].dtype == wdt and sent[1].numel() == k * chunk + (0 if wire == "fp32" else d)
     assert len(sent) == 2
     wire_bytes = sum(t.numel() * t.element_size() for t in sent)
