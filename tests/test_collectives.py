@@ -198,8 +198,10 @@ def bad_inputs(rank, world):
         "AVG on integers": lambda: dist.all_reduce(torch.ones(3, dtype=torch.int64),
                                                    op=dist.ReduceOp.AVG),
         "bitwise on floats": lambda: dist.all_reduce(torch.ones(3), op=dist.ReduceOp.BAND),
-        "non-contiguous": lambda: dist.all_reduce(torch.ones(4, 4).t()),
-        "sparse": lambda: dist.all_reduce(torch.ones(3).to_sparse()),
+        # A strided all_reduce and a sparse SUM are accepted, as gloo accepts them
+        # (tests/conformance/test_strided.py); a strided send and a sparse MAX are not.
+        "non-contiguous": lambda: dist.send(torch.ones(4, 4).t(), (rank + 1) % world),
+        "sparse": lambda: dist.all_reduce(torch.ones(3).to_sparse(), op=dist.ReduceOp.MAX),
         "list length": lambda: dist.all_gather([torch.ones(2)] * (world + 1), torch.ones(2)),
         "shape mismatch": lambda: dist.all_gather([torch.ones(3)] * world, torch.ones(2)),
         "bad root": lambda: dist.broadcast(torch.ones(2), src=world + 5),

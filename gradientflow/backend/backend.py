@@ -15,8 +15,9 @@ from typing import Any
 import torch
 from torch._C._distributed_c10d import AllreduceOptions, Backend as _CBackend, ReduceOp
 
+from gradientflow import agreement_check
 from gradientflow.algorithms import Algorithms
-from gradientflow.backend import registry
+from gradientflow.backend import layouts, p2p, registry
 from gradientflow.backend import validate as V
 from gradientflow.backend.transports import Transports, attempt_store, make_gloo
 from gradientflow.config import Config, current_overrides
@@ -25,6 +26,7 @@ from gradientflow.engine.engine import Engine
 from gradientflow.inspector import Inspector, check_world
 
 
+@layouts.conform  # strided views and sparse COO, as gloo takes them (backend/layouts.py)
 class GradientFlowBackend(_CBackend):
     """A torch.distributed backend whose collectives go through one ordered engine."""
 
@@ -39,6 +41,8 @@ class GradientFlowBackend(_CBackend):
         self._seq_for_group = 0
         store = attempt_store(store)
         check_world(store, rank, size, timeout.total_seconds())
+        # Before any transport: a setting such as debug decides which groups get connected.
+        agreement_check.check(store, rank, size, config, timeout.total_seconds())
         self.transports = Transports(store, rank, size, timeout)
         # The solo channel (engine/issue.py): a second gloo group, connected by every rank at
         # its first solo allreduce, which is the same call on every rank.
@@ -332,16 +336,14 @@ class GradientFlowBackend(_CBackend):
         return self.transports.get(t.device).recv(tensors, src_rank, tag)
 
     def recv_anysource(self, tensors, tag):
-        raise V.fail(self._rank, "recv", "a receive from any source (src=None) is not supported "
-                     "by a Python backend in torch 2.14",
-                     "name the source rank: dist.recv(tensor, src=...)")
+        raise p2p.recv_anysource_error(self._rank)  # why: backend/p2p.py
 
     def gather_single(self, output, input, opts):
         raise V.fail(self._rank, "gather_single", "not available on a Python backend in torch 2.14",
                      "use dist.gather with a gather_list")
 
     def monitored_barrier(self, opts=None, wait_all_ranks=False):
-        return self.barrier()
+        p2p.monitored_barrier(self, opts, wait_all_ranks)  # gloo's own (backend/p2p.py)
 
 
 def _nbytes(t: torch.Tensor) -> int:

@@ -6,9 +6,10 @@ Per flat buffer (one bucket), on every rank::
     v = grad + residual                     (momentum correction: u = m*u + grad; v = residual + u)
                                             into the spare residual buffer; grad zeroed, same pass
     norms = per-chunk L1 (or squared L2) of v, with the dense parameters' elements left out
-    stage 1: SUM-allreduce [norms | dense part if its wire dtype is fp32]
+    stage 1: SUM-allreduce [norms | dense part if its wire dtype is fp32 | FP16: bound of |v|]
     idx = top ceil(density * nchunks) chunks of the reduced norms (ties to the lower index)
-    stage 2: SUM-allreduce [packed chunks of v/n | dense part of v/n if in the wire dtype]
+    stage 2: SUM-allreduce [packed chunks of v*2^e/n | dense part of v/n if in the wire dtype]
+                                            (2^e agreed from the bound: wire_scale.py)
     out = the reduced chunks in place, zeros elsewhere, the dense part everywhere it belongs
     residual = v where not sent; the wire rounding error (v - upcast(local)*n) where sent
 
@@ -40,6 +41,7 @@ import torch
 from gradientflow import kernels
 
 from ..engine.stages import StageGen
+from . import wire_scale
 from .base import Compressor
 from .layout import Layout
 from .registry import register_compressor
@@ -190,7 +192,12 @@ class CSCCompressor(Compressor):
         dense_local = None
         if dense_in_1:
             dense_local = stage1[nch:].clone()
+        # FP16: the chunks' power of two, agreed by a bound sent with the norms (wire_scale.py).
+        scaled = k > 0 and wire_scale.needs_scale(wire_dtype)
+        if scaled:
+            stage1 = torch.cat([stage1, wire_scale.norms_bound(norms, cfg.norm, dense_v)])
         reduced1 = yield from self._stage(stage1)
+        reduced1, ws = wire_scale.split_bound(reduced1, scaled, n, wire_dtype)
         self.stats.add_bucket(numel=numel, chunks_sent=k, chunks_total=nch, elements_sent_dense=d,
                               density=density, warmup=self.in_warmup())
         if not kernels.all_finite(reduced1):
@@ -202,7 +209,7 @@ class CSCCompressor(Compressor):
         # --- stage 2: the chosen chunks, pre-scaled by 1/n (+ the dense part in the wire dtype) ---
         idx = kernels.select_chunks(reduced_norms, k)
         send = torch.empty(k * c + (d if dense_in_2 else 0), dtype=wire_dtype, device=flat.device)
-        kernels.pack_chunks(v, idx, c, 1.0 / n, wire_dtype, out=send[: k * c])
+        kernels.pack_chunks(v, idx, c, ws.pre, wire_dtype, out=send[: k * c])
         if dense_in_2:
             kernels.cast_scaled(dense_v, 1.0 / n, wire_dtype, out=send[k * c:])
         # The local copy gives the exact rounding error (of the cast and of the 1/n pre-scale).
@@ -233,11 +240,11 @@ class CSCCompressor(Compressor):
         if ef:
             # flat is zero and new_residual holds v: only the sent chunks change.
             kernels.unpack_sent(
-                flat, new_residual, reduced2[: k * c], local[: k * c], idx, c, 1.0, float(n)
+                flat, new_residual, reduced2[: k * c], local[: k * c], idx, c, ws.post, ws.err
             )
         else:
             kernels.unpack_update(
-                flat, None, reduced2[: k * c], None, idx, c, 1.0, float(n), out=flat
+                flat, None, reduced2[: k * c], None, idx, c, ws.post, ws.err, out=flat
             )
         if d:
             kernels.dense_scatter(flat, new_residual if ef else None, plan.dense_idx, dense_reduced,

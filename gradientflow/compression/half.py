@@ -15,6 +15,7 @@ from ..engine.stages import StageGen
 from .base import Compressor
 from .layout import Layout
 from .registry import register_compressor
+from .wire_scale import agree as agree_scale
 
 __all__ = ["HalfCompressor"]
 
@@ -57,18 +58,22 @@ class HalfCompressor(Compressor):
         cfg, n = self.config, self.world_size
         self.stats.add_bucket(numel=flat.numel(), density=1.0)
         wire = self._wire_buffer(layout, flat)
+        mem = (self.memory.get(layout, ("residual", "_residual_spare"), flat, loss_scale)
+               if cfg.error_feedback else {})
+        # FP16: the power of two all ranks scale this message by, so that small gradients do not
+        # flush to zero (wire_scale.py; ws.pre = 2^e / n, ws.post = 2^-e, ws.err = n / 2^e).
+        ws = yield from agree_scale(n, cfg.torch_wire_dtype, self._stage, flat, mem.get("residual"))
         if cfg.error_feedback:
-            mem = self.memory.get(layout, ("residual", "_residual_spare"), flat, loss_scale)
-            # The candidate residual v - upcast(wire) * n goes to the spare buffer; it is committed
-            # (by a swap) only if the reduced result is finite: a step GradScaler skips must leave
-            # the residual alone.
-            kernels.cast_feedback(flat, mem["residual"], 1.0 / n, cfg.torch_wire_dtype, float(n),
+            # The candidate residual v - upcast(wire) * n / 2^e goes to the spare buffer; it is
+            # committed (by a swap) only if the reduced result is finite: a step GradScaler skips
+            # must leave the residual alone.
+            kernels.cast_feedback(flat, mem["residual"], ws.pre, cfg.torch_wire_dtype, ws.err,
                                   out=wire, residual_out=mem["_residual_spare"])
         else:
-            kernels.cast_scaled(flat, 1.0 / n, cfg.torch_wire_dtype, out=wire)
+            kernels.cast_scaled(flat, ws.pre, cfg.torch_wire_dtype, out=wire)
         reduced = yield from self._stage(wire)
         # Decided from the reduced result, so the same on every rank.
-        if not kernels.upcast_finite(reduced, 1.0, out=flat):
+        if not kernels.upcast_finite(reduced, ws.post, out=flat):
             self._step_non_finite = True
         elif cfg.error_feedback:
             self.memory.commit(layout, (("residual", "_residual_spare"),))

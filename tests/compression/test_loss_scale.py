@@ -182,4 +182,5 @@ def _train_skipping(kw):
 
 def test_fp16_state_with_grad_scaler_runs():
     models, states, scales = _train(2, True, None, FP16State, dict(wire_dtype="fp16"), steps=3)
-    assert states[0].stats()["steady"]["ratio"] == 2.0
+    # FP16 halves the bytes; the scale's bound adds 4 bytes per bucket (wire_scale.py).
+    assert 1.95 < states[0].stats()["steady"]["ratio"] < 2.0

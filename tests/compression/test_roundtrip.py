@@ -10,6 +10,7 @@ from hypothesis import given, strategies as st
 
 from compression_helpers import SETTINGS, grads_for, layouts, make_ranks, recording
 from gradientflow.compression import CompressionConfig
+from gradientflow.compression.wire_scale import scale_for
 from gradientflow.engine.stages import drive_lockstep
 
 
@@ -41,7 +42,10 @@ def test_csc_sends_only_norms_chunks_and_dense_part(layout, world, density, chun
     k = 0 if d == n else min(nch, max(1, math.ceil(density * nch)))
     sent = log[0]
     wdt = cfg.torch_wire_dtype
-    assert sent[0].dtype == torch.float32 and sent[0].numel() == nch + (d if wire == "fp32" else 0)
+    # An FP16 wire also sends its scale's bound (one FP32 element) with the norms.
+    bound = 1 if wire == "fp16" and k > 0 else 0
+    assert sent[0].dtype == torch.float32
+    assert sent[0].numel() == nch + (d if wire == "fp32" else 0) + bound
     assert sent[1].dtype == wdt and sent[1].numel() == k * chunk + (0 if wire == "fp32" else d)
     assert len(sent) == 2
     wire_bytes = sum(t.numel() * t.element_size() for t in sent)
@@ -77,8 +81,11 @@ def test_csc_output_is_exactly_the_reduced_payload(layout, world, chunk, seed):
     # what the transport summed, re-summed here
     total = sum(log[i][1].float() for i in range(world))
     k = total.numel() // chunk
-    # The k chosen chunks are the top-k of the summed norms (ties to the lower index).
-    norms = sum(log[i][0] for i in range(world))
+    # The k chosen chunks are the top-k of the summed norms (ties to the lower index); the
+    # stage's last element is the FP16 scale's bound, whose sum sets the power of two.
+    stage1 = sum(log[i][0] for i in range(world))
+    norms = stage1[:nch]
+    total = total * scale_for(float(stage1[nch]), world, torch.float16).post
     order = torch.sort(norms, descending=True, stable=True).indices[:k]
     idx = torch.sort(order).values
     expect = torch.zeros(nch * chunk)
@@ -127,8 +134,9 @@ def test_wire_bytes_follow_the_one_definition():
     s = comps[0].stats.as_dict()
     n, nch = layout.numel, math.ceil(layout.numel / 64)
     k_steady, k_warm = math.ceil(0.05 * nch), math.ceil(0.5 * nch)
-    steady = 4 * nch + 2 * (k_steady * 64 + 100)
-    warm = 4 * nch + 2 * (k_warm * 64 + 100)
+    # 4 bytes per norm and for the FP16 scale's bound, 2 per FP16 element.
+    steady = 4 * (nch + 1) + 2 * (k_steady * 64 + 100)
+    warm = 4 * (nch + 1) + 2 * (k_warm * 64 + 100)
     assert s["steps"] == 5 and s["steady_steps"] == 3
     assert s["steady"]["wire_bytes"] == steady
     assert s["average"]["wire_bytes"] == (2 * warm + 3 * steady) / 5

@@ -277,7 +277,15 @@ def compressed(rank, world, method):
         ref.step()
         logs.append(opt.launch_log)
         worst = max(worst, _worst(torch, list(model.parameters()), list(ddp.parameters())))
-    return worst, logs, opt._compressor.step
+
+    def flat(params):
+        return torch.cat([p.detach().reshape(-1) for p in params])
+
+    # How far the compressed run is from DDP, relative to how far DDP moved from the start: a
+    # CSC that sent nothing would read 1.0 here.
+    ddp_moved = flat(ddp.parameters()) - flat(base.parameters())
+    rel = float((flat(model.parameters()) - flat(ddp.parameters())).norm() / ddp_moved.norm())
+    return worst, logs, opt._compressor.step, rel
 
 
 @pytest.mark.parametrize("method", ["fp16", "csc"])
@@ -287,8 +295,8 @@ def test_compression_through_the_scheduler(pools, method):
     assert all(r[2] == 3 for r in res)  # one compressor step per optimizer step
     if method == "fp16":
         assert max(r[0] for r in res) < 1e-3
-    else:
-        assert all(r[0] < 1.0 for r in res)
+    else:  # half of the chunks per step, the rest fed back: most of DDP's update arrives
+        assert all(r[3] < 0.5 for r in res), [r[3] for r in res]
 
 
 def sparse_embedding(rank, world):

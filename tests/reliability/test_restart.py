@@ -10,7 +10,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from benchmarks.soak import (  # noqa: E402 - the soak's restart scenario, run once
+from experiments.imagenet.restart_scenario import (  # noqa: E402 - run once here
     check_resumed, format_logs, launcher_env, prepare_digits, rank_logs, restart_command,
 )
 

@@ -1,0 +1,86 @@
+"""Settings every rank of a group must share, checked once at init through the store.
+
+The fused message cut is a pure function of the agreed batch and of the thresholds, so two
+ranks with different thresholds cut different messages and pair wrong bytes; a debug check or
+an inspector on some ranks only waits for peers that never answer. Each rank publishes the
+settings below; rank 0 compares them and publishes one verdict that every rank raises, naming
+the setting, its values and the ranks that hold each.
+
+The other settings are local and may differ (tests/conformance/test_agreement.py runs ranks
+with different values of each): cycle_time_ms and fusion_segments (when a round starts and
+how many buffers pack it: the rounds agree on the batch regardless), kernel_threads,
+local_world_size, stall_warning_s, stall_abort_s (how long this rank waits before it warns or
+aborts) and timeline (what this rank records).
+"""
+from __future__ import annotations
+
+import datetime
+import json
+from typing import Any
+
+from gradientflow.config import ENV_PREFIX, Config
+
+# Setting name -> how its value is read from a Config (what has to agree).
+AGREED = {
+    "fusion_threshold": lambda c: c.fusion_threshold,
+    "solo_threshold": lambda c: c.solo_threshold,
+    "solo_channel": lambda c: c.solo_channel,
+    "sync_fusion_limit": lambda c: c.sync_fusion_limit,
+    "schedule_credit": lambda c: c.schedule_credit,
+    "debug": lambda c: c.debug,
+    "algorithm": lambda c: c.algorithm,
+    # Only whether the inspector runs: its interval is this rank's polling period.
+    "inspect_interval_s": lambda c: c.inspect_interval_s > 0,
+}
+_KEY = "gradientflow/settings/"
+
+
+class SettingsMismatch(ValueError):
+    """Ranks of one group were started with different values of a setting that must agree."""
+
+
+def fingerprint(config: Config) -> dict[str, Any]:
+    """The settings of `config` that every rank of a group must share."""
+    return {name: read(config) for name, read in AGREED.items()}
+
+
+def describe(fingerprints: list[dict[str, Any]]) -> str:
+    """'' if every rank's fingerprint agrees, else one sentence per differing setting."""
+    parts = []
+    for name in AGREED:
+        holders: dict[str, list[int]] = {}
+        for rank, fp in enumerate(fingerprints):
+            holders.setdefault(json.dumps(fp.get(name)), []).append(rank)
+        if len(holders) > 1:
+            values = "; ".join(f"{v} on ranks {r}" for v, r in holders.items())
+            parts.append(f"{name} ({ENV_PREFIX}{name.upper()}) is {values}")
+    return ". ".join(parts)
+
+
+def check(store: Any, rank: int, size: int, config: Config, timeout_s: float) -> None:
+    """Raise SettingsMismatch on every rank if the agreed settings differ across ranks."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store.set(f"{_KEY}{rank}", json.dumps(fingerprint(config)))
+    if rank == 0:
+        keys = [f"{_KEY}{r}" for r in range(size)]
+        store.wait(keys, timeout)
+        verdict = describe([json.loads(store.get(k)) for k in keys])
+        store.set(f"{_KEY}verdict", verdict)
+        if verdict and size > 1:
+            # Rank 0 hosts the store under init_method tcp:// and env://: if it raised and
+            # exited first, the others would read "Connection reset" instead of the verdict.
+            try:
+                store.wait([f"{_KEY}read/{r}" for r in range(1, size)],
+                           datetime.timedelta(seconds=5))
+            except Exception:  # noqa: BLE001 - raise the verdict regardless
+                pass
+    else:
+        store.wait([f"{_KEY}verdict"], timeout)
+        verdict = store.get(f"{_KEY}verdict").decode()
+        if verdict:
+            store.set(f"{_KEY}read/{rank}", "1")
+    if verdict:
+        raise SettingsMismatch(
+            f"gradientflow: rank {rank}: settings differ across the {size} ranks of this "
+            f"group: {verdict}. Give every rank the same {ENV_PREFIX}* environment and "
+            "gradientflow.configure() options (or pg_options).")
