@@ -9,7 +9,8 @@ the setting, its values and the ranks that hold each.
 The other settings are local and may differ (tests/conformance/test_agreement.py runs ranks
 with different values of each): cycle_time_ms and fusion_segments (when a round starts and
 how many buffers pack it: the rounds agree on the batch regardless), kernel_threads,
-local_world_size, stall_warning_s, stall_abort_s (how long this rank waits before it warns or
+local_world_size and host (as long as every rank agrees whether the group spans hosts),
+stall_warning_s, stall_abort_s (how long this rank waits before it warns or
 aborts) and timeline (what this rank records).
 """
 from __future__ import annotations
@@ -29,6 +30,7 @@ AGREED = {
     "schedule_credit": lambda c: c.schedule_credit,
     "debug": lambda c: c.debug,
     "algorithm": lambda c: c.algorithm,
+    "reducers": lambda c: c.reducers,
     # Only whether the inspector runs: its interval is this rank's polling period.
     "inspect_interval_s": lambda c: c.inspect_interval_s > 0,
 }
@@ -39,28 +41,45 @@ class SettingsMismatch(ValueError):
     """Ranks of one group were started with different values of a setting that must agree."""
 
 
-def fingerprint(config: Config) -> dict[str, Any]:
-    """The settings of `config` that every rank of a group must share."""
-    return {name: read(config) for name, read in AGREED.items()}
+# Derived from local settings, yet decided alike on every rank: whether this rank will look
+# up which ranks share a host (the algorithms' inter-host byte counts do, through the store, so
+# a rank that looks alone would wait for peers that never answer).
+SPANS_HOSTS = "spans_hosts"
+_SPANS_HOSTS_SAYS = ("whether the group spans hosts (GRADIENTFLOW_HOST set, or torchrun's "
+                     "LOCAL_WORLD_SIZE below the group's size)")
+
+
+def spans_hosts(config: Config, size: int) -> bool:
+    """Whether the ranks of a group of `size` are said to sit on more than one host."""
+    return bool(config.host) or 0 < config.local_world_size < size
+
+
+def fingerprint(config: Config, size: int = 0) -> dict[str, Any]:
+    """The settings of `config` that every rank of a group of `size` must share."""
+    out = {name: read(config) for name, read in AGREED.items()}
+    out[SPANS_HOSTS] = spans_hosts(config, size)
+    return out
 
 
 def describe(fingerprints: list[dict[str, Any]]) -> str:
     """'' if every rank's fingerprint agrees, else one sentence per differing setting."""
     parts = []
-    for name in AGREED:
+    for name in [*AGREED, SPANS_HOSTS]:
         holders: dict[str, list[int]] = {}
         for rank, fp in enumerate(fingerprints):
             holders.setdefault(json.dumps(fp.get(name)), []).append(rank)
         if len(holders) > 1:
             values = "; ".join(f"{v} on ranks {r}" for v, r in holders.items())
-            parts.append(f"{name} ({ENV_PREFIX}{name.upper()}) is {values}")
+            says = (_SPANS_HOSTS_SAYS if name == SPANS_HOSTS
+                    else f"{name} ({ENV_PREFIX}{name.upper()})")
+            parts.append(f"{says} is {values}")
     return ". ".join(parts)
 
 
 def check(store: Any, rank: int, size: int, config: Config, timeout_s: float) -> None:
     """Raise SettingsMismatch on every rank if the agreed settings differ across ranks."""
     timeout = datetime.timedelta(seconds=timeout_s)
-    store.set(f"{_KEY}{rank}", json.dumps(fingerprint(config)))
+    store.set(f"{_KEY}{rank}", json.dumps(fingerprint(config, size)))
     if rank == 0:
         keys = [f"{_KEY}{r}" for r in range(size)]
         store.wait(keys, timeout)

@@ -22,7 +22,8 @@ MAY_DIFFER = {
     "kernel_threads": ("1", "2"),
     "stall_warning_s": ("0", "30"),
     "stall_abort_s": ("0", "600"),
-    "local_world_size": ("1", "4"),
+    # both below the group's size: every rank agrees the group spans hosts
+    "local_world_size": ("1", "2"),
 }
 
 
@@ -89,10 +90,28 @@ def _reduce_with(rank, ws, settings):
     return _with_env(rank, settings, body)
 
 
-@pytest.mark.xfail(reason="after main's engine split (rounds.py, agreement.py) these differing "
-                   "values no longer finish within 120 s: one of them may now need to agree; "
-                   "open until it is found (passed on the engine before the split)",
-                   strict=False)
+def test_ranks_that_disagree_on_spanning_hosts_are_refused_not_hung(pools):
+    # LOCAL_WORLD_SIZE 1 of 3 says "several hosts" on rank 0 and 4 of 3 says "one host" on the
+    # others: rank 0 alone would look the hosts up and wait for peers that never answer
+    errors = pools(3).run(_new_group_error_with, {"local_world_size": ("1", "4")},
+                          timeout=120)
+    for rank, err in enumerate(errors):
+        assert err is not None, f"rank {rank}: new_group did not raise"
+        assert "SettingsMismatch" in err and "whether the group spans hosts" in err, err
+
+
+def _new_group_error_with(rank, ws, settings):
+    import torch.distributed as dist
+
+    def body():
+        try:
+            dist.new_group(backend="gradientflow")
+        except Exception as exc:  # noqa: BLE001 - returned to the test
+            return f"{type(exc).__name__}: {exc}"
+        return None
+    return _with_env(rank, settings, body)
+
+
 def test_local_settings_may_differ(pools):
     ws = 3
     results = pools(ws).run(_reduce_with, MAY_DIFFER, timeout=120)
@@ -123,5 +142,5 @@ def test_every_config_field_is_classified():
     # further field still fails here until it is).
     unclassified = {"config_file", "autotune", "autotune_log", "autotune_out", "autotune_trials",
                     "autotune_steps", "autotune_warmup", "autotune_seed", "autotune_sampler",
-                    "reducers", "host", "node"}
+                    "host", "node"}
     assert fields == set(AGREED) | set(MAY_DIFFER) | {"timeline"} | unclassified, fields
