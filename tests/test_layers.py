@@ -4,7 +4,7 @@ The layers, bottom to top (a module may import its own component and any lower l
 
     0  kernels, simulate            compute kernels (numba); the scale model: leaves
     1  errors, fingerprint, config  every error; process-independent hashing; the resolved Config
-    2  observability                the statistics sink and the timeline
+    2  observability, agreement_check  the statistics sink and timeline; settings agreed at init
     3  inspector, algorithms        check-ins, mismatch and stall detection; collective algorithms
     4  engine                       issue -> agreement -> messages -> completion
     5  backend                      the torch Backend, transports, the group registry and API
@@ -29,7 +29,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1] / "gradientflow"
 LAYERS = [
     {"kernels", "simulate"},
     {"errors", "fingerprint", "config"},
-    {"observability"},
+    {"observability", "agreement_check"},
     {"inspector", "algorithms"},
     {"engine"},
     {"backend"},

@@ -14,9 +14,10 @@ import torch_suite  # noqa: E402
 
 # Pass on gloo and must pass on gradientflow (the monitored barriers and sparse all_reduce
 # failed before; the rest guard the stand-in itself).
+# (test_monitored_barrier_wait_all_ranks and _failure_order skip themselves at the runner's
+# WORLD_SIZE of 3, on gloo as here, so they cannot be asked to pass.)
 MUST_PASS = (
     "test_monitored_barrier_gloo", "test_monitored_barrier_gloo_subgroup",
-    "test_monitored_barrier_wait_all_ranks", "test_monitored_barrier_failure_order",
     "test_monitored_barrier_gloo_rank_0_timeout", "test_sparse_all_reduce_sum",
     "test_all_reduce_sum", "test_broadcast", "test_send_recv", "test_barrier",
 )

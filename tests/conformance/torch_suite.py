@@ -69,8 +69,10 @@ def _install_standin() -> None:
     import gradientflow  # noqa: F401 - registers the backend
 
 
-if __name__ != "__main__":
-    # Imported by pytest in the runner's child process, and by every spawned rank.
+if __name__ != "__main__" and os.environ.get(_STANDIN):
+    # Imported by pytest in the runner's child process, and by every spawned rank (both carry
+    # _STANDIN); a test that imports this module for run() and SUBSET must not get the suite's
+    # environment (WORLD_SIZE=3 would leak into every later test of its process).
     os.environ.setdefault("BACKEND", "gloo")
     os.environ.setdefault("WORLD_SIZE", "3")
     os.environ.setdefault("TEMP_DIR", tempfile.mkdtemp(prefix="gf_torch_suite_"))
