@@ -45,16 +45,7 @@ def _with_env(rank, settings, body):
 
 
 def _new_group_error(rank, ws, setting):
-    import torch.distributed as dist
-
-    def body():
-        try:
-            dist.new_group(backend="gradientflow")
-        except Exception as exc:  # noqa: BLE001 - returned to the test
-            return f"{type(exc).__name__}: {exc}"
-        return None
-
-    return _with_env(rank, {setting: MUST_AGREE[setting]}, body)
+    return _new_group_error_with(rank, ws, {setting: MUST_AGREE[setting]})
 
 
 @pytest.mark.parametrize("setting", sorted(MUST_AGREE))
