@@ -121,8 +121,8 @@ def algorithm_stats() -> dict[str, dict[str, int]]:
 
 
 def reset_algorithm_stats() -> None:
-    """Zero the process's counters (the per-algorithm ones with the rest)."""
-    STATS.reset()
+    """Zero the per-algorithm counters."""
+    STATS.reset_algorithms()
 
 
 def sum_op(opts: Any) -> bool:

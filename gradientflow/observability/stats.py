@@ -120,6 +120,11 @@ class Stats:
             c["inter_host_sent_bytes"] += int(inter_sent)
             c["inter_host_recv_bytes"] += int(inter_recv)
 
+    def reset_algorithms(self) -> None:
+        """Zero the per-algorithm counters only."""
+        with self._lock:
+            self._algorithms = {}
+
     def record_comm_time(self, seconds: float) -> None:
         """Add engine time spent in transport collectives not reported through record_message."""
         with self._lock:
