@@ -14,26 +14,13 @@ import torch.distributed as dist
 
 from ..compression import CompressionConfig, Compressor, Layout, make_compressor
 from ..compression import checkpoint as _ckpt
-from ..backend.api import submit_stages
+from ..backend.api import submit_part
 from ..compression.momentum import guard_momentum, take_momentum
 from ..engine.stages import StageGen
 
-__all__ = ["CompressionState", "compression_hook", "submit"]
+__all__ = ["CompressionState", "compression_hook"]
 
 _uid = itertools.count()
-
-
-def submit(process_group, key, gen: StageGen, device: torch.device | None = None,
-           dense_bytes: int = 0) -> torch.futures.Future:
-    """Run a bucket's StageGen through the engine (see gradientflow.engine.submit_stages).
-
-    On a gradientflow group every stage of one bucket runs back to back on the engine thread, in
-    bucket order on every rank, so CSC's two collectives per bucket never interleave with another
-    bucket's differently across ranks. On other backends the stages run synchronously in the
-    hook: DDP calls hooks in bucket order on every rank, so the order is the same everywhere, at
-    the cost of no overlap with the backward pass.
-    """
-    return submit_stages(process_group, key, gen, device=device, dense_bytes=dense_bytes)
 
 
 def group_config(process_group):
@@ -218,24 +205,33 @@ class CompressionState:
         return self._loss_scale
 
     # --- the op -----------------------------------------------------------------------------------
-    def _stages(self, bucket) -> StageGen:
-        """Return the StageGen of one bucket (closes the step after the last bucket)."""
+    def _part(self, bucket) -> tuple:
+        """What the engine's batch takes for one bucket: (buffer, layout, last, loss scale).
+
+        Checked here, on the caller's thread, so errors reach the caller, not the engine's.
+        """
         if not self._step_open:
-            self.compressor.check_schedule()  # here, on the caller's thread, not the engine's
+            self.compressor.check_schedule()
             self._step_open = True
             # one read per step: get_scale() syncs on CUDA
             self._step_scale = self._current_loss_scale()
         layout = self.layout_of(bucket)
-        # refuse now, not on the engine thread
         layout.check(bucket.buffer(), f"{type(self).__name__} (bucket {bucket.index()})")
-        gen = self.compressor.reduce(bucket.buffer(), layout, loss_scale=self._step_scale)
-        return self._closing(gen) if bucket.is_last() else gen
+        return bucket.buffer(), layout, bucket.is_last(), self._step_scale
 
-    def _closing(self, gen: StageGen) -> StageGen:
-        result = yield from gen
-        self.compressor.end_step()
-        self._step_open = False
-        return result
+    def _fuse(self, parts: list) -> StageGen:
+        """The StageGen of a fused batch of this state's buckets (the engine's fuser): one
+        compressor op for all of them; closes the step after the step's last bucket."""
+        results = yield from self.compressor.reduce_many(
+            [p[0] for p in parts], [p[1] for p in parts], loss_scale=parts[0][3], final=True)
+        if any(p[2] for p in parts):
+            self.compressor.end_step()
+            self._step_open = False
+        return results
+
+    def _stages(self, bucket) -> StageGen:
+        """The StageGen of one bucket alone (a batch of one), returning its result."""
+        return _only(self._fuse([self._part(bucket)]))
 
     # --- checkpoints and statistics ---------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -283,6 +279,11 @@ class CompressionState:
         self._guard_momentum()
 
 
+def _only(gen: StageGen) -> StageGen:
+    results = yield from gen
+    return results[0]
+
+
 def _compressed_ids(state: CompressionState) -> set[int]:
     return set(state._names)
 
@@ -296,5 +297,8 @@ def compression_hook(state: CompressionState, bucket) -> torch.futures.Future[to
         >>> ddp.register_comm_hook(state, compression_hook)
     """
     buf = bucket.buffer()
-    return submit(state.process_group, ("ddp", state._uid, bucket.index()), state._stages(bucket),
-                  device=buf.device, dense_bytes=buf.numel() * 4)
+    # Buckets queued together are fused into one compressor op by the engine (up to the fusion
+    # threshold in dense bytes); the step's last bucket closes the batch.
+    return submit_part(state.process_group, ("ddp", state._uid, bucket.index()),
+                       state._part(bucket), state._fuse, device=buf.device,
+                       dense_bytes=buf.numel() * 4, close=bucket.is_last())
