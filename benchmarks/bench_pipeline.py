@@ -48,6 +48,10 @@ def _rows(res, variants, model, tier, rate, shaped, batch):
             continue
         if limit:
             r["of_limit"] = limit["median_ms"] / r["median_ms"]
+            if r.get("extra_cpu_ms") is not None and r["variant"] != "nocomm":
+                # The step's gap to the limit that is not this rank's CPU: waiting on the wire,
+                # on the other rank, or on a thread hand-off.
+                r["waiting_ms"] = max(r["comm_ms"] - r["extra_cpu_ms"], 0.0)
         eng = [x["engine"].get(r["variant"]) for x in res.results]
         if all(e for e in eng):
             for k in ENGINE_STATS:
@@ -63,7 +67,8 @@ def _rows(res, variants, model, tier, rate, shaped, batch):
     return rows
 
 
-def run(models, tiers, steps, rounds, warmup, timeout_s, loopback, log=print):
+def run(models, tiers, steps, rounds, warmup, timeout_s, loopback, bucket_view=False,
+        log=print):
     import contextlib
 
     from benchmarks.bench_e2e import MODELS, _available_bytes, _model_params, _split_for_memory
@@ -74,7 +79,7 @@ def run(models, tiers, steps, rounds, warmup, timeout_s, loopback, log=print):
     for model in models:
         cfg = MODELS[model]
         common = {"model": model, "batch": cfg["batch"], "image": cfg["image"], "steps": steps,
-                  "rounds": rounds, "warmup": warmup}
+                  "rounds": rounds, "warmup": warmup, "bucket_view": bucket_view}
         for rate in tiers:
             shape = ShapeConfig(rate_gbps=rate)
             if loopback:
@@ -113,7 +118,8 @@ def _markdown(rows, notes, cmd) -> str:
            "2 ranks, one thread each; median step time over interleaved rounds (a step ends "
            "when its slowest rank does). of limit = no-communication step time / step time "
            "(the speed kept). CPU over nocomm = the rank's process CPU per step minus the "
-           "no-communication step's. Collectives = transport collectives per step; compressor = "
+           "no-communication step's; waiting = the gap to the limit that is not CPU. "
+           "Collectives = transport collectives per step; compressor = "
            "engine-thread time compressing and decompressing per step; in flight = time its "
            "collectives were in flight per step (overlaps the rest); agree = agreement rounds' "
            "time per step. Load avg: the machine's 1-minute load after the launch (2 is this "
@@ -121,12 +127,12 @@ def _markdown(rows, notes, cmd) -> str:
     for model in dict.fromkeys(r["model"] for r in rows):
         sub = [r for r in rows if r["model"] == model]
         out += [f"### {model}", "", markdown_table(
-            ["tier", "label", "median_ms", "of_limit", "target", "met", "extra_cpu_ms",
-             "collectives", "codec_ms", "inflight_ms", "agree_ms", "wire_MB_per_step", "load1",
-             "skipped"], sub,
-            ["tier", "variant", "median ms", "of limit", "target", "met", "CPU ms over nocomm",
-             "collectives/step", "compressor ms/step", "in flight ms/step", "agree ms/step",
-             "wire MB/step/rank", "load avg", "note"]), ""]
+            ["tier", "label", "median_ms", "of_limit", "target", "met", "comm_ms", "extra_cpu_ms",
+             "waiting_ms", "collectives", "codec_ms", "inflight_ms", "agree_ms",
+             "wire_MB_per_step", "load1", "skipped"], sub,
+            ["tier", "variant", "median ms", "of limit", "target", "met", "gap to limit ms",
+             "CPU ms over nocomm", "waiting ms", "collectives/step", "compressor ms/step",
+             "in flight ms/step", "agree ms/step", "wire MB/step/rank", "load avg", "note"]), ""]
     if notes:
         out += ["Notes:", ""] + [f"- {n}" for n in notes] + [""]
     return "\n".join(out)
@@ -143,6 +149,9 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds per launch")
     ap.add_argument("--loopback", action="store_true", help="unshaped loopback, no namespaces")
+    ap.add_argument("--bucket-view", action="store_true",
+                    help="DDP's gradient_as_bucket_view (gradients live in the buckets: two "
+                         "copies per step fewer)")
     args = ap.parse_args(argv)
     if args.quick:
         models, tiers, loopback = ["tiny"], [None], True
@@ -154,7 +163,7 @@ def main(argv=None) -> int:
         if loopback:
             tiers = [None]
     rows, notes = run(models, tiers, args.steps, args.rounds, args.warmup, args.timeout,
-                      loopback)
+                      loopback, args.bucket_view)
     cmd = "python -m benchmarks.bench_pipeline " + " ".join(argv if argv is not None
                                                            else sys.argv[1:])
     md = _markdown(rows, notes, cmd)

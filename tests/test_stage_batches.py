@@ -11,8 +11,9 @@ from harness import RankFailure
 
 
 # ------------------------------------------------------------------ the pure parts
-def _op(seq, nbytes, fuser="f", device="cpu"):
-    return StagesOp(seq, "t", None, fuser, torch.device(device), None, nbytes=nbytes)
+def _op(seq, nbytes, fuser="f", device="cpu", close=True):
+    return StagesOp(seq, "t", None, fuser, torch.device(device), None, nbytes=nbytes,
+                    close=close)
 
 
 def _seqs(batches):
@@ -27,6 +28,34 @@ def test_plan_batches_cuts_by_threshold_fuser_and_device():
     assert _seqs(plan_batches(ops, 1000)) == [[0, 1, 2, 3]]
     mixed = [_op(0, 1), _op(1, 1, fuser="g"), _op(2, 1, fuser="g"), _op(3, 1, device="meta")]
     assert _seqs(plan_batches(mixed, 1000)) == [[0], [1, 2], [3]]
+
+
+def test_a_stage_run_is_closed_by_the_call_sequence_not_the_cycle_time():
+    """The run waits for its closing op or the threshold (cycle time 0 would round a run of
+    deferred allreduces at once), then one round agrees it and it is cut into batches."""
+    from types import SimpleNamespace
+
+    from gradientflow.engine.jobs import AgreeBatch, StagesBatch
+    from gradientflow.engine.queue import OrderedQueue
+
+    cfg = SimpleNamespace(fusion_threshold=1000, solo_threshold=0, cycle_time_ms=0.0)
+    q = OrderedQueue(cfg, lambda msg: None, lambda: False)
+    q.push_stages(_op(0, 10, close=False))
+    job, delay = q.next_job()
+    assert job is None and delay is not None and delay > 0.5
+    q.push_stages(_op(1, 10, close=True))
+    job, _ = q.next_job()
+    assert isinstance(job, AgreeBatch) and [o.seq for o in job.candidates] == [0, 1]
+    q.take_batch(2)
+    job, _ = q.next_job()
+    assert isinstance(job, StagesBatch) and [o.seq for o in job.ops] == [0, 1]
+    # the threshold closes a run too, and the batch ends where it is crossed
+    for seq in (2, 3, 4):
+        q.push_stages(_op(seq, 600, close=False))
+    job, _ = q.next_job()
+    assert isinstance(job, AgreeBatch) and len(job.candidates) == 3
+    q.take_batch(3)
+    assert [[o.seq for o in j.ops] for j in q.agreed] == [[2, 3], [4]]
 
 
 def _gen(values, stages, final):
