@@ -192,3 +192,26 @@ def test_mismatched_stage_ops_are_reported_on_every_rank(pools):
     text = str(info.value)
     assert "ranks [0, 1]" in text, text
     assert text.count("collective mismatch in the compressed (multi-stage) ops") >= 2, text
+
+
+def different_densities(rank, world):
+    """Rank body: the CSC hook at density 5% on rank 0 and 10% on rank 1."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from gradientflow.hooks import CSCState, csc_hook
+
+    model = _model()
+    ddp = DDP(model, bucket_cap_mb=0.1)
+    state = CSCState(None, density=0.05 * (rank + 1), chunk_size=64, warmup_densities=(),
+                     momentum_correction=False)
+    ddp.register_comm_hook(state, csc_hook)
+    ddp(torch.randn(8, 64)).sum().backward()
+
+
+def test_different_compression_settings_are_a_mismatch_not_a_hang(pools):
+    with pytest.raises(RankFailure) as info:
+        pools(2).run(different_densities, timeout=120)
+    text = str(info.value)
+    assert "ranks [0, 1]" in text, text
+    assert text.count("collective mismatch in the compressed (multi-stage) ops") >= 2, text
+    assert "csc bucket (config" in text, text

@@ -16,6 +16,7 @@ from ..compression import CompressionConfig, Compressor, Layout, make_compressor
 from ..compression import checkpoint as _ckpt
 from ..backend.api import submit_part
 from ..compression.momentum import guard_momentum, take_momentum
+from ..fingerprint import text_fingerprint
 from ..engine.stages import StageGen
 
 __all__ = ["CompressionState", "compression_hook"]
@@ -119,6 +120,10 @@ class CompressionState:
         _share_cores(process_group, self.world_size)
         self.compressor: Compressor = make_compressor(config, self.world_size)
         self._uid = next(_uid)
+        # The name its buckets are queued under: the agreement round fingerprints it, so ranks
+        # whose compression settings differ (their stage tensors would not pair) get a
+        # mismatch error naming both, not a transport hang.
+        self._op_name = f"{config.method} bucket (config {text_fingerprint(repr(config))})"
         self._names: dict[int, str] = {}  # id(parameter) -> name
         self._auto_names = 0  # first-appearance names when none were bound
         self._layouts: dict[tuple, Layout] = {}
@@ -300,5 +305,5 @@ def compression_hook(state: CompressionState, bucket) -> torch.futures.Future[to
     # Buckets queued together are fused into one compressor op by the engine (up to the fusion
     # threshold in dense bytes); the step's last bucket closes the batch.
     return submit_part(state.process_group, ("ddp", state._uid, bucket.index()),
-                       state._part(bucket), state._fuse, device=buf.device,
+                       state._part(bucket), state._fuse, device=buf.device, name=state._op_name,
                        dense_bytes=buf.numel() * 4, close=bucket.is_last())
