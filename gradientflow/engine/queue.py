@@ -34,7 +34,7 @@ MAX_WAIT_CYCLES = 5  # longest a partial batch waits for a quiet caller, in cycl
 BUSY_QUIET_CYCLES = 5  # how long a caller must be quiet while the transport is busy, in cycles
 # A run of stage ops that nothing closes (a caller that never marks its last op) is agreed
 # after this long anyway, so it cannot wait for ever.
-STAGES_STALL_S = 1.0
+STAGES_STALL_S = 5.0
 _RUN_KINDS = (FusableOp, StagesOp)
 
 
