@@ -61,6 +61,7 @@ LABELS = {
     "gf_csc1": "gradientflow CSC 1%", "gf_csc0.1": "gradientflow CSC 0.1%",
     "gf_csc1_bucket": "gradientflow CSC 1%, quota per bucket",
     "gf_csc1_unfused": "gradientflow CSC 1%, unfused (each bucket alone)",
+    "gf_csc1_t32": "gradientflow CSC 1%, fusion threshold 32 MB",
     "gf_opt": "gradientflow DistributedOptimizer, priority",
     "gf_opt_csc1": "gradientflow DistributedOptimizer, priority, CSC 1%",
 }
@@ -116,12 +117,25 @@ def _gf_config(method: str, density: float, **extra):
     return CompressionConfig(**kw)
 
 
+def _threshold_of(variant: str) -> int | None:
+    """The fusion threshold a variant's own group takes (bytes), None: the shared group.
+
+    `..._unfused`: 0, every bucket its own op with its own collectives; `..._t<MB>`: MB MiB.
+    """
+    tag = variant.rsplit("_", 1)[-1]
+    if tag == "unfused":
+        return 0
+    if tag.startswith("t") and tag[1:].isdigit():
+        return int(tag[1:]) * 2**20
+    return None
+
+
 def _make_variant(variant: str, model_name: str, gf_group, bucket_view: bool = False,
-                  unfused_group=None):
+                  groups: dict | None = None):
     """Return the module to train for one variant; raises with a reason to skip it.
 
-    `..._bucket`: CSC choosing a quota per bucket; `..._unfused`: on `unfused_group` (fusion
-    threshold 0), so every bucket is its own op with its own two collectives.
+    `..._bucket`: CSC choosing a quota per bucket; a variant with a threshold of its own
+    (`_threshold_of`) runs on its group in `groups` (by threshold).
     bucket_view: DDP's gradient_as_bucket_view for every DDP variant (peers and ours alike):
     gradients live in the buckets, which saves DDP's two copies of the gradient per step
     (into the bucket during backward, and the hook's result back into .grad).
@@ -155,8 +169,8 @@ def _make_variant(variant: str, model_name: str, gf_group, bucket_view: bool = F
     if variant.startswith("gf_opt"):
         return model  # averaged by its optimizer (_make_optimizer), not by DDP
     if variant.startswith("gf_"):
-        unfused = variant.endswith("_unfused")
-        ddp = DDP(model, process_group=unfused_group if unfused else gf_group)
+        thr = _threshold_of(variant)
+        ddp = DDP(model, process_group=gf_group if thr is None else groups[thr])
         if variant == "gf_dense":
             return ddp
         import gradientflow.hooks as gfh
@@ -164,7 +178,7 @@ def _make_variant(variant: str, model_name: str, gf_group, bucket_view: bool = F
             cfg = _gf_config("fp16", 1.0)
         else:
             density, *tags = variant[len("gf_csc"):].split("_")
-            extra = {"selection": "bucket"} if tags else {}
+            extra = {"selection": "bucket"} if "bucket" in tags else {}
             cfg = _gf_config("csc", float(density) / 100, **extra)
         gfh.register(ddp, cfg)
         return ddp
@@ -193,14 +207,15 @@ def worker(rank: int, world_size: int, model: str, batch: int, image: int, varia
     import torch
     import torch.distributed as dist
 
-    gf_group, unfused_group, skipped = None, None, {}
+    gf_group, groups, skipped = None, {}, {}
     if any(v.startswith("gf_") for v in variants):
         try:
             import gradientflow  # noqa: F401  (registers the backend)
             gf_group = dist.new_group(backend="gradientflow")
-            if any(v.endswith("_unfused") for v in variants):
-                unfused_group = dist.new_group(backend="gradientflow",
-                                               pg_options={"fusion_threshold": 0})
+            for thr in dict.fromkeys(_threshold_of(v) for v in variants):
+                if thr is not None:  # in variant order: the same on every rank
+                    groups[thr] = dist.new_group(backend="gradientflow",
+                                                 pg_options={"fusion_threshold": thr})
         except Exception as exc:  # noqa: BLE001 - any failure means: skip, say why
             skipped.update({v: f"gradientflow backend: {type(exc).__name__}: {exc}"
                             for v in variants if v.startswith("gf_")})
@@ -209,7 +224,7 @@ def worker(rank: int, world_size: int, model: str, batch: int, image: int, varia
         if v in skipped:
             continue
         try:
-            runners[v] = _make_variant(v, model, gf_group, bucket_view, unfused_group)
+            runners[v] = _make_variant(v, model, gf_group, bucket_view, groups)
         except Exception as exc:  # noqa: BLE001
             skipped[v] = f"{type(exc).__name__}: {exc}"
     torch.manual_seed(1 + rank)  # each rank its own data shard
