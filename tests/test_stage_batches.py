@@ -215,3 +215,32 @@ def test_different_compression_settings_are_a_mismatch_not_a_hang(pools):
     assert "ranks [0, 1]" in text, text
     assert text.count("collective mismatch in the compressed (multi-stage) ops") >= 2, text
     assert "csc bucket (config" in text, text
+
+
+def test_a_part_with_local_work_is_prepared_before_any_round():
+    """The engine thread spends the wait for a run to close on the parts' local work."""
+    from types import SimpleNamespace
+
+    from gradientflow.engine.jobs import AgreeBatch, Prepare
+    from gradientflow.engine.queue import OrderedQueue
+
+    class Part:
+        def __init__(self):
+            self.calls = 0
+
+        def prepare(self):
+            self.calls += 1
+
+    cfg = SimpleNamespace(fusion_threshold=1000, solo_threshold=0, cycle_time_ms=3.0)
+    q = OrderedQueue(cfg, lambda msg: None, lambda: False)
+    parts = [Part(), Part()]
+    for seq, part in enumerate(parts):
+        op = _op(seq, 10, close=seq == 1)
+        op.part = part
+        q.push_stages(op)
+    for part in parts:
+        job, _ = q.next_job()
+        assert isinstance(job, Prepare) and job.op.part is part
+        job.run(None)
+    job, _ = q.next_job()
+    assert isinstance(job, AgreeBatch) and [p.calls for p in parts] == [1, 1]

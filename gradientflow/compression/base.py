@@ -77,8 +77,18 @@ class Compressor(abc.ABC):
                 across steps is rescaled when it changes. The result is in the same units.
         """
 
+    def prepare(self, flat: torch.Tensor, layout: Layout, loss_scale: float = 1.0) -> Any:
+        """Do one buffer's local work ahead of its batch (before any collective) and return it
+        for `reduce_many(prepared=...)`; None: nothing to do ahead (the default).
+
+        The engine runs it while it waits for the batch to close. It must not change state
+        kept across steps (only spare buffers), since the batch may still fail.
+        """
+        return None
+
     def reduce_many(self, flats: Sequence[torch.Tensor], layouts: Sequence[Layout], *,
-                    loss_scale: float = 1.0, final: bool = False) -> StageGen:
+                    loss_scale: float = 1.0, final: bool = False,
+                    prepared: Sequence[Any] | None = None) -> StageGen:
         """Return a StageGen that averages several buffers as one fused op; returns the list of
         their results (what `reduce` returns for each).
 
@@ -86,7 +96,8 @@ class Compressor(abc.ABC):
         fused generically (engine.stages.fuse); a method that can do better (CSC: chunks chosen
         across the batch) overrides it. `final`: mark the last stage Final, so the engine need
         not wait for it (only where no stage follows, as in the engine's own batches); a
-        method whose `reduce` takes no `final` ignores it.
+        method whose `reduce` takes no `final` ignores it. `prepared`: what `prepare` returned
+        for each buffer, if it ran.
         """
         return (yield from fuse([self.reduce(f, layout, loss_scale=loss_scale)
                                  for f, layout in zip(flats, layouts)]))

@@ -168,8 +168,15 @@ class CSCCompressor(Compressor):
                                               final=final)
         return results[0]
 
+    def prepare(self, flat: torch.Tensor, layout: Layout, loss_scale: float = 1.0) -> "_Bucket":
+        """v = grad + residual (+ momentum) and the chunk norms of one buffer, ahead of its
+        batch (only spare buffers are written; see reduce_many)."""
+        layout.check(flat, "CSCCompressor.prepare")
+        return self._prepare(flat, layout, loss_scale)
+
     def reduce_many(self, flats: Sequence[torch.Tensor], layouts: Sequence[Layout], *,
-                    loss_scale: float = 1.0, final: bool = False) -> StageGen:
+                    loss_scale: float = 1.0, final: bool = False,
+                    prepared: Sequence["_Bucket | None"] | None = None) -> StageGen:
         """Return the CSC StageGen of a fused batch of buffers: 2 collectives for all of them.
 
         Each buffer is computed as alone (its own chunks, dense part and wire scale); their
@@ -180,7 +187,9 @@ class CSCCompressor(Compressor):
             layout.check(flat, "CSCCompressor.reduce")
         cfg, n = self.config, self.world_size
         density = self.density_in_force()
-        items = [self._prepare(flat, layout, loss_scale) for flat, layout in zip(flats, layouts)]
+        prepared = prepared or [None] * len(flats)
+        items = [it if it is not None else self._prepare(flat, layout, loss_scale)
+                 for it, flat, layout in zip(prepared, flats, layouts)]
         live = [it for it in items if it.numel]
         if not live:
             return list(flats)

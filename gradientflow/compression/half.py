@@ -47,8 +47,8 @@ class HalfCompressor(Compressor):
             buf = self._wire[key] = torch.empty(flat.numel(), dtype=key[2], device=flat.device)
         return buf
 
-    def reduce_many(self, flats, layouts, *, loss_scale: float = 1.0,
-                    final: bool = False) -> StageGen:
+    def reduce_many(self, flats, layouts, *, loss_scale: float = 1.0, final: bool = False,
+                    prepared=None) -> StageGen:
         """Several buffers as one fused op (engine.stages.fuse), the last stage marked `final`."""
         return (yield from fuse([self.reduce(f, layout, loss_scale=loss_scale, final=final)
                                  for f, layout in zip(flats, layouts)]))

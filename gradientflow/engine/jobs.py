@@ -7,6 +7,7 @@ The ordered queue (queue.py) holds issued ops and hands the engine thread one jo
 - `SendMessage`: pack a fused message into its segment (or take a solo tensor in place) and
   hand it to the transport (messages.py);
 - `EagerOp`: a collective sent as issued, in sequence order;
+- `Prepare`: a queued stage op's local work (a compressed bucket's norms), ahead of its batch;
 - `StagesBatch`: an agreed batch of multi-collective ops (compressed buckets), fused: their
   stages back to back, the last one left in flight while the engine goes on.
 
@@ -39,6 +40,18 @@ class AgreeBatch:
         n = engine.rounds.agree(self.candidates)
         with engine.cv:
             engine.queue.take_batch(n)
+
+
+@dataclass(slots=True)
+class Prepare:
+    """Run a queued stage op's local work ahead of its batch (`part.prepare()`): the engine
+    thread would otherwise idle until the run closes. Touches no collective, so it cannot
+    change what pairs across ranks."""
+
+    op: StagesOp
+
+    def run(self, engine: Any) -> None:
+        self.op.part.prepare()
 
 
 @dataclass(slots=True)

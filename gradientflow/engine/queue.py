@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 from gradientflow.engine.agreement import MAX_BATCH
 from gradientflow.engine.fusion import FusableOp, Message, plan_messages
-from gradientflow.engine.jobs import AgreeBatch, SendMessage, StagesBatch
+from gradientflow.engine.jobs import AgreeBatch, Prepare, SendMessage, StagesBatch
 from gradientflow.engine.stages import StagesOp, plan_batches
 
 MAX_WAIT_CYCLES = 5  # longest a partial batch waits for a quiet caller, in cycle times
@@ -48,6 +48,8 @@ class OrderedQueue:
         self._in_flight = in_flight  # whether messages (the solo channel's too) are in flight
         self.issued: collections.deque = collections.deque()
         self.agreed: collections.deque = collections.deque()
+        # Stage ops whose part has local work to do ahead of its batch (`part.prepare()`).
+        self.to_prepare: collections.deque = collections.deque()
         self.run_len = 0  # leading ops of one kind (deferred allreduces or stage ops) in `issued`
         self.run_kind: type | None = None
         self.run_bytes = 0
@@ -91,6 +93,8 @@ class OrderedQueue:
         if self._extend_run(op) and op.close:
             self.run_closed = True
         self.issued.append(op)
+        if hasattr(op.part, "prepare"):
+            self.to_prepare.append(op)
         self.last_submit = time.monotonic()
 
     def _extend_run(self, op: Any) -> bool:
@@ -121,6 +125,7 @@ class OrderedQueue:
         items = list(self.agreed) + list(self.issued)
         self.agreed.clear()
         self.issued.clear()
+        self.to_prepare.clear()
         self.run_len = self.run_bytes = 0
         return items
 
@@ -188,6 +193,9 @@ class OrderedQueue:
             self._recount_run()
         if agreed and not isinstance(agreed[0], Message):
             return agreed.popleft(), None
+        if self.to_prepare:
+            # Before any round: a round waits for the slowest rank, this uses that time.
+            return Prepare(self.to_prepare.popleft()), None
         if not issued:
             return None, None
         go, delay = self._should_round(time.monotonic())

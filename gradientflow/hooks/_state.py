@@ -210,8 +210,9 @@ class CompressionState:
         return self._loss_scale
 
     # --- the op -----------------------------------------------------------------------------------
-    def _part(self, bucket) -> tuple:
-        """What the engine's batch takes for one bucket: (buffer, layout, last, loss scale).
+    def _part(self, bucket) -> "_BucketPart":
+        """What the engine's batch takes for one bucket (its buffer, layout, whether it is the
+        step's last, the loss scale).
 
         Checked here, on the caller's thread, so errors reach the caller, not the engine's.
         """
@@ -222,14 +223,18 @@ class CompressionState:
             self._step_scale = self._current_loss_scale()
         layout = self.layout_of(bucket)
         layout.check(bucket.buffer(), f"{type(self).__name__} (bucket {bucket.index()})")
-        return bucket.buffer(), layout, bucket.is_last(), self._step_scale
+        return _BucketPart(self.compressor, bucket.buffer(), layout, bucket.is_last(),
+                           self._step_scale)
 
     def _fuse(self, parts: list) -> StageGen:
         """The StageGen of a fused batch of this state's buckets (the engine's fuser): one
         compressor op for all of them; closes the step after the step's last bucket."""
+        for p in parts:
+            p.prepare()
         results = yield from self.compressor.reduce_many(
-            [p[0] for p in parts], [p[1] for p in parts], loss_scale=parts[0][3], final=True)
-        if any(p[2] for p in parts):
+            [p.flat for p in parts], [p.layout for p in parts], loss_scale=parts[0].loss_scale,
+            final=True, prepared=[p.prepared for p in parts])
+        if any(p.last for p in parts):
             self.compressor.end_step()
             self._step_open = False
         return results
@@ -282,6 +287,25 @@ class CompressionState:
         self._names = {}
         self._layouts = {}
         self._guard_momentum()
+
+
+class _BucketPart:
+    """One DDP bucket queued in the engine; `prepare()` (the engine thread, while it waits for
+    the batch to close) runs the compressor's local work ahead (CSC: v and the chunk norms)."""
+
+    __slots__ = ("compressor", "flat", "layout", "last", "loss_scale", "prepared", "_done")
+
+    def __init__(self, compressor: Compressor, flat: torch.Tensor, layout: Layout, last: bool,
+                 loss_scale: float) -> None:
+        self.compressor, self.flat, self.layout = compressor, flat, layout
+        self.last, self.loss_scale = last, loss_scale
+        self.prepared = None
+        self._done = False
+
+    def prepare(self) -> None:
+        if not self._done:
+            self._done = True
+            self.prepared = self.compressor.prepare(self.flat, self.layout, self.loss_scale)
 
 
 def _only(gen: StageGen) -> StageGen:
