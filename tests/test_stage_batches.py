@@ -238,9 +238,10 @@ def test_a_part_with_local_work_is_prepared_before_any_round():
         op = _op(seq, 10, close=seq == 1)
         op.part = part
         q.push_stages(op)
+    engine = SimpleNamespace(stats=SimpleNamespace(record_codec_time=lambda s: None))
     for part in parts:
         job, _ = q.next_job()
         assert isinstance(job, Prepare) and job.op.part is part
-        job.run(None)
+        job.run(engine)
     job, _ = q.next_job()
     assert isinstance(job, AgreeBatch) and [p.calls for p in parts] == [1, 1]

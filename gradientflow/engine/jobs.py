@@ -51,7 +51,11 @@ class Prepare:
     op: StagesOp
 
     def run(self, engine: Any) -> None:
+        t0 = time.perf_counter()
         self.op.part.prepare()
+        t1 = time.perf_counter()
+        engine.stats.record_codec_time(t1 - t0)
+        _stage_event(tl.COMPRESS, tl.CAT_CODEC, t0, t1, f"bucket {self.op.key}")
 
 
 @dataclass(slots=True)
