@@ -36,11 +36,15 @@ NAME = "algorithms"
 
 
 class Placed:
-    """A Cluster whose ranks sit in given namespaces (several ranks may share one: a host)."""
+    """A Cluster whose ranks sit in given namespaces (several ranks may share one: a host).
 
-    def __init__(self, cluster: Cluster, ns_of: list[int]) -> None:
+    `host_of`: each rank's host, as torchrun would number it (default: its namespace)."""
+
+    def __init__(self, cluster: Cluster, ns_of: list[int],
+                 host_of: list[int] | None = None) -> None:
         self.cluster = cluster
         self.ns_of = ns_of
+        self.host_of = list(ns_of if host_of is None else host_of)
         self.world_size = len(ns_of)
         self.shaped = cluster.shaped
 
@@ -49,16 +53,17 @@ class Placed:
 
     def env(self, rank: int, master_port: int, base: dict | None = None) -> dict:
         env = self.cluster.env(self.ns_of[rank], master_port, base)
-        local = [r for r in range(self.world_size) if self.ns_of[r] == self.ns_of[rank]]
+        local = [r for r in range(self.world_size) if self.host_of[r] == self.host_of[rank]]
         # torchrun's view: ranks of one host are numbered from RANK - LOCAL_RANK on.
         env.update(RANK=str(rank), WORLD_SIZE=str(self.world_size),
                    LOCAL_RANK=str(local.index(rank)), LOCAL_WORLD_SIZE=str(len(local)))
         return env
 
 
-def _nic() -> tuple[int, int]:
-    """(tx, rx) bytes of this namespace's NIC so far (0, 0 on loopback: not counted)."""
-    base = f"/sys/class/net/{NIC}/statistics/"
+def nic_counters(ifname: str = NIC) -> tuple[int, int]:
+    """(tx, rx) bytes of `ifname` in this namespace so far ((0, 0) where it does not exist:
+    on loopback, not counted)."""
+    base = f"/sys/class/net/{ifname}/statistics/"
     try:
         with open(base + "tx_bytes") as f:
             tx = int(f.read())
@@ -95,12 +100,12 @@ def _time_lists(groups: dict, grads: list, reps: int, count_rank: bool) -> dict:
     for _ in range(reps):
         for name, pg in groups.items():
             dist.barrier()
-            tx0, rx0 = _nic()
+            tx0, rx0 = nic_counters()
             t0 = time.perf_counter()
             one(pg)
             dt = time.perf_counter() - t0
             dist.barrier()
-            tx1, rx1 = _nic()
+            tx1, rx1 = nic_counters()
             out[name]["s"].append(dt)
             if count_rank:
                 out[name]["tx"].append(tx1 - tx0)
@@ -126,17 +131,7 @@ def reducers_worker(rank: int, world_size: int, model: str, reps: int, reducers:
     """One worker of the reducers run: ring vs reduction_server (rank 0 starts the reducers)."""
     import torch.distributed as dist
 
-    procs = []
-    if rank == 0:
-        repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        env = dict(os.environ, PYTHONPATH=repo, OMP_NUM_THREADS="1")
-        for j, prefix in enumerate(reducer_prefixes):
-            procs.append(subprocess.Popen(
-                [*prefix, sys.executable, "-m", "gradientflow.reducer", "--workers",
-                 str(world_size), "--reducers", str(reducers), "--index", str(j), "--store",
-                 f"{store_addr}:{os.environ['MASTER_PORT']}"], env=env,
-                stdout=subprocess.DEVNULL, stderr=open(f"{log_dir}/reducer{j}.log", "w"),
-                start_new_session=True))
+    procs = start_reducers(world_size, reducer_prefixes, store_addr, log_dir) if rank == 0 else []
     try:
         grads = _grads(model)
         timeout = datetime.timedelta(seconds=120)
@@ -150,12 +145,34 @@ def reducers_worker(rank: int, world_size: int, model: str, reps: int, reducers:
         dist.barrier()
         return res
     finally:
-        for p in procs:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            p.wait(timeout=10)
+        stop_reducers(procs)
+
+
+def start_reducers(workers: int, prefixes: list[list[str]], store_addr: str,
+                   log_dir: str) -> list[subprocess.Popen]:
+    """Start one reducer per prefix (its namespace's `ip netns exec`), against this job's
+    store; each in a session of its own, so stop_reducers kills it with its children."""
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=repo, OMP_NUM_THREADS="1")
+    procs = []
+    for j, prefix in enumerate(prefixes):
+        with open(f"{log_dir}/reducer{j}.log", "w") as log:
+            procs.append(subprocess.Popen(
+                [*prefix, sys.executable, "-m", "gradientflow.reducer", "--workers",
+                 str(workers), "--reducers", str(len(prefixes)), "--index", str(j), "--store",
+                 f"{store_addr}:{os.environ['MASTER_PORT']}"], env=env,
+                stdout=subprocess.DEVNULL, stderr=log, start_new_session=True))
+    return procs
+
+
+def stop_reducers(procs: list[subprocess.Popen]) -> None:
+    """Kill the reducers start_reducers started (their whole sessions) and reap them."""
+    for p in procs:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        p.wait(timeout=10)
 
 
 def run_hosts(rate: float | None, model: str, reps: int, timeout_s: float) -> list[dict]:
