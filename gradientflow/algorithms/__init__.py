@@ -161,7 +161,8 @@ class Channel:
         return b
 
     def pick(self, tensor: torch.Tensor, opts: Any) -> str:
-        """The algorithm for this message (a function of the call alone: same on every rank)."""
+        """The algorithm for this message (a function of the call alone: same on every rank);
+        ring.FALLBACK: ring, for a message the configured reduction_server cannot take."""
         from gradientflow.algorithms import reduction_server as rs
 
         a = self.algos
@@ -172,10 +173,12 @@ class Channel:
         if name == "auto":
             reducers = a.reducers if rs.supports(tensor, opts) else 0
             name = _auto.choose(nbytes, a.size, a.topology(), reducers)
-        if name == "reduction_server" and not rs.supports(tensor, opts):
-            return "ring"  # CUDA tensors, or an op the reducers do not implement
         if a.size <= 1:
             return "ring"
+        if name == "reduction_server" and not rs.supports(tensor, opts):
+            # CUDA tensors, or an op or dtype the reducers do not implement: ring carries it,
+            # counted apart so stats() shows what reduction_server did not take
+            return _ring.FALLBACK
         return name
 
     def _exec(self) -> Executor:
@@ -187,9 +190,9 @@ class Channel:
         t = tensors[0]
         name = self.pick(t, opts)
         a = self.algos
-        if name == "ring":
+        if name in ("ring", _ring.FALLBACK):
             return _ring.allreduce(self._base(device), t, opts, a.rank, a.size,
-                                   a.known_topology())
+                                   a.known_topology(), label=name)
         with self._lock:
             if name == "hierarchical":
                 hier = self._hierarchical()

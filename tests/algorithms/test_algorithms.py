@@ -138,3 +138,35 @@ def test_auto_rule():
     assert choose(50 * 2**20, 4, flat, 0, slow) == "ring"  # one rank per host: no hierarchy
     assert choose(50 * 2**20, 4, flat, 4, slow) == "reduction_server"
     assert choose(1000, 4, flat, 4, slow) == "ring"
+
+
+def test_reduction_server_fallback_is_counted_apart():
+    """A message reduction_server cannot take (here: not on CPU) goes to ring, counted under
+    ring_fallback in stats()["algorithms"], so the fallback is visible."""
+    import torch
+    from torch._C._distributed_c10d import AllreduceOptions, ReduceOp
+
+    from gradientflow.algorithms import Algorithms, algorithm_stats, reset_algorithm_stats
+    from gradientflow.algorithms.ring import FALLBACK
+
+    class Transport:
+        def allreduce(self, tensors, opts):
+            return "sent"
+
+    cfg = Config.resolve({"algorithm": "reduction_server", "reducers": 2}, environ={})
+    algos = Algorithms(cfg, None, 0, 4, 10.0, None, "g")
+    send = algos.channel("fused", lambda device: Transport())
+    opts = AllreduceOptions()
+    opts.reduceOp = ReduceOp.SUM
+    meta = torch.empty(1000, device="meta")  # stands for a CUDA tensor: not on CPU
+    channel = algos._channels[0]
+    assert channel.pick(meta, opts) == FALLBACK
+    assert channel.pick(torch.ones(3), opts) == "reduction_server"
+    opts.reduceOp = ReduceOp.BAND
+    assert channel.pick(torch.ones(3, dtype=torch.int32), opts) == FALLBACK
+    opts.reduceOp = ReduceOp.SUM
+    reset_algorithm_stats()
+    assert send(meta.device).allreduce([meta], opts) == "sent"
+    counted = algorithm_stats()
+    assert counted[FALLBACK]["messages"] == 1 and counted[FALLBACK]["bytes"] == 4000
+    assert "reduction_server" not in counted
