@@ -8,6 +8,7 @@ the keyed scheduler). What it returns stands in for the transport's own process 
 """
 from __future__ import annotations
 
+import datetime
 import threading
 from typing import Any, Callable
 
@@ -59,6 +60,30 @@ class Algorithms:
                                       self.timeout_s,
                                       local_world_size=self._config.local_world_size)
             return self._topo
+
+    def group_maker(self) -> Callable[[str, int, int, str], Any]:
+        """`make_group` for one channel's subgroups. CPU (gloo) groups meet through a store
+        connection of the channel's own: creating a group waits in the store for the other
+        ranks, and a wait holds its connection, so on the group's shared one it would block
+        every other thread of this rank using it (another channel creating its groups, the
+        inspector's check-ins). Two channels creating their groups in different orders on
+        different ranks then wait for each other until the store's timeout."""
+        from torch._C._distributed_c10d import PrefixStore, ProcessGroupGloo
+
+        own: list = []
+
+        def make(device_type: str, rank: int, size: int, prefix: str) -> Any:
+            if device_type != "cpu":
+                return self._make_group(device_type, rank, size, prefix)
+            if not own:
+                try:
+                    own.append(self._store.clone())
+                except Exception:  # noqa: BLE001 - a store without clone(): share it
+                    own.append(self._store)
+            return ProcessGroupGloo(PrefixStore(prefix, own[0]), rank, size,
+                                    datetime.timedelta(seconds=self.timeout_s))
+
+        return make
 
     def known_topology(self) -> Topology | None:
         """The topology if it is worth knowing for ring's counters: discovered when the
@@ -207,7 +232,7 @@ class Channel:
             from gradientflow.algorithms.hierarchical import HierarchicalChannel
 
             a = self.algos
-            self._hier = HierarchicalChannel(a.topology, a.rank, a._make_group,
+            self._hier = HierarchicalChannel(a.topology, a.rank, a.group_maker(),
                                              f"gradientflow/algo/{self.name}/")
         return self._hier
 

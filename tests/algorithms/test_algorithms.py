@@ -170,3 +170,31 @@ def test_reduction_server_fallback_is_counted_apart():
     counted = algorithm_stats()
     assert counted[FALLBACK]["messages"] == 1 and counted[FALLBACK]["bytes"] == 4000
     assert "reduction_server" not in counted
+
+
+def channels_connect_at_once(rank, world, groups):
+    """Rank body: on fresh hierarchical groups, a tensor for the solo channel and small ones
+    for the fused channel at once: both channels create their host and leader groups
+    concurrently, each rank in its own order. Every list completes with the right sums."""
+    import torch
+    import torch.distributed as dist
+
+    for i in range(groups):
+        pg = dist.new_group(backend="gradientflow",
+                            pg_options={"algorithm": "hierarchical", "host": _host(rank)})
+        big = torch.full((2 * 10**6,), float(rank + i))  # 8 MB: at least solo_threshold
+        small = [torch.full((100,), float(rank * j)) for j in range(1, 4)]
+        works = [dist.all_reduce(t, group=pg, async_op=True) for t in [*small, big]]
+        for w in works:
+            w.wait()
+        assert torch.equal(big, torch.full_like(big, 6.0 + 4 * i)), f"rank {rank}: list {i}"
+        for j, t in enumerate(small, 1):
+            assert torch.equal(t, torch.full_like(t, 6.0 * j)), f"rank {rank}: list {i}"
+    return True
+
+
+def test_channels_creating_hierarchy_groups_at_once_do_not_wait_for_each_other(pools):
+    # Each channel's groups meet through a store connection of its own: on a shared one, a
+    # rank's waiting channel held it while the peers waited for that rank's other channel.
+    assert all(pools(WORLD).run(channels_connect_at_once, 4, timeout=TIMEOUT,
+                                pg_timeout_s=60.0))
