@@ -182,6 +182,9 @@ class Cluster:
     def __enter__(self) -> Cluster:
         if self.world_size < 1 or self.world_size > 250:
             raise ValueError(f"Cluster.world_size must be in 1..250, got {self.world_size}")
+        if self.hosts is not None and len(self.hosts) != self.world_size:
+            raise ValueError(f"Cluster.hosts names {len(self.hosts)} ranks, world_size is "
+                             f"{self.world_size}")
         self.tag = str(os.getpid())
         if os.geteuid() != 0:
             return self._fallback("not root")
@@ -248,9 +251,6 @@ class Cluster:
         namespace, and a /32 route in each member to each other member through it."""
         if self.hosts is None:
             return
-        if len(self.hosts) != self.world_size:
-            raise ValueError(f"Cluster.hosts names {len(self.hosts)} ranks, world_size is "
-                             f"{self.world_size}")
         for h in sorted(set(self.hosts)):
             members = [r for r, x in enumerate(self.hosts) if x == h]
             if len(members) < 2:
