@@ -12,7 +12,14 @@ Two setups, each timed alternately rep by rep in one launch (side-by-side ratios
     Counted: the bytes each worker's NIC sent and received per list, against |D|; the time
     and the algorithm bandwidth |D| / time, and its ratio to ring's.
 
+    Also counted per list: the CPU seconds of the workers and the reducers, the messages the
+    engine cut it into, a small allreduce's latency, and the links' floor (wire_floor_s).
+
     python benchmarks/bench_algorithms.py [--quick] [--out DIR] [--tiers 1,10] [--reducers 1,2,4]
+        [--reducer-tiers 1,none] [--model flat:resnet50] [--rs-rounds 4096,256]
+
+'none' leaves the links unshaped (what the CPU alone allows); flat:<model> sends the list as
+one tensor (one message); --rs-rounds adds reduction_server groups with other piece sizes.
 """
 from __future__ import annotations
 
