@@ -12,7 +12,14 @@ Two setups, each timed alternately rep by rep in one launch (side-by-side ratios
     Counted: the bytes each worker's NIC sent and received per list, against |D|; the time
     and the algorithm bandwidth |D| / time, and its ratio to ring's.
 
+    Also counted per list: the CPU seconds of the workers and the reducers, the messages the
+    engine cut it into, a small allreduce's latency, and the links' floor (wire_floor_s).
+
     python benchmarks/bench_algorithms.py [--quick] [--out DIR] [--tiers 1,10] [--reducers 1,2,4]
+        [--reducer-tiers 1,none] [--model flat:resnet50] [--rs-rounds 4096,256]
+
+'none' leaves the links unshaped (what the CPU alone allows); flat:<model> sends the list as
+one tensor (one message); --rs-rounds adds reduction_server groups with other piece sizes.
 """
 from __future__ import annotations
 
@@ -36,11 +43,15 @@ NAME = "algorithms"
 
 
 class Placed:
-    """A Cluster whose ranks sit in given namespaces (several ranks may share one: a host)."""
+    """A Cluster whose ranks sit in given namespaces (several ranks may share one: a host).
 
-    def __init__(self, cluster: Cluster, ns_of: list[int]) -> None:
+    `host_of`: each rank's host, as torchrun would number it (default: its namespace)."""
+
+    def __init__(self, cluster: Cluster, ns_of: list[int],
+                 host_of: list[int] | None = None) -> None:
         self.cluster = cluster
         self.ns_of = ns_of
+        self.host_of = list(ns_of if host_of is None else host_of)
         self.world_size = len(ns_of)
         self.shaped = cluster.shaped
 
@@ -49,16 +60,17 @@ class Placed:
 
     def env(self, rank: int, master_port: int, base: dict | None = None) -> dict:
         env = self.cluster.env(self.ns_of[rank], master_port, base)
-        local = [r for r in range(self.world_size) if self.ns_of[r] == self.ns_of[rank]]
+        local = [r for r in range(self.world_size) if self.host_of[r] == self.host_of[rank]]
         # torchrun's view: ranks of one host are numbered from RANK - LOCAL_RANK on.
         env.update(RANK=str(rank), WORLD_SIZE=str(self.world_size),
                    LOCAL_RANK=str(local.index(rank)), LOCAL_WORLD_SIZE=str(len(local)))
         return env
 
 
-def _nic() -> tuple[int, int]:
-    """(tx, rx) bytes of this namespace's NIC so far (0, 0 on loopback: not counted)."""
-    base = f"/sys/class/net/{NIC}/statistics/"
+def nic_counters(ifname: str = NIC) -> tuple[int, int]:
+    """(tx, rx) bytes of `ifname` in this namespace so far ((0, 0) where it does not exist:
+    on loopback, not counted)."""
+    base = f"/sys/class/net/{ifname}/statistics/"
     try:
         with open(base + "tx_bytes") as f:
             tx = int(f.read())
@@ -70,15 +82,56 @@ def _nic() -> tuple[int, int]:
 
 
 def _grads(model: str):
+    """The model's gradient list in backward order; "flat:<model>": one tensor of the same
+    size instead (one message for the algorithm: no per-message costs)."""
+    import math
+
     import torch
 
     from benchmarks.bench_fusion import gradient_shapes
 
-    return [torch.ones(s) for s in reversed(gradient_shapes(model))]
+    flat = model.startswith("flat:")
+    shapes = gradient_shapes(model.removeprefix("flat:"))
+    if flat:
+        return [torch.ones(sum(math.prod(s) for s in shapes))]
+    return [torch.ones(s) for s in reversed(shapes)]
 
 
-def _time_lists(groups: dict, grads: list, reps: int, count_rank: bool) -> dict:
-    """Allreduce the list on each group alternately, `reps` times; time and NIC bytes."""
+def _cpu_s(pids: list[int]) -> float:
+    """CPU seconds (user + system, every thread) the processes `pids` have used so far."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+    return total
+
+
+def _small_allreduce_ms(reps: int = 21) -> float:
+    """Median time of an 8-word allreduce on the default gloo group (this network's latency
+    for what every reduction_server message ends with: the workers' agreement)."""
+    import torch
+    import torch.distributed as dist
+
+    v = torch.zeros(8, dtype=torch.int64)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        dist.all_reduce(v)
+        times.append(time.perf_counter() - t0)
+    return median(times) * 1e3
+
+
+def _time_lists(groups: dict, grads: list, reps: int, count_rank: bool,
+                other_pids: list[int] | None = None, before: dict | None = None) -> dict:
+    """Allreduce the list on each group alternately, `reps` times; time, NIC bytes, and the
+    CPU seconds of this process and of `other_pids` (the reducers) per list. `before[name]()`
+    runs before each list of group `name` (a setting to compare side by side)."""
+    before = before or {}
     import torch.distributed as dist
 
     from gradientflow.algorithms import algorithm_stats, reset_algorithm_stats
@@ -88,24 +141,32 @@ def _time_lists(groups: dict, grads: list, reps: int, count_rank: bool) -> dict:
         for w in works:
             w.wait()
 
-    for pg in groups.values():  # warm: groups, subgroups, reducers connected
+    for name, pg in groups.items():  # warm: groups, subgroups, reducers connected
+        before.get(name, lambda: None)()
         one(pg)
-    out = {a: {"s": [], "tx": [], "rx": []} for a in groups}
+    out = {a: {"s": [], "tx": [], "rx": [], "cpu": [], "other_cpu": []} for a in groups}
     reset_algorithm_stats()
+    me = [os.getpid()]
     for _ in range(reps):
         for name, pg in groups.items():
+            before.get(name, lambda: None)()
             dist.barrier()
-            tx0, rx0 = _nic()
+            tx0, rx0 = nic_counters()
+            c0, o0 = _cpu_s(me), _cpu_s(other_pids or [])
             t0 = time.perf_counter()
             one(pg)
             dt = time.perf_counter() - t0
+            c1, o1 = _cpu_s(me), _cpu_s(other_pids or [])
             dist.barrier()
-            tx1, rx1 = _nic()
+            tx1, rx1 = nic_counters()
             out[name]["s"].append(dt)
+            out[name]["cpu"].append(c1 - c0)
+            out[name]["other_cpu"].append(o1 - o0)
             if count_rank:
                 out[name]["tx"].append(tx1 - tx0)
                 out[name]["rx"].append(rx1 - rx0)
     out["counters"] = algorithm_stats()
+    out["small_allreduce_ms"] = _small_allreduce_ms()
     return out
 
 
@@ -122,21 +183,15 @@ def hosts_worker(rank: int, world_size: int, model: str, reps: int) -> dict:
 
 
 def reducers_worker(rank: int, world_size: int, model: str, reps: int, reducers: int,
-                    reducer_prefixes: list[list[str]], store_addr: str, log_dir: str) -> dict:
-    """One worker of the reducers run: ring vs reduction_server (rank 0 starts the reducers)."""
+                    reducer_prefixes: list[list[str]], store_addr: str, log_dir: str,
+                    rounds_kib: list[int] | None = None) -> dict:
+    """One worker of the reducers run: ring vs reduction_server (rank 0 starts the reducers).
+    `rounds_kib`: also reduction_server with each of these ROUND_BYTES (KiB), side by side."""
     import torch.distributed as dist
 
-    procs = []
-    if rank == 0:
-        repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        env = dict(os.environ, PYTHONPATH=repo, OMP_NUM_THREADS="1")
-        for j, prefix in enumerate(reducer_prefixes):
-            procs.append(subprocess.Popen(
-                [*prefix, sys.executable, "-m", "gradientflow.reducer", "--workers",
-                 str(world_size), "--reducers", str(reducers), "--index", str(j), "--store",
-                 f"{store_addr}:{os.environ['MASTER_PORT']}"], env=env,
-                stdout=subprocess.DEVNULL, stderr=open(f"{log_dir}/reducer{j}.log", "w"),
-                start_new_session=True))
+    from gradientflow.algorithms import reduction_server as rs
+
+    procs = start_reducers(world_size, reducer_prefixes, store_addr, log_dir) if rank == 0 else []
     try:
         grads = _grads(model)
         timeout = datetime.timedelta(seconds=120)
@@ -145,17 +200,49 @@ def reducers_worker(rank: int, world_size: int, model: str, reps: int, reducers:
                   "reduction_server": dist.new_group(
                       backend="gradientflow", timeout=timeout,
                       pg_options={"algorithm": "reduction_server", "reducers": reducers})}
-        res = _time_lists(groups, grads, reps, count_rank=True)
+        default = rs.ROUND_BYTES
+        before = {"reduction_server": lambda: setattr(rs, "ROUND_BYTES", default)}
+        for kib in rounds_kib or []:
+            name = f"reduction_server@{kib}KiB"
+            groups[name] = dist.new_group(
+                backend="gradientflow", timeout=timeout,
+                pg_options={"algorithm": "reduction_server", "reducers": reducers})
+            before[name] = lambda b=kib * 1024: setattr(rs, "ROUND_BYTES", b)
+        res = _time_lists(groups, grads, reps, count_rank=True,
+                          other_pids=[p.pid for p in procs], before=before)
+        res["algorithms"] = list(groups)
         res["bytes"] = sum(g.numel() * 4 for g in grads)
         dist.barrier()
         return res
     finally:
-        for p in procs:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            p.wait(timeout=10)
+        stop_reducers(procs)
+
+
+def start_reducers(workers: int, prefixes: list[list[str]], store_addr: str,
+                   log_dir: str) -> list[subprocess.Popen]:
+    """Start one reducer per prefix (its namespace's `ip netns exec`), against this job's
+    store; each in a session of its own, so stop_reducers kills it with its children."""
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=repo, OMP_NUM_THREADS="1")
+    procs = []
+    for j, prefix in enumerate(prefixes):
+        with open(f"{log_dir}/reducer{j}.log", "w") as log:
+            procs.append(subprocess.Popen(
+                [*prefix, sys.executable, "-m", "gradientflow.reducer", "--workers",
+                 str(workers), "--reducers", str(len(prefixes)), "--index", str(j), "--store",
+                 f"{store_addr}:{os.environ['MASTER_PORT']}"], env=env,
+                stdout=subprocess.DEVNULL, stderr=log, start_new_session=True))
+    return procs
+
+
+def stop_reducers(procs: list[subprocess.Popen]) -> None:
+    """Kill the reducers start_reducers started (their whole sessions) and reap them."""
+    for p in procs:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        p.wait(timeout=10)
 
 
 def run_hosts(rate: float | None, model: str, reps: int, timeout_s: float) -> list[dict]:
@@ -189,7 +276,8 @@ def run_hosts(rate: float | None, model: str, reps: int, timeout_s: float) -> li
 
 
 def run_reducers(rate: float | None, reducers: int, model: str, reps: int,
-                 timeout_s: float, log_dir: str) -> list[dict]:
+                 timeout_s: float, log_dir: str, rounds_kib: list[int] | None = None
+                 ) -> list[dict]:
     rows = []
     workers = 4
     with Cluster(workers + reducers, ShapeConfig(rate_gbps=rate)) as cluster:
@@ -198,7 +286,7 @@ def run_reducers(rate: float | None, reducers: int, model: str, reps: int,
         res = launch("benchmarks.bench_algorithms:reducers_worker", workers,
                      {"model": model, "reps": reps, "reducers": reducers,
                       "reducer_prefixes": prefixes, "store_addr": cluster.master_addr,
-                      "log_dir": log_dir},
+                      "log_dir": log_dir, "rounds_kib": rounds_kib},
                      cluster=placed, timeout_s=timeout_s,
                      env_extra={"GLOO_SOCKET_IFNAME": cluster.ifname})
         tier = ShapeConfig(rate_gbps=rate).label
@@ -208,17 +296,45 @@ def run_reducers(rate: float | None, reducers: int, model: str, reps: int,
                      "error": res.error.splitlines()[0][:300]}]
         d = res.results[0]["bytes"]
         ring_s = median(res.results[0]["ring"]["s"])
-        for alg in ("ring", "reduction_server"):
+        names = res.results[0]["algorithms"]
+        for alg in names:
+            base = alg.split("@")[0]
             s = median(res.results[0][alg]["s"])
             tx = median([median(res.results[r][alg]["tx"]) for r in range(workers)])
             rx = median([median(res.results[r][alg]["rx"]) for r in range(workers)])
+            cpu = sum(median(res.results[r][alg]["cpu"]) for r in range(workers))
+            red_cpu = median(res.results[0][alg]["other_cpu"]) if base != "ring" else 0.0
+            same = sum(1 for a in names if a.split("@")[0] == base)  # groups counted together
+            msgs = res.results[0]["counters"].get(base, {}).get("messages", 0) / reps / same
             rows.append({
                 "setup": f"4 workers + {reducers} reducers", "tier": tier,
                 "shaped": cluster.shaped, "algorithm": alg, "list_ms": s * 1e3,
                 "vs_ring": ring_s / s, "algbw_gbps": d * 8 / s / 1e9,
+                "wire_floor_ms": wire_floor_s(base, d, workers, reducers, rate) * 1e3
+                if rate else None,
+                # what the processes themselves burn per list (kernel forwarding in the
+                # namespaces' veths and bridge comes on top, charged to no one of them)
+                "workers_cpu_s": cpu, "reducers_cpu_s": red_cpu,
+                "messages": msgs, "small_allreduce_ms": res.results[0]["small_allreduce_ms"],
                 "worker_nic_tx_D": tx / d if cluster.shaped else None,
                 "worker_nic_rx_D": rx / d if cluster.shaped else None, "D_MB": d / 1e6})
     return rows
+
+
+def wire_floor_s(algorithm: str, nbytes: int, workers: int, reducers: int,
+                 rate_gbps: float) -> float:
+    """The least time the NICs allow one allreduce of `nbytes` (full duplex, no latency):
+    ring 2(n-1)/n D / B on every link; reduction_server D / B on a worker's link and
+    n D / R on a reducer's, the larger of the two."""
+    bps = rate_gbps * 1e9 / 8
+    if algorithm == "ring":
+        return 2 * (workers - 1) / workers * nbytes / bps
+    return max(1.0, workers / reducers) * nbytes / bps
+
+
+def _rate(text: str) -> float | None:
+    """A tier from the command line: Gbit/s, or 'none' for unshaped NICs."""
+    return None if text.strip().lower() == "none" else float(text)
 
 
 def main(argv=None) -> int:
@@ -227,13 +343,17 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="benchmarks/results/algorithms")
     ap.add_argument("--tiers", default="1,10", help="NIC rates in Gbit/s")
     ap.add_argument("--reducers", default="1,2,4")
-    ap.add_argument("--reducer-tiers", default="1", help="NIC rates of the reducers setup")
+    ap.add_argument("--reducer-tiers", default="1",
+                    help="NIC rates of the reducers setup ('none': unshaped)")
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--model", default="resnet50")
+    ap.add_argument("--model", default="resnet50",
+                    help="whose gradient list; flat:<model> allreduces it as one tensor")
     ap.add_argument("--skip", default="", help="hosts or reducers: leave that setup out")
+    ap.add_argument("--rs-rounds", default="",
+                    help="KiB list: reduction_server also with these ROUND_BYTES, side by side")
     args = ap.parse_args(argv)
-    tiers = [float(x) for x in args.tiers.split(",") if x]
-    rtiers = [float(x) for x in args.reducer_tiers.split(",") if x]
+    tiers = [_rate(x) for x in args.tiers.split(",") if x]
+    rtiers = [_rate(x) for x in args.reducer_tiers.split(",") if x]
     reducers = [int(x) for x in args.reducers.split(",") if x]
     reps = args.reps
     if args.quick:
@@ -248,7 +368,8 @@ def main(argv=None) -> int:
     if "reducers" not in args.skip:
         for rate in rtiers:
             for r in reducers:
-                rows_r += run_reducers(rate, r, args.model, reps, timeout_s, log_dir)
+                rows_r += run_reducers(rate, r, args.model, reps, timeout_s, log_dir,
+                                       [int(k) for k in args.rs_rounds.split(",") if k])
                 print(markdown_table(list(rows_r[-1].keys()), rows_r[-2:]), flush=True)
     md = [f"## Collective algorithms ({args.model} list, {reps} reps, medians)", "",
           machine_line(), "The machine is shared with other jobs: times are noisy; ratios "
@@ -261,8 +382,9 @@ def main(argv=None) -> int:
     if rows_r:
         md += ["### 4 workers + R reducers: reduction_server vs ring", "",
                markdown_table(["setup", "tier", "algorithm", "list_ms", "vs_ring", "algbw_gbps",
-                               "worker_nic_tx_D", "worker_nic_rx_D", "D_MB", "error"],
-                              rows_r), ""]
+                               "wire_floor_ms", "workers_cpu_s", "reducers_cpu_s", "messages",
+                               "small_allreduce_ms", "worker_nic_tx_D", "worker_nic_rx_D",
+                               "D_MB", "error"], rows_r), ""]
     text = "\n".join(md)
     print(text)
     write_result(args.out, NAME, {"hosts": rows_h, "reducers": rows_r, "reps": reps,

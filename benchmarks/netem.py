@@ -37,6 +37,7 @@ from benchmarks.common import sigterm_raises
 SUBNET = "10.213.7"
 PREFIX = "gfb-"  # every namespace we create starts with this
 NIC = "gfnic"  # the rank's NIC name, the same inside every rank namespace
+HOST_LINK = "gfhost"  # the unshaped link between ranks of one emulated host (Cluster.hosts)
 TIERS_GBPS = (1.0, 2.5, 5.0, 10.0)
 _CMD_TIMEOUT_S = 20.0
 
@@ -125,6 +126,10 @@ class Cluster:
         shape: how each NIC is shaped (both directions).
         allow_fallback: when namespaces are not permitted, say so in one line and run on
             loopback instead of raising.
+        hosts: optional host index of each rank. Ranks of one host keep their own shaped NIC
+            and are also joined by an unshaped link (a bridge of HOST_LINK veths, MTU 65535,
+            standing for the host's memory bus): traffic between them takes that link, all
+            other traffic the NIC.
 
     Example::
 
@@ -135,6 +140,7 @@ class Cluster:
     world_size: int
     shape: ShapeConfig = field(default_factory=ShapeConfig)
     allow_fallback: bool = True
+    hosts: tuple[int, ...] | None = None
     # internal
     shaped: bool = False
     tag: str = ""
@@ -176,6 +182,9 @@ class Cluster:
     def __enter__(self) -> Cluster:
         if self.world_size < 1 or self.world_size > 250:
             raise ValueError(f"Cluster.world_size must be in 1..250, got {self.world_size}")
+        if self.hosts is not None and len(self.hosts) != self.world_size:
+            raise ValueError(f"Cluster.hosts names {len(self.hosts)} ranks, world_size is "
+                             f"{self.world_size}")
         self.tag = str(os.getpid())
         if os.geteuid() != 0:
             return self._fallback("not root")
@@ -235,6 +244,31 @@ class Cluster:
                 for where, dev in ((ns, NIC), (sw, port)):
                     _run(["tc", "-n", where, "qdisc", "replace", "dev", dev, "root",
                           *self.shape.tbf_args()])
+        self._build_hosts(sw)
+
+    def _build_hosts(self, sw: str) -> None:
+        """The unshaped links between ranks of one host: a bridge per host in the switch
+        namespace, and a /32 route in each member to each other member through it."""
+        if self.hosts is None:
+            return
+        for h in sorted(set(self.hosts)):
+            members = [r for r, x in enumerate(self.hosts) if x == h]
+            if len(members) < 2:
+                continue
+            br = f"hb{h}"
+            _run(["ip", "-n", sw, "link", "add", br, "type", "bridge"])
+            _run(["ip", "-n", sw, "link", "set", br, "up"])
+            for r in members:
+                ns, port = self.ns(r), f"h{r}"
+                _run(["ip", "-n", ns, "link", "add", HOST_LINK, "mtu", "65535", "type", "veth",
+                      "peer", "name", port, "mtu", "65535", "netns", sw])
+                _run(["ip", "-n", ns, "link", "set", HOST_LINK, "up"])
+                _run(["ip", "-n", sw, "link", "set", port, "master", br])
+                _run(["ip", "-n", sw, "link", "set", port, "up"])
+                for o in members:
+                    if o != r:
+                        _run(["ip", "-n", ns, "route", "add", f"{self.addr_for(o)}/32", "dev",
+                              HOST_LINK, "src", self.addr_for(r)])
 
     def addr_for(self, rank: int) -> str:
         return f"{SUBNET}.{rank + 1}"

@@ -8,6 +8,7 @@ the keyed scheduler). What it returns stands in for the transport's own process 
 """
 from __future__ import annotations
 
+import datetime
 import threading
 from typing import Any, Callable
 
@@ -59,6 +60,30 @@ class Algorithms:
                                       self.timeout_s,
                                       local_world_size=self._config.local_world_size)
             return self._topo
+
+    def group_maker(self) -> Callable[[str, int, int, str], Any]:
+        """`make_group` for one channel's subgroups. CPU (gloo) groups meet through a store
+        connection of the channel's own: creating a group waits in the store for the other
+        ranks, and a wait holds its connection, so on the group's shared one it would block
+        every other thread of this rank using it (another channel creating its groups, the
+        inspector's check-ins). Two channels creating their groups in different orders on
+        different ranks then wait for each other until the store's timeout."""
+        from torch._C._distributed_c10d import PrefixStore, ProcessGroupGloo
+
+        own: list = []
+
+        def make(device_type: str, rank: int, size: int, prefix: str) -> Any:
+            if device_type != "cpu":
+                return self._make_group(device_type, rank, size, prefix)
+            if not own:
+                try:
+                    own.append(self._store.clone())
+                except Exception:  # noqa: BLE001 - a store without clone(): share it
+                    own.append(self._store)
+            return ProcessGroupGloo(PrefixStore(prefix, own[0]), rank, size,
+                                    datetime.timedelta(seconds=self.timeout_s))
+
+        return make
 
     def known_topology(self) -> Topology | None:
         """The topology if it is worth knowing for ring's counters: discovered when the
@@ -161,7 +186,8 @@ class Channel:
         return b
 
     def pick(self, tensor: torch.Tensor, opts: Any) -> str:
-        """The algorithm for this message (a function of the call alone: same on every rank)."""
+        """The algorithm for this message (a function of the call alone: same on every rank);
+        ring.FALLBACK: ring, for a message the configured reduction_server cannot take."""
         from gradientflow.algorithms import reduction_server as rs
 
         a = self.algos
@@ -172,10 +198,12 @@ class Channel:
         if name == "auto":
             reducers = a.reducers if rs.supports(tensor, opts) else 0
             name = _auto.choose(nbytes, a.size, a.topology(), reducers)
-        if name == "reduction_server" and not rs.supports(tensor, opts):
-            return "ring"  # CUDA tensors, or an op the reducers do not implement
         if a.size <= 1:
             return "ring"
+        if name == "reduction_server" and not rs.supports(tensor, opts):
+            # CUDA tensors, or an op or dtype the reducers do not implement: ring carries it,
+            # counted apart so stats() shows what reduction_server did not take
+            return _ring.FALLBACK
         return name
 
     def _exec(self) -> Executor:
@@ -187,9 +215,9 @@ class Channel:
         t = tensors[0]
         name = self.pick(t, opts)
         a = self.algos
-        if name == "ring":
+        if name in ("ring", _ring.FALLBACK):
             return _ring.allreduce(self._base(device), t, opts, a.rank, a.size,
-                                   a.known_topology())
+                                   a.known_topology(), label=name)
         with self._lock:
             if name == "hierarchical":
                 hier = self._hierarchical()
@@ -204,7 +232,7 @@ class Channel:
             from gradientflow.algorithms.hierarchical import HierarchicalChannel
 
             a = self.algos
-            self._hier = HierarchicalChannel(a.topology, a.rank, a._make_group,
+            self._hier = HierarchicalChannel(a.topology, a.rank, a.group_maker(),
                                              f"gradientflow/algo/{self.name}/")
         return self._hier
 

@@ -8,8 +8,9 @@ host), R reducers (0: none configured):
     hierarchical   2 a + 2(L-1) D / B_l           reduce to and broadcast from the leader,
                    + 2(H-1) a + 2(H-1)/H D / B_x  plus the leaders' ring across hosts
     reduction_srv  4 a + max(D, n D / R) / B_x    each worker's link carries D each way (full
-                   + CHUNK / B_x                  duplex, pipelined by pieces); each reducer's
-                                                  link n D / R; one piece of pipeline fill
+                   + ROUND / B_x                  duplex, pipelined by pieces); each reducer's
+                                                  link n D / R; one round of pieces (1 MiB,
+                                                  one piece per reducer) to fill
 
 plus S = 450 us for hierarchical and reduction_server (three waits on the channel's executor
 thread: the hand-off, the stages, the agreement). a = 100 us per transport step,
@@ -37,7 +38,7 @@ class CostModel:
     alpha_s: float = 100e-6
     inter_host_Bps: float = 10e9 / 8
     intra_host_Bps: float = 40e9 / 8
-    rs_chunk_bytes: int = 2**20
+    rs_chunk_bytes: int = 2**20  # reduction_server.ROUND_BYTES: one round of pieces
     # What a multi-group algorithm pays on top: its hand-off to the channel's executor thread
     # and back, and one wait per stage on a thread that must be woken (3 stages).
     stages_s: float = 3 * 150e-6

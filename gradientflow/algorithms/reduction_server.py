@@ -9,9 +9,11 @@ same sum on every worker, equal to ring's up to float rounding.
 Transport: one gloo group per (channel, reducer, generation) holding the n workers (ranks
 0..n-1, their group ranks) and the reducer (rank n), met through the job's own store (the
 root of the process group's store, under `gradientflow/rs/`); point-to-point send/recv on it,
-no sockets of our own. Each shard travels in CHUNK_BYTES pieces so a reducer's reply to one
-piece overlaps the workers' upload of the next (full duplex: about |D| / bandwidth per message
-instead of 2 |D| / bandwidth).
+no sockets of our own. Each shard travels in pieces so a reducer's reply to one piece
+overlaps the workers' upload of the next (full duplex: about |D| / bandwidth per message
+instead of 2 |D| / bandwidth). A worker sends its first piece to every reducer at once, so a
+message's pipeline fills and drains in R pieces: a piece is ROUND_BYTES / R (at least
+MIN_PIECE_BYTES), which keeps that at about ROUND_BYTES / bandwidth per message whatever R.
 
 Failure and restart (docs/ALGORITHMS.md): a reducer claims a fresh generation G (a counter in
 the store) every time it starts serving a channel, and publishes `up{G}`. Workers wait for it
@@ -36,7 +38,8 @@ from gradientflow.algorithms.base import StepFailed, record_bytes
 
 NAME = "reduction_server"
 NAMESPACE = "gradientflow/rs/"
-CHUNK_BYTES = 2**20
+ROUND_BYTES = 2**20  # one piece to every reducer: what a message's pipeline fill costs
+MIN_PIECE_BYTES = 2**16  # below this, per-piece costs (a gloo op, a reducer wake-up) dominate
 WAIT_FRACTION = 0.75  # of the group timeout: waits for reducers end before the callers' waits
 MAGIC = 0x6766_7273  # "gfrs"
 HEADER = 6  # int64: magic, message number, shard numel, dtype code, op code, chunk numel
@@ -87,6 +90,11 @@ def shard_bounds(numel: int, reducers: int) -> list[tuple[int, int]]:
         out.append((at, at + n))
         at += n
     return out
+
+
+def piece_bytes(reducers: int) -> int:
+    """Bytes of one piece of a shard with `reducers` reducers (module doc)."""
+    return max(MIN_PIECE_BYTES, ROUND_BYTES // max(1, reducers))
 
 
 def chunk_bounds(numel: int, chunk: int) -> list[tuple[int, int]]:
@@ -229,7 +237,7 @@ class ReductionServerChannel:
         self._msg += 1
         nbytes = numel * tensor.element_size()
         record_bytes(NAME, nbytes, *traffic(nbytes, self.R, numel))
-        chunk = max(1, CHUNK_BYTES // tensor.element_size())
+        chunk = max(1, piece_bytes(self.R) // tensor.element_size())
         code = DTYPES.index(tensor.dtype)
         op = op_code(opts)
         sends: list[tuple[int, Any]] = []

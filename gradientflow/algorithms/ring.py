@@ -15,6 +15,9 @@ from gradientflow.algorithms.base import record_bytes
 from gradientflow.algorithms.topology import Topology
 
 NAME = "ring"
+# The stats key of messages ring carries because reduction_server cannot take them (CUDA
+# tensors; an op or dtype the reducers do not implement): see docs/ALGORITHMS.md.
+FALLBACK = "ring_fallback"
 
 
 def traffic(topo: Topology | None, rank: int, size: int, nbytes: int) -> tuple[float, ...]:
@@ -31,8 +34,8 @@ def traffic(topo: Topology | None, rank: int, size: int, nbytes: int) -> tuple[f
 
 
 def allreduce(transport: Any, tensor: torch.Tensor, opts: Any, rank: int, size: int,
-              topo: Topology | None) -> Any:
-    """Hand the message to the transport as is; count its bytes."""
+              topo: Topology | None, label: str = NAME) -> Any:
+    """Hand the message to the transport as is; count its bytes under `label`."""
     nbytes = tensor.numel() * tensor.element_size()
-    record_bytes(NAME, nbytes, *traffic(topo, rank, size, nbytes))
+    record_bytes(label, nbytes, *traffic(topo, rank, size, nbytes))
     return transport.allreduce([tensor], opts)

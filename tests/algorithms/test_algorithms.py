@@ -138,3 +138,63 @@ def test_auto_rule():
     assert choose(50 * 2**20, 4, flat, 0, slow) == "ring"  # one rank per host: no hierarchy
     assert choose(50 * 2**20, 4, flat, 4, slow) == "reduction_server"
     assert choose(1000, 4, flat, 4, slow) == "ring"
+
+
+def test_reduction_server_fallback_is_counted_apart():
+    """A message reduction_server cannot take (here: not on CPU) goes to ring, counted under
+    ring_fallback in stats()["algorithms"], so the fallback is visible."""
+    import torch
+    from torch._C._distributed_c10d import AllreduceOptions, ReduceOp
+
+    from gradientflow.algorithms import Algorithms, algorithm_stats, reset_algorithm_stats
+    from gradientflow.algorithms.ring import FALLBACK
+
+    class Transport:
+        def allreduce(self, tensors, opts):
+            return "sent"
+
+    cfg = Config.resolve({"algorithm": "reduction_server", "reducers": 2}, environ={})
+    algos = Algorithms(cfg, None, 0, 4, 10.0, None, "g")
+    send = algos.channel("fused", lambda device: Transport())
+    opts = AllreduceOptions()
+    opts.reduceOp = ReduceOp.SUM
+    meta = torch.empty(1000, device="meta")  # stands for a CUDA tensor: not on CPU
+    channel = algos._channels[0]
+    assert channel.pick(meta, opts) == FALLBACK
+    assert channel.pick(torch.ones(3), opts) == "reduction_server"
+    opts.reduceOp = ReduceOp.BAND
+    assert channel.pick(torch.ones(3, dtype=torch.int32), opts) == FALLBACK
+    opts.reduceOp = ReduceOp.SUM
+    reset_algorithm_stats()
+    assert send(meta.device).allreduce([meta], opts) == "sent"
+    counted = algorithm_stats()
+    assert counted[FALLBACK]["messages"] == 1 and counted[FALLBACK]["bytes"] == 4000
+    assert "reduction_server" not in counted
+
+
+def channels_connect_at_once(rank, world, groups):
+    """Rank body: on fresh hierarchical groups, a tensor for the solo channel and small ones
+    for the fused channel at once: both channels create their host and leader groups
+    concurrently, each rank in its own order. Every list completes with the right sums."""
+    import torch
+    import torch.distributed as dist
+
+    for i in range(groups):
+        pg = dist.new_group(backend="gradientflow",
+                            pg_options={"algorithm": "hierarchical", "host": _host(rank)})
+        big = torch.full((2 * 10**6,), float(rank + i))  # 8 MB: at least solo_threshold
+        small = [torch.full((100,), float(rank * j)) for j in range(1, 4)]
+        works = [dist.all_reduce(t, group=pg, async_op=True) for t in [*small, big]]
+        for w in works:
+            w.wait()
+        assert torch.equal(big, torch.full_like(big, 6.0 + 4 * i)), f"rank {rank}: list {i}"
+        for j, t in enumerate(small, 1):
+            assert torch.equal(t, torch.full_like(t, 6.0 * j)), f"rank {rank}: list {i}"
+    return True
+
+
+def test_channels_creating_hierarchy_groups_at_once_do_not_wait_for_each_other(pools):
+    # Each channel's groups meet through a store connection of its own: on a shared one, a
+    # rank's waiting channel held it while the peers waited for that rank's other channel.
+    assert all(pools(WORLD).run(channels_connect_at_once, 4, timeout=TIMEOUT,
+                                pg_timeout_s=60.0))

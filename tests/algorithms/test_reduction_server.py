@@ -14,6 +14,7 @@ import sys
 
 WORLD = 4
 PG_TIMEOUT_S = 60.0  # reducers import torch first: slow on a loaded machine
+EAGER_TIMEOUT_S = 20.0  # a missing reducer fails a message after 3/4 of it
 
 
 def _start_reducer(index: int, reducers: int):
@@ -176,3 +177,53 @@ def missing_reducer(rank, world):
 def test_missing_reducer_fails_with_a_sentence(pools):
     took = pools(WORLD).run(missing_reducer, timeout=120, pg_timeout_s=5.0)
     assert all(3.0 < t < 5.0 for t in took), f"not failed within the 5 s timeout: {took}"
+
+
+def eager_fails(rank, world):
+    """Rank body: a large synchronous allreduce (the eager route: no solo channel) and a small
+    asynchronous one meet a dead reducer: StepFailed on every rank for both, and the group
+    stays usable once the reducer is back, as on the fused route."""
+    import torch
+    import torch.distributed as dist
+
+    from gradientflow.algorithms import StepFailed
+
+    procs = [_start_reducer(0, 1)] if rank == 0 else []
+    try:
+        pg = dist.new_group(backend="gradientflow",
+                            timeout=datetime.timedelta(seconds=EAGER_TIMEOUT_S),
+                            # no solo channel: a large synchronous allreduce goes eagerly
+                            pg_options={"algorithm": "reduction_server", "reducers": 1,
+                                        "solo_channel": False})
+        dist.all_reduce(torch.ones(10), group=pg)  # connected, served once
+        dist.barrier()
+        if rank == 0:
+            procs[0].kill()
+            procs[0].wait(timeout=10)
+        dist.barrier()
+        small = dist.all_reduce(torch.ones(10), group=pg, async_op=True)  # fused
+        errors = []
+        try:  # 64 MB, synchronous: the eager route
+            dist.all_reduce(torch.ones(16 * 2**20), group=pg)
+        except StepFailed as exc:
+            errors.append(str(exc))
+        try:
+            small.wait()
+        except StepFailed as exc:
+            errors.append(str(exc))
+        assert len(errors) == 2, f"rank {rank}: the dead reducer failed only {errors}"
+        dist.barrier()
+        if rank == 0:
+            procs[0] = _start_reducer(0, 1)
+        z = torch.arange(100, dtype=torch.float32) + rank
+        dist.all_reduce(z, group=pg)
+        assert torch.equal(z, 4 * torch.arange(100, dtype=torch.float32) + 6), \
+            f"rank {rank}: after the restart the sum is wrong"
+        return True
+    finally:
+        dist.barrier()
+        _stop(procs)
+
+
+def test_step_failed_on_an_eager_allreduce_leaves_the_group_usable(pools):
+    assert all(pools(WORLD).run(eager_fails, timeout=200, pg_timeout_s=EAGER_TIMEOUT_S))
