@@ -87,6 +87,9 @@ class EagerOp:
             with engine.streams.after(self.device, [self.ready]) as stream:
                 try:
                     self.launch().wait()  # orders the engine's stream after it; no host wait
+                except StepFailed as exc:  # [algorithms] agreed on every rank: the group goes on
+                    completion.complete(self.fut, error=exc)
+                    return
                 except BaseException as exc:  # noqa: BLE001 - the group is broken
                     completion.complete(self.fut, error=engine.fail(exc))
                     return
@@ -98,6 +101,8 @@ class EagerOp:
             try:
                 f.value()
                 completion.complete(op.fut, op.outputs)
+            except StepFailed as exc:  # [algorithms] agreed on every rank: the group goes on
+                completion.complete(op.fut, error=exc)
             except BaseException as exc:  # noqa: BLE001 - a transport failure: the group is broken
                 completion.complete(op.fut, error=engine.fail(exc))
 
