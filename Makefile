@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 # torch would download a multi-GB build.
 TORCH_PINS := torch==2.14.1 torchvision==0.29.1
 
-.PHONY: install test lint demo bench bench-quick experiment sweep simulate bench-algorithms bench-autotune test-ray clean
+.PHONY: install test lint demo bench bench-quick experiment sweep simulate bench-algorithms bench-algorithms-e2e bench-pipeline bench-autotune test-ray clean
 
 install: $(STAMP)
 
@@ -44,6 +44,14 @@ sweep: install
 # collective algorithms on the emulated network (root: network namespaces, tbf)
 bench-algorithms: install
 	$(PY) benchmarks/bench_algorithms.py
+
+# a ResNet-50 DDP step under each algorithm, dense and CSC 1%, 4 workers at 1 Gbit/s (root)
+bench-algorithms-e2e: install
+	$(PY) benchmarks/bench_algorithms_e2e.py
+
+# CSC fused and pipelined by the engine against no communication, ResNet-50 and AlexNet (root)
+bench-pipeline: install
+	$(PY) -m benchmarks.bench_pipeline
 
 # autotune against a grid of the same settings, in one launch
 bench-autotune: install
