@@ -25,6 +25,7 @@ def test_time_to_target_sums_training_time_up_to_the_first_epoch_at_the_target()
     assert rx.time_to_top1(log, 97.0) == pytest.approx(10 + 11 + 12)
     assert rx.time_to_top1(log, 50.0) == pytest.approx(10)
     assert rx.time_to_top1(log, 98.5) is None
+    assert rx.epoch_at_top1(log, 97.0) == 2 and rx.epoch_at_top1(log, 98.5) is None
 
 
 def test_speedup_is_per_seed_and_of_the_means_of_the_runs_that_reached_the_target():
@@ -52,8 +53,9 @@ def test_summary_and_table_give_the_ratio_against_ddp_on_gloo(tmp_path):
     text = rx.markdown(summary, 3, [0, 1], 2, "gradientflow", "cmd", link_gbps=1.0)
     assert "emulated 1 Gbps switch" in text
     assert "against DDP gloo dense FP32" in text  # no "dense" ran: the delta's reference says so
-    row = next(line for line in text.splitlines() if line.startswith("| CSC 1% default | 21"))
+    row = next(line for line in text.splitlines() if line.startswith("| CSC 1% default | 21 @1"))
     assert "2.90x, 2.90x" in row and "3.0-4.5" in row
+    assert summary["csc-default"]["run_speedup_vs_baseline"] == pytest.approx(93 / 33)
 
 
 def test_runs_go_seed_by_seed_so_that_load_drift_hits_every_setting():
