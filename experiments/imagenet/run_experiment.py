@@ -337,7 +337,7 @@ def speedups(base: list, times: list) -> dict:
 
 def markdown(
     summary: dict, epochs: int, seeds: list, nproc: int, backend: str, command: str,
-    link_gbps: float | None = None,
+    link_gbps: float | None = None, timed: bool = True,
 ) -> str:
     reference = "dense" if "dense" in summary else BASELINE
     dense_top1 = summary.get(reference, {}).get("top1_mean")
@@ -371,7 +371,10 @@ def markdown(
         )
     if dense_top1 is not None and reference != "dense":
         lines += ["", f"Δ vs dense: against {summary[reference]['label']}."]
-    if any(s["runs"] for s in summary.values()):
+    if not timed:
+        lines += ["", "Accuracy only: these runs were not timing runs (low priority, no lock), so "
+                  "the time to target is left out and images/s and comm s/epoch mean nothing."]
+    elif any(s["runs"] for s in summary.values()):
         lines += [""] + time_table(summary)
     lines += ["", f"Command: `{command}`", ""]
     return "\n".join(lines)
@@ -489,6 +492,8 @@ def main(argv=None) -> int:
                    "that timing runs of other jobs sharing the machine do not overlap one")
     p.add_argument("--target-top1", type=float, default=97.0,
                    help="val top-1 (%%) whose training time to reach is reported")
+    p.add_argument("--accuracy-only", action="store_true", help="the runs are not timing runs "
+                   "(e.g. run at low priority beside others): the table leaves times out")
     p.add_argument("--keep", action="store_true", help="do not run again a (setting, seed) "
                    "whose log has every epoch and whose meta file names the same link")
     args = p.parse_args(argv)
@@ -524,7 +529,7 @@ def main(argv=None) -> int:
                         args.target_top1, metas)
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     table = markdown(summary, epochs, seeds, args.nproc, args.dist_backend, command.strip(),
-                     args.link_gbps)
+                     args.link_gbps, timed=not args.accuracy_only)
     (out / "results.md").write_text(table)
     plots = plot(runs, summary, out)
     print(table)

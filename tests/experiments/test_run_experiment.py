@@ -56,6 +56,8 @@ def test_summary_and_table_give_the_ratio_against_ddp_on_gloo(tmp_path):
     row = next(line for line in text.splitlines() if line.startswith("| CSC 1% default | 21 @1"))
     assert "2.90x, 2.90x" in row and "3.0-4.5" in row
     assert summary["csc-default"]["run_speedup_vs_baseline"] == pytest.approx(93 / 33)
+    untimed = rx.markdown(summary, 3, [0, 1], 2, "gradientflow", "cmd", timed=False)
+    assert "Accuracy only" in untimed and "speed-up vs DDP gloo" not in untimed
 
 
 def test_runs_go_seed_by_seed_so_that_load_drift_hits_every_setting():
