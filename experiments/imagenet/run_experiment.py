@@ -6,26 +6,38 @@
     python experiments/imagenet/run_experiment.py --demo
     # a quick look
     python experiments/imagenet/run_experiment.py --settings dense csc-1% --seeds 0 --epochs 2
+    # DDP on gloo against the default CSC recipe on an emulated 1 Gbps switch (root: namespaces)
+    python experiments/imagenet/run_experiment.py --settings ddp-gloo csc-default --link-gbps 1 \
+        --out experiments/imagenet/results/1gbps
 
 Every run is `torchrun --standalone --nproc-per-node 2 train.py ...` with the same seed, schedule
-and data order; only the gradient communication differs. The per-epoch JSON lines of every run are
-gathered into OUT/results.md (a table), OUT/summary.json and the plots OUT/top1.png, OUT/loss.png,
-OUT/bytes.png.
+and data order; only the gradient communication differs. With --link-gbps each rank runs
+train.py in its own network namespace behind a tbf-shaped link into a bridge
+(benchmarks/netem.py), with torchrun's environment set by hand. Runs go seed by seed, every
+setting at one seed before the next seed, so that a drift in the machine's load hits the
+settings alike. The per-epoch JSON lines of every run are gathered into OUT/results.md (a table,
+with the training time to --target-top1 and its ratio to DDP on gloo), OUT/summary.json and the
+plots OUT/top1.png, OUT/loss.png, OUT/bytes.png.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import json
+import os
 import re
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+REPO = HERE.parent.parent
 sys.path.insert(0, str(HERE))
 from prepare import DEFAULT_OUT as DIGITS, prepare  # noqa: E402
-from sweep import DIGITS_RECIPE as RECIPE, launch  # noqa: E402
+from sweep import DIGITS_RECIPE as RECIPE, launch, read_log  # noqa: E402
 
 # The only thing that differs between settings: how gradients cross the wire. CSC sends FP16
 # values (the paper's mixed-precision wire) after a short dense warm-up in steps (DGC's first three
@@ -55,7 +67,18 @@ SETTINGS = {
     "csc-1%-mc": ("CSC 1% + MC", CSC + ["--density", "0.01", "--momentum-correction"]),
     # The library's default recipe, nothing else set.
     "csc-default": ("CSC 1% default", ["--compression", "csc", "--density", "0.01"]),
+    # The same with the chunk quota per DDP bucket instead of over the fused pool.
+    "csc-default-bucket": ("CSC 1% default, quota per bucket",
+                           ["--compression", "csc", "--density", "0.01", "--selection", "bucket"]),
+    # Plain DDP: dense FP32 over torch's own gloo process group, whatever --dist-backend says.
+    "ddp-gloo": ("DDP gloo dense FP32", ["--compression", "none"]),
 }
+# Settings that always run on one transport (the others take --dist-backend).
+TRANSPORT = {"ddp-gloo": "gloo"}
+# What a plain run (no --settings) runs.
+DEFAULT_SETTINGS = ["dense", "fp16", "csc-10%", "csc-1%", "csc-0.1%", "csc-1%-mc", "csc-default"]
+# The baseline of the time-to-accuracy ratio, and the accuracy reference when "dense" did not run.
+BASELINE = "ddp-gloo"
 
 # One schedule for every setting (RECIPE, shared with the sweep): ResNet-18 (torchvision,
 # unchanged) on 32x32 upscaled digits, global batch 64 (32 per rank), SGD momentum 0.9, cosine LR
@@ -63,24 +86,175 @@ SETTINGS = {
 
 
 def run_one(
-    key: str, seed: int, epochs: int, out: Path, nproc: int, backend: str, timeout: float
+    key: str, seed: int, epochs: int, out: Path, nproc: int, backend: str, timeout: float,
+    link_gbps: float | None = None, lock: Path | None = None,
 ) -> Path:
-    """Train one (setting, seed) and return its JSON-lines log."""
-    log = out / "logs" / f"{key}-seed{seed}.jsonl"
+    """Train one (setting, seed) and return its JSON-lines log.
+
+    link_gbps: run the ranks on an emulated switch of this rate (else torchrun on loopback).
+    lock: hold an exclusive flock on this file during the run, so that timing runs of other
+    jobs on the machine do not overlap it. The machine's load average before and after, the
+    wall time and the link go to LOGS/<key>-seed<s>.meta.json.
+    """
+    stem = out / "logs" / f"{key}-seed{seed}"
+    log, console = stem.with_name(stem.name + ".jsonl"), stem.with_name(stem.name + ".out")
+    backend = TRANSPORT.get(key, backend)
     args = [str(DIGITS), *RECIPE, *SETTINGS[key][1], "--epochs", str(epochs), "--seed", str(seed),
             "--dist-backend", backend]
-    t0 = time.perf_counter()
-    try:
-        launch(args, log, out / "logs" / f"{key}-seed{seed}.out", nproc, timeout)
-    except RuntimeError as exc:
-        raise RuntimeError(f"run {key} seed {seed} failed ({exc})") from None
-    print(f"  {SETTINGS[key][0]:<12} seed {seed}: {time.perf_counter() - t0:5.1f} s, "
-          f"top-1 {read_log(log)[-1]['val_top1']:.2f}", flush=True)
+    with held(lock):
+        load_before = os.getloadavg()
+        t0 = time.perf_counter()
+        try:
+            if link_gbps is None:
+                launch(args, log, console, nproc, timeout)
+            else:
+                launch_shaped(args, log, console, nproc, timeout, link_gbps)
+        except RuntimeError as exc:
+            raise RuntimeError(f"run {key} seed {seed} failed ({exc})") from None
+        wall = time.perf_counter() - t0
+        load_after = os.getloadavg()
+    meta = {"setting": key, "seed": seed, "transport": backend, "link_gbps": link_gbps,
+            "wall_s": round(wall, 1), "loadavg_before": load_before, "loadavg_after": load_after}
+    stem.with_name(stem.name + ".meta.json").write_text(json.dumps(meta) + "\n")
+    print(f"  {SETTINGS[key][0]:<12} seed {seed}: {wall:5.1f} s, "
+          f"top-1 {read_log(log)[-1]['val_top1']:.2f}, load {load_before[0]:.1f} -> "
+          f"{load_after[0]:.1f}", flush=True)
     return log
 
 
-def read_log(path: Path) -> list:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+@contextlib.contextmanager
+def held(lock: Path | None):
+    """An exclusive flock on `lock` for the duration of the block (nothing when None)."""
+    if lock is None:
+        yield
+        return
+    with open(lock, "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def launch_shaped(train_args: list, log: Path, console: Path, nproc: int, timeout: float,
+                  link_gbps: float) -> None:
+    """Run train.py's ranks on an emulated switch: one namespace per rank, tbf at `link_gbps`.
+
+    torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) is set per
+    rank, with gloo bound to the rank's shaped NIC. Every rank is killed when the time limit
+    passes or shortly after one rank fails (the others would wait on a collective forever); the
+    namespaces are removed in every case. Raises RuntimeError naming the failed rank.
+    """
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))
+    from benchmarks.launch import _kill, free_port
+    from benchmarks.netem import Cluster, NetemUnavailable, ShapeConfig
+
+    log.parent.mkdir(parents=True, exist_ok=True)
+    log.unlink(missing_ok=True)
+    base = dict(os.environ, OMP_NUM_THREADS="1")  # ranks share the cores: one thread each
+    base["PYTHONPATH"] = os.pathsep.join(
+        [str(REPO)] + [p for p in base.get("PYTHONPATH", "").split(os.pathsep) if p])
+    outputs = [console.with_name(f"{console.stem}.rank{r}.tmp") for r in range(nproc)]
+    procs = []
+    try:
+        with Cluster(nproc, ShapeConfig(rate_gbps=link_gbps), allow_fallback=False) as cluster:
+            port = free_port()
+            for rank, path in enumerate(outputs):
+                argv = cluster.wrap(rank, [sys.executable, str(HERE / "train.py"), *train_args,
+                                           "--json-log", str(log)])
+                with open(path, "w") as fh:
+                    procs.append(subprocess.Popen(argv, env=cluster.env(rank, port, base),
+                                                  cwd=REPO, stdout=fh, stderr=subprocess.STDOUT,
+                                                  start_new_session=True))
+            failed = wait_ranks(procs, timeout)
+            for p in procs:
+                _kill(p)
+    except NetemUnavailable as exc:
+        raise RuntimeError(f"cannot emulate a {link_gbps:g} Gbps link ({exc}); run as root, or "
+                           f"leave out --link-gbps to run on loopback") from None
+    finally:
+        for p in procs:
+            _kill(p)
+        texts = [path.read_text(errors="replace") if path.exists() else "" for path in outputs]
+        console.write_text("".join(f"==== rank {r} ====\n{t}" for r, t in enumerate(texts)))
+        for path in outputs:
+            path.unlink(missing_ok=True)
+    if failed is not None:
+        rank, why = failed
+        lines = texts[rank].strip().splitlines()
+        errors = [line for line in lines if "Error" in line or "error:" in line]
+        raise RuntimeError(f"rank {rank} {why}: {(errors or lines or ['no output'])[-1].strip()}")
+
+
+def wait_ranks(procs: list, timeout: float, grace: float = 10.0):
+    """Wait for every rank; None when all exit 0, else (rank, why) of the first to fail.
+
+    Stops waiting at `timeout` seconds, or `grace` seconds after the first failure.
+    """
+    t0 = time.monotonic()
+    failed, failed_at = None, None
+    while True:
+        codes = [p.poll() for p in procs]
+        now = time.monotonic()
+        if failed is None:
+            bad = [r for r, c in enumerate(codes) if c not in (None, 0)]
+            if bad:
+                failed, failed_at = (bad[0], f"exited with code {codes[bad[0]]}"), now
+        if all(c is not None for c in codes):
+            return failed
+        if now - t0 > timeout:
+            return failed or (codes.index(None), f"timed out after {timeout:.0f} s")
+        if failed_at is not None and now - failed_at > grace:
+            return failed
+        try:
+            procs[codes.index(None)].wait(timeout=0.5)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def epoch_at_top1(log: list, target: float) -> int | None:
+    """The first epoch whose val top-1 reaches `target` (percent); None when none does."""
+    return next((r["epoch"] for r in log if r["val_top1"] >= target), None)
+
+
+def time_to_top1(log: list, target: float) -> float | None:
+    """Training wall time until the first epoch whose val top-1 reaches `target` (percent).
+
+    The sum of the epochs' train_time_s up to and including that epoch (validation, the same
+    for every setting, is left out); None when no epoch reaches it.
+    """
+    elapsed = 0.0
+    for record in log:
+        elapsed += record["train_time_s"]
+        if record["val_top1"] >= target:
+            return elapsed
+    return None
+
+
+def run_order(settings: list, seeds: list) -> list:
+    """(setting, seed) pairs seed by seed: every setting at one seed before the next seed, so
+    that a drift in the machine's load during the batch hits every setting alike."""
+    return [(key, seed) for seed in seeds for key in settings]
+
+
+def finished(out: Path, key: str, seed: int, epochs: int, link_gbps: float | None) -> bool:
+    """Whether (key, seed) already has a log of every epoch, run on the same link."""
+    log = out / "logs" / f"{key}-seed{seed}.jsonl"
+    meta = read_meta(out, key, seed)
+    return (log.exists() and bool(meta) and meta.get("link_gbps") == link_gbps
+            and [r["epoch"] for r in read_log(log)] == list(range(epochs)))
+
+
+def positive(text: str) -> float:
+    """argparse type: a number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text} must be > 0 (Gbit/s)")
+    return value
 
 
 def backend_of(out: Path, key: str, seeds: list) -> str:
@@ -93,8 +267,16 @@ def backend_of(out: Path, key: str, seeds: list) -> str:
     return "/".join(sorted(found))
 
 
-def summarise(runs: dict, backends: dict | None = None) -> dict:
-    """Per setting: final top-1 over seeds, steady and whole-run wire bytes per step, images/s."""
+def read_meta(out: Path, key: str, seed: int) -> dict:
+    """What run_one recorded about a run (wall time, load average, link); {} for older runs."""
+    path = out / "logs" / f"{key}-seed{seed}.meta.json"
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def summarise(runs: dict, backends: dict | None = None, target: float = 97.0,
+              metas: dict | None = None) -> dict:
+    """Per setting: final top-1 over seeds, steady and whole-run wire bytes per step, images/s,
+    training time to `target` top-1 per seed and, where BASELINE ran, its ratio to BASELINE's."""
     summary = {}
     for key, logs in runs.items():
         finals = [log[-1]["val_top1"] for log in logs]
@@ -124,16 +306,46 @@ def summarise(runs: dict, backends: dict | None = None) -> dict:
                 m: [statistics.mean(log[e][m] for log in logs) for e in range(len(logs[0]))]
                 for m in ("val_top1", "train_loss", "val_loss", "wire_bytes_per_step")
             },
+            "target_top1": target,
+            "time_to_target_s": [time_to_top1(log, target) for log in logs],
+            "epoch_at_target": [epoch_at_top1(log, target) for log in logs],
+            "train_time_s": [sum(r["train_time_s"] for r in log) for log in logs],
+            "runs": (metas or {}).get(key, []),
         }
+    base = summary.get(BASELINE, {})
+    for s in summary.values():
+        s["speedup_vs_baseline"] = (speedups(base["time_to_target_s"], s["time_to_target_s"])
+                                    if base else None)
+        # Speed alone, whatever the accuracy: the baseline's whole-run training time over this.
+        s["run_speedup_vs_baseline"] = (statistics.mean(base["train_time_s"])
+                                        / statistics.mean(s["train_time_s"]) if base else None)
     return summary
 
 
+def speedups(base: list, times: list) -> dict:
+    """BASELINE's time to target over this setting's: per seed and of the means over seeds.
+
+    A run that never reached the target gives None for its seed, and the mean then covers the
+    runs that did (with how many in "reached").
+    """
+    per_seed = [b / t if b and t else None for b, t in zip(base, times)]
+    reached_b, reached_t = [b for b in base if b], [t for t in times if t]
+    of_means = (statistics.mean(reached_b) / statistics.mean(reached_t)
+                if reached_b and reached_t else None)
+    return {"per_seed": per_seed, "of_means": of_means, "reached": len(reached_t)}
+
+
 def markdown(
-    summary: dict, epochs: int, seeds: list, nproc: int, backend: str, command: str
+    summary: dict, epochs: int, seeds: list, nproc: int, backend: str, command: str,
+    link_gbps: float | None = None, timed: bool = True,
 ) -> str:
-    dense_top1 = summary.get("dense", {}).get("top1_mean")
+    reference = "dense" if "dense" in summary else BASELINE
+    dense_top1 = summary.get(reference, {}).get("top1_mean")
+    network = (f", emulated {link_gbps:g} Gbps switch (one namespace per rank, tbf both ways)"
+               if link_gbps else "")
     lines = [
-        f"## Digits (scikit-learn, 1437 train / 360 val), ResNet-18 at 32x32, {nproc} CPU ranks",
+        f"## Digits (scikit-learn, 1437 train / 360 val), ResNet-18 at 32x32, {nproc} CPU ranks"
+        f"{network}",
         "",
         f"{epochs} epochs, seeds {', '.join(map(str, seeds))}; "
         f"final top-1 as mean ± standard deviation over seeds "
@@ -157,8 +369,48 @@ def markdown(
             f"{s['dense_bytes_per_step'] / max(s['wire_bytes_per_step_run'], 1):.0f}x | "
             f"{s['images_per_s']:.0f} | {s['comm_s_per_epoch']:.2f} | {s['backend']} |"
         )
+    if dense_top1 is not None and reference != "dense":
+        lines += ["", f"Δ vs dense: against {summary[reference]['label']}."]
+    if not timed:
+        lines += ["", "Accuracy only: these runs were not timing runs (low priority, no lock), so "
+                  "the time to target is left out and images/s and comm s/epoch mean nothing."]
+    elif any(s["runs"] for s in summary.values()):
+        lines += [""] + time_table(summary)
     lines += ["", f"Command: `{command}`", ""]
     return "\n".join(lines)
+
+
+def time_table(summary: dict) -> list:
+    """Markdown lines: training time to the target top-1 per seed, the ratio to BASELINE, load."""
+    target = next(iter(summary.values()))["target_top1"]
+    base = summary.get(BASELINE, {}).get("label", BASELINE)
+    lines = [
+        f"Training time to {target:g}% val top-1 (sum of the epochs' train_time_s up to the "
+        f"first epoch at or above it; validation left out), and {base}'s time over this "
+        f"setting's (higher: sooner). 'of means': mean time of {base} over the mean time of "
+        f"the setting. Load: the machine's 1-minute load average at the start and end of each "
+        f"run (2 cores).",
+        "",
+        "| setting | time to target per seed (s, @epoch) | mean (s) | speed-up vs DDP gloo per "
+        "seed | of means | whole-run train time, mean (s) | whole-run speed-up "
+        "| load average per run |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for s in summary.values():
+        times = [f"{t:.0f} @{e}" if t else "not reached"
+                 for t, e in zip(s["time_to_target_s"], s["epoch_at_target"])]
+        reached = [t for t in s["time_to_target_s"] if t]
+        up = s["speedup_vs_baseline"] or {}
+        per_seed = ", ".join(f"{x:.2f}x" if x else "-" for x in up.get("per_seed", []))
+        of_means = f"{up['of_means']:.2f}x" if up.get("of_means") else "-"
+        loads = ", ".join(f"{r['loadavg_before'][0]:.1f}-{r['loadavg_after'][0]:.1f}"
+                          for r in s["runs"])
+        mean = f"{statistics.mean(reached):.0f}" if reached else "-"
+        run_up = s.get("run_speedup_vs_baseline")
+        lines.append(f"| {s['label']} | {', '.join(times)} | {mean} | {per_seed or '-'} "
+                     f"| {of_means} | {statistics.mean(s['train_time_s']):.0f} | "
+                     f"{f'{run_up:.2f}x' if run_up else '-'} | {loads or '-'} |")
+    return lines
 
 
 def _bytes(n: float) -> str:
@@ -232,8 +484,20 @@ def main(argv=None) -> int:
     p.add_argument(
         "--no-run", action="store_true", help="only rebuild the table and plots from OUT/logs"
     )
+    p.add_argument("--link-gbps", type=positive, default=None, metavar="GBPS",
+                   help="run each rank in its own network namespace behind a link of this rate "
+                   "(tbf, both directions; needs root) instead of torchrun on loopback")
+    p.add_argument("--lock", type=Path, default=None, metavar="FILE",
+                   help="hold an exclusive flock on FILE during each run (not between runs), so "
+                   "that timing runs of other jobs sharing the machine do not overlap one")
+    p.add_argument("--target-top1", type=float, default=97.0,
+                   help="val top-1 (%%) whose training time to reach is reported")
+    p.add_argument("--accuracy-only", action="store_true", help="the runs are not timing runs "
+                   "(e.g. run at low priority beside others): the table leaves times out")
+    p.add_argument("--keep", action="store_true", help="do not run again a (setting, seed) "
+                   "whose log has every epoch and whose meta file names the same link")
     args = p.parse_args(argv)
-    settings = args.settings or (["csc-1%-mc"] if args.demo else list(SETTINGS))
+    settings = args.settings or (["csc-1%-mc"] if args.demo else DEFAULT_SETTINGS)
     seeds = args.seeds or ([0] if args.demo else [0, 1, 2])
     epochs = args.epochs or (6 if args.demo else 8)
     out = args.out or (HERE / "runs" / "demo" if args.demo else HERE / "results")
@@ -249,23 +513,23 @@ def main(argv=None) -> int:
         f"{args.nproc} ranks -> {out}",
         flush=True,
     )
-    runs = {}
     try:
-        for key in settings:
-            runs[key] = [
-                read_log(out / "logs" / f"{key}-seed{s}.jsonl")
-                if args.no_run
-                else read_log(
-                    run_one(key, s, epochs, out, args.nproc, args.dist_backend, args.timeout)
-                )
-                for s in seeds
-            ]
-    except RuntimeError as exc:
+        for key, s in run_order(settings, seeds):
+            if args.no_run or (args.keep and finished(out, key, s, epochs, args.link_gbps)):
+                continue
+            run_one(key, s, epochs, out, args.nproc, args.dist_backend, args.timeout,
+                    args.link_gbps, args.lock)
+        runs = {key: [read_log(out / "logs" / f"{key}-seed{s}.jsonl") for s in seeds]
+                for key in settings}
+    except (RuntimeError, FileNotFoundError) as exc:
         print(f"run_experiment.py: error: {exc}; logs in {out / 'logs'}", file=sys.stderr)
         return 1
-    summary = summarise(runs, {key: backend_of(out, key, seeds) for key in runs})
+    metas = {key: [m for s in seeds if (m := read_meta(out, key, s))] for key in settings}
+    summary = summarise(runs, {key: backend_of(out, key, seeds) for key in runs},
+                        args.target_top1, metas)
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    table = markdown(summary, epochs, seeds, args.nproc, args.dist_backend, command.strip())
+    table = markdown(summary, epochs, seeds, args.nproc, args.dist_backend, command.strip(),
+                     args.link_gbps, timed=not args.accuracy_only)
     (out / "results.md").write_text(table)
     plots = plot(runs, summary, out)
     print(table)

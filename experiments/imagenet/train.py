@@ -171,6 +171,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--momentum-correction", default=None, action=argparse.BooleanOptionalAction,
                    help="CSC: DGC momentum correction: the hook takes SGD's --momentum into the "
                    "compressor (default: the library's, on)")
+    p.add_argument("--selection", default=None, choices=["pool", "bucket"],
+                   help="CSC: choose the top chunks across every bucket of a fused batch (pool) "
+                   "or a quota per DDP bucket (bucket) (default: the library's)")
     p.add_argument("--clip-norm", default=None, type=float,
                    help="CSC: DGC's local gradient clipping, the L2 bound of the summed gradient "
                    "(default: none)")
@@ -331,7 +334,8 @@ def build_compression_config(args, warmup: tuple):
         # No momentum: under momentum correction the hook takes the optimizer's.
         given = dict(warmup_densities=warmup, warmup_unit=args.warmup_unit,
                      warmup_period=args.warmup_period, momentum_correction=args.momentum_correction,
-                     chunk_size=args.chunk_size, clip_norm=args.clip_norm)
+                     chunk_size=args.chunk_size, clip_norm=args.clip_norm,
+                     selection=args.selection)
         kwargs.update(density=args.density, **{k: v for k, v in given.items() if v is not None})
     try:
         return CompressionConfig(**kwargs)
