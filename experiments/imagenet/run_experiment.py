@@ -67,9 +67,9 @@ SETTINGS = {
     "csc-1%-mc": ("CSC 1% + MC", CSC + ["--density", "0.01", "--momentum-correction"]),
     # The library's default recipe, nothing else set.
     "csc-default": ("CSC 1% default", ["--compression", "csc", "--density", "0.01"]),
-    # The same with the chunk quota per DDP bucket instead of over the fused pool.
-    "csc-default-bucket": ("CSC 1% default, quota per bucket",
-                           ["--compression", "csc", "--density", "0.01", "--selection", "bucket"]),
+    # The same with the chunks chosen over the pool of a fused batch, not a quota per bucket.
+    "csc-pool": ("CSC 1% default, pool selection",
+                 ["--compression", "csc", "--density", "0.01", "--selection", "pool"]),
     # Plain DDP: dense FP32 over torch's own gloo process group, whatever --dist-backend says.
     "ddp-gloo": ("DDP gloo dense FP32", ["--compression", "none"]),
 }

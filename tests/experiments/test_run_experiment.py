@@ -85,7 +85,7 @@ def test_link_rate_must_be_a_positive_number(value, capsys):
 
 def test_ddp_gloo_runs_on_gloo_whatever_the_default_transport():
     assert rx.TRANSPORT["ddp-gloo"] == "gloo"
-    assert "--selection" in rx.SETTINGS["csc-default-bucket"][1]
+    assert "--selection" in rx.SETTINGS["csc-pool"][1]
     assert set(rx.DEFAULT_SETTINGS) <= set(rx.SETTINGS)
 
 
