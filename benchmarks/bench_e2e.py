@@ -59,7 +59,7 @@ LABELS = {
     "powersgd": "DDP + powerSGD_hook r2", "gf_dense": "gradientflow dense",
     "gf_fp16": "gradientflow FP16", "gf_csc10": "gradientflow CSC 10%",
     "gf_csc1": "gradientflow CSC 1%", "gf_csc0.1": "gradientflow CSC 0.1%",
-    "gf_csc1_bucket": "gradientflow CSC 1%, quota per bucket",
+    "gf_csc1_pool": "gradientflow CSC 1%, pool selection",
     "gf_csc1_unfused": "gradientflow CSC 1%, unfused (each bucket alone)",
     "gf_csc1_t32": "gradientflow CSC 1%, fusion threshold 32 MB",
     "gf_opt": "gradientflow DistributedOptimizer, priority",
@@ -134,7 +134,7 @@ def _make_variant(variant: str, model_name: str, gf_group, bucket_view: bool = F
                   groups: dict | None = None):
     """Return the module to train for one variant; raises with a reason to skip it.
 
-    `..._bucket`: CSC choosing a quota per bucket; a variant with a threshold of its own
+    `..._pool`: CSC choosing chunks across each fused batch; a variant with a threshold of its own
     (`_threshold_of`) runs on its group in `groups` (by threshold).
     bucket_view: DDP's gradient_as_bucket_view for every DDP variant (peers and ours alike):
     gradients live in the buckets, which saves DDP's two copies of the gradient per step
@@ -178,7 +178,7 @@ def _make_variant(variant: str, model_name: str, gf_group, bucket_view: bool = F
             cfg = _gf_config("fp16", 1.0)
         else:
             density, *tags = variant[len("gf_csc"):].split("_")
-            extra = {"selection": "bucket"} if "bucket" in tags else {}
+            extra = {"selection": "pool"} if "pool" in tags else {}
             cfg = _gf_config("csc", float(density) / 100, **extra)
         gfh.register(ddp, cfg)
         return ddp

@@ -51,7 +51,7 @@ def test_threshold_variants_get_their_own_group():
     assert bench_e2e._threshold_of("gf_csc1_unfused") == 0
     assert bench_e2e._threshold_of("gf_csc1_t32") == 32 * 2**20
     assert bench_e2e._threshold_of("gf_csc1") is None
-    assert bench_e2e._threshold_of("gf_csc1_bucket") is None
+    assert bench_e2e._threshold_of("gf_csc1_pool") is None
 
 
 def test_pipeline_quick_counts_collectives_per_step(tmp_path):
