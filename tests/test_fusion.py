@@ -274,10 +274,10 @@ def powersgd_training(rank, world, bucket_cap_mb, iters):
             which = next((f"P{i}" for i, v in state.p_memory_dict.items() if v is t),
                          next((f"Q{i}" for i, v in state.q_memory_dict.items() if v is t), "U"))
             with lock:
-                seq = issue.seq
+                seq, before = issue.seq, t.clone()
+                work = dist.all_reduce(t, *args, **kwargs)  # a refused call takes no number
                 issued.append((seq, which, tuple(t.shape)))
-                sent[seq] = t.clone()
-                work = dist.all_reduce(t, *args, **kwargs)
+                sent[seq] = before
             return Seen(work, seq)
 
     class Seen:
@@ -330,8 +330,12 @@ def check_powersgd_outcome(res):
     s <= d that holds d (the agreement round, which lists the batch).
     """
     (issued0, sent0, got0, err0, w0), (issued1, sent1, got1, err1, w1) = res
-    differ = [(a, b) for a, b in zip(issued0, issued1) if a[0] != b[0] or a[2] != b[2]]
-    end = differ[0][0][0] if differ else None
+    differ = [i for i, (a, b) in enumerate(zip(issued0, issued1)) if a[0] != b[0] or a[2] != b[2]]
+    if differ:  # the first difference is in what was issued, not in the numbering
+        i = differ[0]
+        assert issued0[i][0] == issued1[i][0], (
+            "sequence numbers differ", issued0[max(0, i - 3):i + 3], issued1[max(0, i - 3):i + 3])
+    end = issued0[differ[0]][0] if differ else None
     for seq in sorted(set(sent0) & set(sent1)):
         if end is not None and seq >= end:
             break
@@ -344,10 +348,10 @@ def check_powersgd_outcome(res):
         if [a[1] for a in issued0] == [a[1] for a in issued1]:
             assert float((w0 - w1).abs().max()) < 1e-5, float((w0 - w1).abs().max())
         return "match"
-    d = differ[0][0][0]
-    assert all(a[0] == b[0] for a, b in zip(issued0, issued1)), "sequence numbers differ"
+    d = end
     for rank, err in enumerate((err0, err1)):
-        assert err is not None, f"rank {rank}: no error; ranks differ at #{d}: {differ[0]}"
+        assert err is not None, (f"rank {rank}: no error; ranks differ at #{d}",
+                                 issued0[differ[0]], issued1[differ[0]])
         s = named_seq(err)
         assert s is not None and s <= d, (rank, d, s, err[:3000])
         if "at sequence number" in err:
