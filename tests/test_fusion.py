@@ -1,9 +1,10 @@
 """Lazy allreduce: random programs with ranks waiting at different points, memory, DDP hooks."""
 from __future__ import annotations
 
-import pytest
+import re
 
-from harness import RankFailure
+import pytest
+import torch
 
 
 def random_programs(rank, world, n_examples):
@@ -184,22 +185,29 @@ def test_thousand_fused_steps_do_not_grow_memory(pools):
 
 
 def mismatched_order(rank, world):
+    """Rank body: async allreduces of (3,) and (5,) issued in opposite orders; the error each
+    rank's wait raised (None when none did)."""
     import torch
     import torch.distributed as dist
 
     a, b = torch.ones(3), torch.ones(5)
     order = [a, b] if rank == 0 else [b, a]
     works = [dist.all_reduce(t, async_op=True) for t in order]
-    for w in works:
-        w.wait()
+    try:
+        for w in works:
+            w.wait()
+    except Exception as exc:  # noqa: BLE001 - the error is what the test checks
+        return str(exc)
+    return None
 
 
 def test_mismatched_async_order_is_reported_on_every_rank(pools):
-    with pytest.raises(RankFailure) as info:
-        pools(2).run(mismatched_order, timeout=120)
-    text = str(info.value)
-    assert "ranks [0, 1]" in text and text.count("collective mismatch") >= 2, text
-    assert "(3,)" in text and "(5,)" in text, text
+    errors = pools(2).run(mismatched_order, timeout=120)
+    for rank, text in enumerate(errors):
+        assert text is not None, f"rank {rank}: no error for allreduces in different orders"
+        assert f"rank {rank}: collective mismatch" in text, (rank, text)
+        assert named_seq(text) == 0, (rank, text)  # the first call already differs
+        assert "(3,)" in text and "(5,)" in text, (rank, text)
 
 
 def wait_on_engine_thread(rank, world):
@@ -230,11 +238,21 @@ def test_wait_on_engine_thread_is_a_clear_error(pools):
 
 
 def powersgd_training(rank, world, bucket_cap_mb, iters):
-    """Rank body: DDP + PyTorch's powerSGD_hook on gradientflow, past start_powerSGD_iter."""
+    """Rank body: DDP + PyTorch's powerSGD_hook on gradientflow, past start_powerSGD_iter.
+
+    Returns the allreduces the hook issued, in sequence order (seq, which tensor, shape), what
+    each sent and got back by sequence number, the error training raised (None if none) and
+    the final weights. The hook issues allreduces from future callbacks, in an order that can
+    differ between ranks with several buckets.
+    """
+    import threading
+
     import torch
     import torch.distributed as dist
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as P
     from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from gradientflow.backend import backend_of
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64),
@@ -242,37 +260,124 @@ def powersgd_training(rank, world, bucket_cap_mb, iters):
     ddp = DDP(model, bucket_cap_mb=bucket_cap_mb)
     state = P.PowerSGDState(process_group=None, matrix_approximation_rank=2,
                             start_powerSGD_iter=2, min_compression_rate=0.5)
+    issue = backend_of().engine.issue
+    issued, sent, got, lock = [], {}, {}, threading.Lock()
+
+    class Recorded:
+        """torch.distributed for the hook, its all_reduce recorded under a lock (so the
+        record's order is the sequence order)."""
+
+        def __getattr__(self, name):
+            return getattr(dist, name)
+
+        def all_reduce(self, t, *args, **kwargs):
+            which = next((f"P{i}" for i, v in state.p_memory_dict.items() if v is t),
+                         next((f"Q{i}" for i, v in state.q_memory_dict.items() if v is t), "U"))
+            with lock:
+                seq, before = issue.seq, t.clone()
+                work = dist.all_reduce(t, *args, **kwargs)  # a refused call takes no number
+                issued.append((seq, which, tuple(t.shape)))
+                sent[seq] = before
+            return Seen(work, seq)
+
+    class Seen:
+        """The Work the hook gets: its future first records the sum, before the hook's own
+        callbacks scale or orthogonalize it in place."""
+
+        def __init__(self, work, seq):
+            self.work, self.seq = work, seq
+
+        def get_future(self):
+            def record(fut):
+                got[self.seq] = fut.value()[0].clone()
+                return fut.value()
+
+            return self.work.get_future().then(record)
+
+    hook_dist, P.dist = P.dist, Recorded()
     ddp.register_comm_hook(state, P.powerSGD_hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
     g = torch.Generator().manual_seed(rank)
-    for _ in range(iters):
-        opt.zero_grad()
-        ddp(torch.randn(16, 32, generator=g)).pow(2).mean().backward()
-        opt.step()
-    # Every rank ends with the same weights: the hook's results agreed.
+    error = None
+    try:
+        for _ in range(iters):
+            opt.zero_grad()
+            ddp(torch.randn(16, 32, generator=g)).pow(2).mean().backward()
+            opt.step()
+    except Exception as exc:  # noqa: BLE001 - the error is what the test checks
+        error = str(exc)
+    finally:
+        P.dist = hook_dist
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-    ref = flat.clone()
-    dist.broadcast(ref, 0)
-    return float((flat - ref).abs().max())
+    return issued, sent, got, error, flat
+
+
+def named_seq(text):
+    """The sequence number a collective-mismatch error names (None if it names none)."""
+    m = re.search(r"collective mismatch (?:at|in the async allreduces from) sequence number "
+                  r"(\d+)", text)
+    return None if m is None else int(m.group(1))
+
+
+def check_powersgd_outcome(res):
+    """What each rank got is right for the programs the ranks issued.
+
+    Same descriptors in the same order: no error, and every allreduce's result is the sum of
+    what the ranks sent under its sequence number. Also the same tensors (the hook's callbacks
+    ran in one order everywhere): the same weights on every rank. Descriptors that differ at
+    sequence number d: the allreduces before d that completed are sums as above, and every
+    rank raised a collective mismatch naming d (the inspector), or the fused batch from
+    s <= d that holds d (the agreement round, which lists the batch).
+    """
+    (issued0, sent0, got0, err0, w0), (issued1, sent1, got1, err1, w1) = res
+    differ = [i for i, (a, b) in enumerate(zip(issued0, issued1)) if a[0] != b[0] or a[2] != b[2]]
+    if differ:  # the first difference is in what was issued, not in the numbering
+        i = differ[0]
+        assert issued0[i][0] == issued1[i][0], (
+            "sequence numbers differ", issued0[max(0, i - 3):i + 3], issued1[max(0, i - 3):i + 3])
+    end = issued0[differ[0]][0] if differ else None
+    for seq in sorted(set(sent0) & set(sent1)):
+        if end is not None and seq >= end:
+            break
+        want = sent0[seq] + sent1[seq]
+        for rank, got in enumerate((got0, got1)):
+            if seq in got or end is None:  # with no mismatch every allreduce completes
+                assert seq in got and torch.equal(got[seq], want), (rank, seq, got.get(seq))
+    if not differ:
+        assert err0 is None and err1 is None, (err0 or "")[:3000] + (err1 or "")[:3000]
+        if [a[1] for a in issued0] == [a[1] for a in issued1]:
+            assert float((w0 - w1).abs().max()) < 1e-5, float((w0 - w1).abs().max())
+        return "match"
+    d = end
+    for rank, err in enumerate((err0, err1)):
+        assert err is not None, (f"rank {rank}: no error; ranks differ at #{d}",
+                                 issued0[differ[0]], issued1[differ[0]])
+        s = named_seq(err)
+        assert s is not None and s <= d, (rank, d, s, err[:3000])
+        if "at sequence number" in err:
+            assert s == d, (rank, d, err[:3000])
+        elif "\n  rank 1: [" in err:
+            assert f"'#{d} all_reduce" in err, (rank, d, err[:3000])
+    return "mismatch"
 
 
 # With a 1 KB solo threshold the bucket and the hook's P and Q go on the solo channel, whose
 # futures complete on gloo's threads, and the hook's callbacks wait on the next allreduce there.
 @pytest.mark.parametrize("solo", ["4MB", "1KB"])
 def test_powersgd_one_bucket_trains(pools, solo):
-    diffs = pools(2).run(powersgd_training, 100, 6, timeout=300,
-                         env={"GRADIENTFLOW_SOLO_THRESHOLD": solo})
-    assert max(diffs) < 1e-5, diffs
+    res = pools(2).run(powersgd_training, 100, 6, timeout=300,
+                       env={"GRADIENTFLOW_SOLO_THRESHOLD": solo})
+    (issued0, _, _, err0, w0), (issued1, _, _, err1, w1) = res
+    assert err0 is None and err1 is None, (err0, err1)
+    assert issued0 == issued1 and len(issued0) > 6, issued0  # one bucket: one order
+    assert float((w0 - w1).abs().max()) < 1e-5, float((w0 - w1).abs().max())
+    assert check_powersgd_outcome(res) == "match"
 
 
 def test_powersgd_many_buckets_trains_or_reports_mismatch(pools):
-    try:
-        diffs = pools(2).run(powersgd_training, 0.001, 6, timeout=300)
-    except RankFailure as exc:
-        assert "collective mismatch" in str(exc), str(exc)[:3000]
-        assert "did not answer" not in str(exc)
-    else:
-        assert max(diffs) < 1e-5, diffs
+    """Several buckets: the ranks may issue the hook's allreduces in different orders. Either
+    way each rank must get the outcome its program calls for (check_powersgd_outcome)."""
+    check_powersgd_outcome(pools(2).run(powersgd_training, 0.001, 6, timeout=300))
 
 
 def groups_end_their_threads(rank, world, rounds):

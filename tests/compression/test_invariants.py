@@ -45,18 +45,21 @@ def test_nothing_lost_without_momentum(
     comps = make_ranks(cfg, world)
     produced = torch.zeros(layout.numel, dtype=torch.float64)
     applied = torch.zeros_like(produced)
+    sent_abs = torch.zeros_like(produced)  # sum over steps and ranks of |gradient + residual|
     for t in range(steps):
         grads = grads_for(world, layout.numel, seed + t)
-        for g in grads:
+        for c, g in zip(comps, grads):
             produced += g.double()
+            sent_abs += (g.double() + flat_slot(c, layout)).abs()
         outs = step(comps, layout, grads)
         for o in outs[1:]:
             assert torch.equal(o, outs[0]), "ranks disagree on the averaged gradient"
         applied += world * outs[0].double()
     held = sum(flat_slot(c, layout) for c in comps)
-    vmax = steps * 5.0
-    err = (applied + held - produced).abs().max().item()
-    assert err <= lost_tolerance(cfg, world, steps, vmax), err
+    err = (applied + held - produced).abs()
+    tol = lost_tolerance(cfg, world, sent_abs)
+    worst = int((err - tol).argmax())
+    assert bool((err <= tol).all()), (worst, err[worst].item(), tol[worst].item())
 
 
 @SETTINGS
