@@ -7,10 +7,13 @@ order, then waits for all of them: one "step". On one gradientflow group per mod
   2. then the defaults, autotune's choice and every point of a grid of the same settings are
      timed alternately, rep by rep (order rotated), switching the group between them with
      GradientFlowBackend.reconfigure (the same drain-and-swap autotune uses), so all variants
-     meet the same machine load.
+     meet the same machine load. A variant's time in a rep is the median of --steps steps
+     after one discarded warm-up step (new segments, new routes).
 The table gives autotune's choice against the best grid point (target: within 5%), and its
-gain over the defaults, both from the alternated reps. On loopback; --tiers adds the emulated
-network of benchmarks/netem.py.
+gain over the defaults, both as medians of per-rep ratios. The best grid point is picked on
+the even reps and compared on the odd ones: picked and compared on the same reps, the minimum
+of a dozen noisy medians is biased low by the noise alone (that figure is given too). On
+loopback; --tiers adds the emulated network of benchmarks/netem.py.
 
     python benchmarks/bench_autotune.py [--quick] [--out DIR] [--worlds 2,4] [--tiers none,10]
 """
@@ -48,7 +51,7 @@ def _label(p: dict) -> str:
 
 
 def worker(rank: int, world_size: int, models: list[str], grid: list[dict], reps: int,
-           tuner: dict) -> dict:
+           tuner: dict, steps: int = 3) -> dict:
     """Autotune, then the alternated reps of defaults, choice and grid, per model."""
     import time
 
@@ -90,7 +93,7 @@ def worker(rank: int, world_size: int, models: list[str], grid: list[dict], reps
             for k in order:
                 backend.reconfigure(defaults.replace(**variants[k]))
                 step()  # warm-up: new segments, new routes
-                reps_ms[k].append(1e3 * min(step(), step()))
+                reps_ms[k].append(1e3 * median([step() for _ in range(steps)]))
         out[model] = {"tensors": len(grads), "bytes": sum(g.numel() * 4 for g in grads),
                       "tune_steps": tune.calls, "tune_s": tune_s, "chosen": chosen,
                       "summary": tune.summary, "variants": variants, "reps_ms": reps_ms,
@@ -111,17 +114,28 @@ def _launch_on(rate: float | None, n: int, kwargs: dict, notes: list) -> object 
         return launch(target, world_size=n, kwargs=kwargs, cluster=cluster, timeout_s=3000)
 
 
+def best_grid(reps_ms: dict[str, list[float]], reps: list[int]) -> str:
+    """The grid point with the lowest median over `reps` (indices into each variant's reps)."""
+    grid = [k for k in reps_ms if k not in (DEFAULT, AUTOTUNE)]
+    return min(grid, key=lambda k: median([reps_ms[k][i] for i in reps]))
+
+
 def _row(tier: str, n: int, model: str, r: dict) -> dict:
-    ms = r["ms"]
-    grid = {k: v for k, v in ms.items() if k not in (DEFAULT, AUTOTUNE)}
-    best = min(grid, key=grid.get)
-    vs_best = paired_ratio([r["reps_ms"][AUTOTUNE]], [r["reps_ms"][best]])
-    gain = paired_ratio([r["reps_ms"][DEFAULT]], [r["reps_ms"][AUTOTUNE]])
+    ms, reps_ms = r["ms"], r["reps_ms"]
+    nreps = len(reps_ms[DEFAULT])
+    even, odd = list(range(0, nreps, 2)), list(range(1, nreps, 2)) or [0]
+    best = best_grid(reps_ms, even)  # picked on the even reps, compared on the odd ones
+    vs_best = paired_ratio([[reps_ms[AUTOTUNE][i] for i in odd]],
+                           [[reps_ms[best][i] for i in odd]])
+    best_all = best_grid(reps_ms, list(range(nreps)))
+    vs_best_all = paired_ratio([reps_ms[AUTOTUNE]], [reps_ms[best_all]])
+    gain = paired_ratio([reps_ms[DEFAULT]], [reps_ms[AUTOTUNE]])
     s = r["summary"] or {}
     return {"tier": tier, "ranks": n, "model": model, "tune steps": r["tune_steps"],
-            "default ms": ms[DEFAULT], "autotune ms": ms[AUTOTUNE], "best grid ms": grid[best],
+            "default ms": ms[DEFAULT], "autotune ms": ms[AUTOTUNE], "best grid ms": ms[best],
             "autotune / best grid": f"{vs_best[0]:.3f} [{vs_best[1]:.2f}, {vs_best[2]:.2f}]",
             "within 5%": "yes" if vs_best[0] <= 1.05 else "no",
+            "same-rep best": f"{vs_best_all[0]:.3f}",
             "gain over defaults": f"{gain[0] - 1:+.1%} [{gain[1] - 1:+.0%}, {gain[2] - 1:+.0%}]",
             "own estimate": f"{s.get('gain', float('nan')):+.1%}" if s else "-",
             "chosen": _label(r["chosen"]), "best grid": best,
@@ -137,16 +151,17 @@ def main(argv=None) -> int:
     ap.add_argument("--models", default=None, help="e.g. resnet50,alexnet,bert-base")
     ap.add_argument("--tiers", default=None, help="emulated Gbit/s besides loopback: none,10")
     ap.add_argument("--reps", type=int, default=None)
+    ap.add_argument("--steps", type=int, default=3, help="timed steps per variant and rep")
     ap.add_argument("--trials", type=int, default=None, help="autotune trials (default 12)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     if args.quick:
         models, worlds, reps, tiers = ["tiny"], [2], 3, [None]
-        tuner = {"trials": 4, "steps": 2, "warmup": 1, "confirm": 1}
+        tuner = {"trials": 4, "steps": 2, "warmup": 1, "confirm": 1, "finalists": 2}
     else:
-        models, worlds, reps, tiers = ["resnet50", "alexnet", "bert-base"], [2], 3, [None]
-        # 12 trials of 1 + 4 steps, 2 confirmation rounds (4 trials): 80 steps.
-        tuner = {"trials": 12, "steps": 4, "warmup": 1, "confirm": 2}
+        models, worlds, reps, tiers = ["resnet50", "alexnet", "bert-base"], [2], 5, [None]
+        # 12 trials of 1 + 4 steps, then 2 race rounds of 3 candidates: 90 steps (+1).
+        tuner = {"trials": 12, "steps": 4, "warmup": 1, "confirm": 2, "finalists": 2}
     tuner["seed"] = args.seed
     if args.trials:
         tuner["trials"] = args.trials
@@ -157,7 +172,8 @@ def main(argv=None) -> int:
                  for t in args.tiers.split(",")]
     reps = args.reps or reps
     grid = grid_points(args.quick)
-    kwargs = {"models": models, "grid": grid, "reps": reps, "tuner": tuner}
+    kwargs = {"models": models, "grid": grid, "reps": reps, "tuner": tuner,
+              "steps": args.steps}
     rows, raw, notes = [], {}, []
     for rate, n in itertools.product(tiers, worlds):
         res = _launch_on(rate, n, kwargs, notes)
@@ -174,11 +190,13 @@ def main(argv=None) -> int:
           "was shared with other jobs while this ran.\n\n"
           f"Autotune: {tuner}; grid: {len(grid)} points (fusion x solo x cycle, 2 segments). "
           f"After tuning, defaults, autotune's choice and the grid were timed alternately "
-          f"over {reps} reps (each the faster of 2 steps after 1 warm-up step), switching "
-          "one group with reconfigure(). The bracketed ranges are 95% bootstrap intervals of "
-          "the paired per-rep ratios (benchmarks/common.py, paired_ratio); the best grid "
-          "point is picked by its time, so the ratio against it leans high. 'own estimate': "
-          "the gain autotune measured itself (confirmation rounds).\n\n"
+          f"over {reps} reps (each the median of {args.steps} steps after 1 discarded warm-up "
+          "step), switching one group with reconfigure(). The bracketed ranges are 95% "
+          "bootstrap intervals of the paired per-rep ratios (benchmarks/common.py, "
+          "paired_ratio). 'autotune / best grid': the best grid point is picked on the even "
+          "reps and compared on the odd ones; 'same-rep best': picked and compared on all "
+          "reps (leans high: the minimum of many noisy medians). 'own estimate': the gain "
+          "autotune measured itself (its race rounds).\n\n"
           + markdown_table(cols, rows) + "".join(f"\n- {x}" for x in notes))
     print(md)
     write_result(args.out, "autotune", {"rows": rows, "raw": raw, "notes": notes,

@@ -45,18 +45,22 @@ class Tuner:
     """Autotune of one process group's engine settings (see the module doc and AUTOTUNE.md).
 
     `group`: the process group (None: the default one). Unset arguments come from the
-    group's Config (GRADIENTFLOW_AUTOTUNE_*). `params`: the Config fields to tune (default
-    space.DEFAULT_PARAMS). `confirm`: rounds that re-measure the best trial against the
-    defaults, alternately, after the search (the best of many noisy medians is optimistic);
-    the choice and the gain come from those rounds. Call `step()` once per training step on
-    every rank (after optimizer.step()), or use `enable(..., hook=True)`.
+    group's Config (GRADIENTFLOW_AUTOTUNE_*). `params`: the settings to tune (default
+    space.DEFAULT_PARAMS, plus `chunk_size` when `compression` is given and `algorithm` where
+    the topology offers a choice). `compression`: a DDP hook state (CSCState) whose chunk size
+    is tuned through its `set_chunk_size`. `confirm`: race rounds after the search, in which
+    the `finalists` best searched settings and the defaults are measured side by side (the
+    best of many noisy medians is optimistic); the choice and the gain come from those rounds.
+    Call `step()` once per training step on every rank (after optimizer.step()), or use
+    `enable(..., hook=True)`.
     """
 
     def __init__(self, group: Any = None, *, params: Sequence[Any] | None = None,
                  trials: int | None = None, steps: int | None = None,
                  warmup: int | None = None, seed: int | None = None,
                  sampler: str | None = None, log_path: str | None = None,
-                 out: str | None = None, confirm: int = 2, backend: Any = None) -> None:
+                 out: str | None = None, confirm: int = 2, finalists: int = 2,
+                 compression: Any = None, backend: Any = None) -> None:
         if backend is None:
             from gradientflow.backend.registry import backend_of
 
@@ -68,7 +72,8 @@ class Tuner:
         cfg = backend.config
         self.rank = backend.rank()
         self.world_size = backend.size()
-        self.params = space.params_of(params)
+        self.compression = compression
+        self.params = self._space(params, compression, backend)
         self.trials = cfg.autotune_trials if trials is None else int(trials)
         self.steps = cfg.autotune_steps if steps is None else int(steps)
         self.warmup = cfg.autotune_warmup if warmup is None else int(warmup)
@@ -78,12 +83,15 @@ class Tuner:
             "{rank}", str(self.rank))
         self.out = cfg.autotune_out if out is None else out
         self.confirm = int(confirm)
-        if self.trials < 1 or self.steps < 1 or self.warmup < 0 or self.confirm < 0:
-            raise ValueError("autotune: trials and steps must be >= 1, warmup and confirm >= 0")
-        self.defaults = {p.name: getattr(cfg, p.name) for p in self.params}
+        self.finalists = int(finalists)
+        if (self.trials < 1 or self.steps < 1 or self.warmup < 0 or self.confirm < 0
+                or self.finalists < 0):
+            raise ValueError("autotune: trials and steps must be >= 1, warmup, confirm and "
+                             "finalists >= 0")
+        self.defaults = {p.name: getattr(self._holder(p), p.name) for p in self.params}
         self._fp = float(space.fingerprint(self.params, self.trials,
                                            self.steps, self.warmup, self.confirm,
-                                           self.world_size))
+                                           self.finalists, self.world_size))
         self.trial = 0  # the trial being measured
         self.calls = 0  # step() calls so far
         self.history: list[tuple[int, dict]] = []  # (step() call, settings applied after it)
@@ -107,6 +115,42 @@ class Tuner:
             self.done = True
             if self.rank == 0:
                 log.info("autotune: using the settings tuned earlier in %s", cfg.config_file)
+
+    @staticmethod
+    def _space(names: Sequence[Any] | None, compression: Any, backend: Any
+               ) -> tuple[space.Param, ...]:
+        """The Params to tune: the named ones (or the defaults, plus the chunk size with a
+        compression state and the algorithm where there is a choice), choices fitted to this
+        group's topology (read through the store, the same on every rank)."""
+        params = list(space.params_of(names))
+        named = {p.name for p in params}
+        if names is None and compression is not None:
+            params.append(space.PARAMS["chunk_size"])
+        if "chunk_size" in named | {p.name for p in params} and compression is None:
+            raise ValueError("autotune: tuning chunk_size needs the DDP hook state it belongs "
+                             "to: Tuner(..., compression=state)")
+        algos = getattr(backend, "algorithms", None)
+        topo = algos.known_topology() if algos is not None else None
+        choices = space.algorithm_choices(
+            topo.num_hosts if topo is not None else 1,
+            topo.max_local if topo is not None else backend.size(),
+            getattr(algos, "reducers", 0))
+        if names is None and len(choices) > 1:
+            params.append(space.PARAMS["algorithm"])
+        out = []
+        for p in params:
+            if p.name == "algorithm" and p.choices:
+                p = space.with_choices(p, choices)
+                if len(p.choices) < 2:
+                    log.info("autotune: algorithm not tuned: this group's topology offers "
+                             "%s only", p.choices or ("ring",))
+                    continue
+            out.append(p)
+        return tuple(out)
+
+    def _holder(self, p: space.Param) -> Any:
+        """What holds `p`'s value: the group's Config or the compression state's config."""
+        return self.compression.config if p.target == "compression" else self._backend.config
 
     @staticmethod
     def done_loading(cfg: Any) -> bool:
@@ -159,7 +203,7 @@ class Tuner:
         """Rank 0: record the trial, pick the next one; (done flag, its settings encoded)."""
         if self._search is None:
             self._search = Search(self.params, self.defaults, self.trials, self.seed,
-                                  self.sampler, self.confirm)
+                                  self.sampler, self.confirm, self.finalists)
         record = self._search.record(score, rank_medians, samples)
         self._log({"event": "trial", **record})
         nxt = self._search.next()
@@ -204,10 +248,21 @@ class Tuner:
         return rows
 
     def _apply(self, settings: dict) -> None:
-        """Drain the engine and swap its config (same call, same values on every rank)."""
+        """Drain the engine and swap its config, the algorithm and the chunk size (the same
+        call with the same values on every rank)."""
         backend = self._backend
-        if any(getattr(backend.config, k) != v for k, v in settings.items()):
-            backend.reconfigure(backend.config.replace(**settings))
+        engine = {p.name: settings[p.name] for p in self.params if p.target == "engine"}
+        comp = {p.name: settings[p.name] for p in self.params if p.target == "compression"}
+        if any(getattr(backend.config, k) != v for k, v in engine.items()):
+            backend.reconfigure(backend.config.replace(**engine))  # drains first
+            if "algorithm" in engine:
+                # The group's channels read the algorithm's name per message (Channel.pick);
+                # with the engine drained, every rank switches between the same two messages.
+                backend.algorithms.name = engine["algorithm"]
+        if "chunk_size" in comp and comp["chunk_size"] != self.compression.config.chunk_size:
+            # The hook's buckets run on the engine: drained, no step of the state is open.
+            backend.engine.drain()
+            self.compression.set_chunk_size(comp["chunk_size"])
         self.history.append((self.calls, dict(settings)))
 
     def _finish(self) -> None:
@@ -219,8 +274,16 @@ class Tuner:
         summary = self.summary
         self._log({"event": "final", **summary})
         if self.out:
-            write_config_file(self.out, summary["settings"],
-                              {"autotune": {k: v for k, v in summary.items() if k != "settings"}})
+            # The engine's settings go where GRADIENTFLOW_CONFIG loads them; the compression
+            # state's (chunk size) are not Config fields: they sit beside them, for
+            # tuned_compression() to read back into the CompressionConfig of a later run.
+            engine = {p.name for p in self.params if p.target == "engine"}
+            extra = {"autotune": {k: v for k, v in summary.items() if k != "settings"}}
+            comp = {k: v for k, v in summary["settings"].items() if k not in engine}
+            if comp:
+                extra["compression"] = comp
+            write_config_file(self.out, {k: v for k, v in summary["settings"].items()
+                                         if k in engine}, extra)
         log.info("%s", summary_text(summary))
 
     def _log(self, record: dict) -> None:
@@ -241,6 +304,12 @@ class Tuner:
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
+
+
+def tuned_compression(path: str) -> dict:
+    """The compression settings (e.g. {"chunk_size": 2048}) autotune wrote to the settings
+    file `path` ({} if it tuned none); pass them to CompressionConfig(...) in a later run."""
+    return dict(read_config_file(path).get("compression") or {})
 
 
 def summary_text(summary: dict) -> str:

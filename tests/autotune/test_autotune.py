@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import statistics
 
 import pytest
 
@@ -227,21 +228,32 @@ def test_env_autotune_logs_every_trial_and_a_later_run_loads_the_choice(pools, t
            "GRADIENTFLOW_AUTOTUNE_STEPS": "2", "GRADIENTFLOW_AUTOTUNE_WARMUP": "1"}
     out = pools(2).run(tune_and_log, log_path, out_path, env=env, timeout=180)
     assert out[0] == out[1]
-    # 4 searched trials + 2 confirmation rounds of 2, 3 steps each (+1: the first starts the
-    # clock), unless the defaults won the search (no confirmation then).
-    assert out[0]["steps"] in (4 * 3 + 1, 8 * 3 + 1)
+    # 4 searched trials, then 2 race rounds of the defaults and the 2 best searched settings:
+    # 10 trials of 3 steps (+1: the first step starts the clock).
+    assert out[0]["steps"] == (4 + 2 * 3) * 3 + 1
     lines = [json.loads(x) for x in open(log_path)]
     trials, final = lines[:-1], lines[-1]
     assert [t["event"] for t in trials] == ["trial"] * len(trials)
     assert [t["trial"] for t in trials] == list(range(len(trials)))
     assert trials[0]["kind"] == "default" and {t["kind"] for t in trials[1:4]} == {"search"}
+    race = trials[4:]
+    assert [t["kind"] for t in race] == ["race"] * 6
+    # each round measures every finalist once, the defaults (candidate 0) among them
+    assert sorted((t["round"], t["candidate"]) for t in race) == [
+        (r, c) for r in range(2) for c in range(3)]
+    assert all(t["settings"] == final["finalists"][t["candidate"]] for t in race)
     for t in trials:
         assert len(t["samples_s"]) == 2 and len(t["rank_medians_s"]) == 2
         assert t["score_s"] == max(t["rank_medians_s"]) > 0
     assert final["event"] == "final"
     assert set(final["settings"]) == {"fusion_threshold", "solo_threshold", "cycle_time_ms",
                                       "fusion_segments"}
-    assert final["gain"] == pytest.approx(final["default_score_s"] / final["score_s"] - 1)
+    assert final["gain"] == pytest.approx(1 / final["ratio_to_defaults"] - 1)
+    chosen_at = final["finalists"].index(final["settings"])
+    ratios = {int(c): v for c, v in final["race_ratios"].items()}
+    assert ratios[0] == [1.0, 1.0]  # the defaults against themselves
+    medians = {c: statistics.median(v) for c, v in ratios.items()}
+    assert medians[chosen_at] == min(medians.values())
     assert set(final["importance"]) == set(final["settings"])
     chosen = [final["settings"][k] for k in ("fusion_threshold", "solo_threshold",
                                              "cycle_time_ms", "fusion_segments")]
