@@ -9,10 +9,11 @@ order, then waits for all of them: one "step". On one gradientflow group per mod
      GradientFlowBackend.reconfigure (the same drain-and-swap autotune uses), so all variants
      meet the same machine load. A variant's time in a rep is the median of --steps steps
      after one discarded warm-up step (new segments, new routes).
+  3. the grid's best point then meets autotune's choice and the defaults head to head, in
+     --h2h more alternated reps: picked and compared on the same reps, the minimum of a dozen
+     noisy medians is biased low by the noise alone (that figure is given too).
 The table gives autotune's choice against the best grid point (target: within 5%), and its
-gain over the defaults, both as medians of per-rep ratios. The best grid point is picked on
-the even reps and compared on the odd ones: picked and compared on the same reps, the minimum
-of a dozen noisy medians is biased low by the noise alone (that figure is given too). On
+gain over the defaults, both as medians of per-rep ratios of the head-to-head reps. On
 loopback; --tiers adds the emulated network of benchmarks/netem.py.
 
     python benchmarks/bench_autotune.py [--quick] [--out DIR] [--worlds 2,4] [--tiers none,10]
@@ -51,8 +52,9 @@ def _label(p: dict) -> str:
 
 
 def worker(rank: int, world_size: int, models: list[str], grid: list[dict], reps: int,
-           tuner: dict, steps: int = 3) -> dict:
-    """Autotune, then the alternated reps of defaults, choice and grid, per model."""
+           tuner: dict, steps: int = 3, h2h: int = 8) -> dict:
+    """Per model: autotune; the grid search (alternated reps of defaults, choice and grid);
+    then `h2h` head-to-head reps of autotune's choice, the grid's winner and the defaults."""
     import time
 
     import torch
@@ -86,18 +88,29 @@ def worker(rank: int, world_size: int, models: list[str], grid: list[dict], reps
         chosen = {k: getattr(backend.config, k) for k in names}
         variants = {DEFAULT: {k: getattr(defaults, k) for k in names}, AUTOTUNE: chosen,
                     **{_label(p): p for p in grid}}
-        reps_ms: dict[str, list[float]] = {k: [] for k in variants}
-        keys = list(variants)
-        for rep in range(reps):
-            order = keys[rep % len(keys):] + keys[:rep % len(keys)]
-            for k in order:
-                backend.reconfigure(defaults.replace(**variants[k]))
-                step()  # warm-up: new segments, new routes
-                reps_ms[k].append(1e3 * median([step() for _ in range(steps)]))
+
+        def alternate(keys: list[str], n: int) -> dict[str, list[float]]:
+            """`n` reps of every variant in `keys`, order rotated per rep: ms per rep."""
+            got: dict[str, list[float]] = {k: [] for k in keys}
+            for rep in range(n):
+                for k in keys[rep % len(keys):] + keys[:rep % len(keys)]:
+                    backend.reconfigure(defaults.replace(**variants[k]))
+                    step()  # warm-up: new segments, new routes
+                    got[k].append(1e3 * median([step() for _ in range(steps)]))
+            return got
+
+        reps_ms = alternate(list(variants), reps)
+        # The grid's winner (rank 0's times, so every rank switches to the same one), then a
+        # head-to-head on new reps: picked and compared on the same reps, the minimum of a
+        # dozen noisy medians would be biased low by the noise alone.
+        pick = [best_grid(reps_ms, list(range(reps)))]
+        dist.broadcast_object_list(pick, src=0, group=group)
+        h2h_ms = alternate([AUTOTUNE, pick[0], DEFAULT], h2h) if h2h else {}
         out[model] = {"tensors": len(grads), "bytes": sum(g.numel() * 4 for g in grads),
                       "tune_steps": tune.calls, "tune_s": tune_s, "chosen": chosen,
                       "summary": tune.summary, "variants": variants, "reps_ms": reps_ms,
-                      "ms": {k: median(v) for k, v in reps_ms.items()}}
+                      "ms": {k: median(v) for k, v in reps_ms.items()},
+                      "best_grid": pick[0], "h2h_ms": h2h_ms}
         dist.destroy_process_group(group)
     return out
 
@@ -121,18 +134,15 @@ def best_grid(reps_ms: dict[str, list[float]], reps: list[int]) -> str:
 
 
 def _row(tier: str, n: int, model: str, r: dict) -> dict:
-    ms, reps_ms = r["ms"], r["reps_ms"]
-    nreps = len(reps_ms[DEFAULT])
-    even, odd = list(range(0, nreps, 2)), list(range(1, nreps, 2)) or [0]
-    best = best_grid(reps_ms, even)  # picked on the even reps, compared on the odd ones
-    vs_best = paired_ratio([[reps_ms[AUTOTUNE][i] for i in odd]],
-                           [[reps_ms[best][i] for i in odd]])
-    best_all = best_grid(reps_ms, list(range(nreps)))
-    vs_best_all = paired_ratio([reps_ms[AUTOTUNE]], [reps_ms[best_all]])
-    gain = paired_ratio([reps_ms[DEFAULT]], [reps_ms[AUTOTUNE]])
+    ms, reps_ms, best = r["ms"], r["reps_ms"], r["best_grid"]
+    h2h = r["h2h_ms"] or reps_ms  # the head-to-head reps (the grid's without them)
+    vs_best = paired_ratio([h2h[AUTOTUNE]], [h2h[best]])
+    vs_best_all = paired_ratio([reps_ms[AUTOTUNE]], [reps_ms[best]])
+    gain = paired_ratio([h2h[DEFAULT]], [h2h[AUTOTUNE]])
     s = r["summary"] or {}
     return {"tier": tier, "ranks": n, "model": model, "tune steps": r["tune_steps"],
-            "default ms": ms[DEFAULT], "autotune ms": ms[AUTOTUNE], "best grid ms": ms[best],
+            "default ms": median(h2h[DEFAULT]), "autotune ms": median(h2h[AUTOTUNE]),
+            "best grid ms": median(h2h[best]), "grid-phase best ms": ms[best],
             "autotune / best grid": f"{vs_best[0]:.3f} [{vs_best[1]:.2f}, {vs_best[2]:.2f}]",
             "within 5%": "yes" if vs_best[0] <= 1.05 else "no",
             "same-rep best": f"{vs_best_all[0]:.3f}",
@@ -152,6 +162,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tiers", default=None, help="emulated Gbit/s besides loopback: none,10")
     ap.add_argument("--reps", type=int, default=None)
     ap.add_argument("--steps", type=int, default=3, help="timed steps per variant and rep")
+    ap.add_argument("--h2h", type=int, default=None,
+                    help="head-to-head reps of autotune, the grid's best and the defaults")
     ap.add_argument("--trials", type=int, default=None, help="autotune trials (default 12)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
@@ -172,8 +184,9 @@ def main(argv=None) -> int:
                  for t in args.tiers.split(",")]
     reps = args.reps or reps
     grid = grid_points(args.quick)
+    h2h = args.h2h if args.h2h is not None else (3 if args.quick else 8)
     kwargs = {"models": models, "grid": grid, "reps": reps, "tuner": tuner,
-              "steps": args.steps}
+              "steps": args.steps, "h2h": h2h}
     rows, raw, notes = [], {}, []
     for rate, n in itertools.product(tiers, worlds):
         res = _launch_on(rate, n, kwargs, notes)
@@ -191,12 +204,14 @@ def main(argv=None) -> int:
           f"Autotune: {tuner}; grid: {len(grid)} points (fusion x solo x cycle, 2 segments). "
           f"After tuning, defaults, autotune's choice and the grid were timed alternately "
           f"over {reps} reps (each the median of {args.steps} steps after 1 discarded warm-up "
-          "step), switching one group with reconfigure(). The bracketed ranges are 95% "
+          "step), switching one group with reconfigure(). The grid's best point (lowest "
+          f"median there) then met autotune's choice and the defaults head to head in {h2h} "
+          "more alternated reps: 'default ms', 'autotune ms', 'best grid ms', 'autotune / best "
+          "grid' and 'gain over defaults' come from those reps; the bracketed ranges are 95% "
           "bootstrap intervals of the paired per-rep ratios (benchmarks/common.py, "
-          "paired_ratio). 'autotune / best grid': the best grid point is picked on the even "
-          "reps and compared on the odd ones; 'same-rep best': picked and compared on all "
-          "reps (leans high: the minimum of many noisy medians). 'own estimate': the gain "
-          "autotune measured itself (its race rounds).\n\n"
+          "paired_ratio). 'same-rep best': the ratio in the grid phase's own reps, where the "
+          "best point was picked (leans high: the minimum of many noisy medians). 'own "
+          "estimate': the gain autotune measured itself (its race rounds).\n\n"
           + markdown_table(cols, rows) + "".join(f"\n- {x}" for x in notes))
     print(md)
     write_result(args.out, "autotune", {"rows": rows, "raw": raw, "notes": notes,
