@@ -7,7 +7,9 @@ choice is the candidate whose time relative to the defaults *in the same round* 
 median over the rounds. Why: the best of many noisy medians flatters whichever trial was lucky,
 and on a shared machine the load drifts between trials by more than the settings differ; a
 ratio to a neighbour measured seconds apart cancels the drift, and a median over rounds
-discards a round a burst of load spoiled.
+discards a round a burst of load spoiled. A candidate replaces the defaults only when that
+median is below 1 - MARGIN: changing settings on a few rounds' evidence of a smaller gain is
+as likely to lose as to win on a machine this noisy.
 """
 from __future__ import annotations
 
@@ -15,6 +17,8 @@ import statistics
 from typing import Any, Sequence
 
 from gradientflow.autotune.space import Param
+
+MARGIN = 0.03  # the race's evidence a candidate must beat the defaults by
 
 
 class Search:
@@ -53,8 +57,8 @@ class Search:
         self._asked: Any = None  # the optuna trial being measured
         self._candidates: list[dict] | None = None  # the race's, defaults first
 
-    def record(self, score: float, rank_medians: list[float], samples: list[float]) -> dict:
-        """The trial just measured scored `score` (s/step, the slowest rank's median)."""
+    def record(self, score: float, rank_scores: list[float], samples: list[float]) -> dict:
+        """The trial just measured scored `score` (s/step, the slowest rank's block score)."""
         kind, settings, cand = self._current
         if kind == "default":
             try:  # the defaults are a trial of the study when they lie in its ranges
@@ -65,7 +69,7 @@ class Search:
         elif kind == "search":
             self.study.tell(self._asked, score)
         rec = {"trial": len(self.records), "kind": kind, "settings": settings, "score_s": score,
-               "rank_medians_s": rank_medians, "samples_s": samples}
+               "rank_scores_s": rank_scores, "samples_s": samples}
         if kind == "race":
             rec["candidate"] = cand
             rec["round"] = sum(r["kind"] == "race" and r["candidate"] == cand
@@ -123,6 +127,8 @@ class Search:
         if ratios and ratios[0]:
             med = {c: statistics.median(v) for c, v in ratios.items()}
             best = min(med, key=lambda c: (med[c], c))  # ties: the defaults (candidate 0)
+            if med[best] > 1.0 - MARGIN:
+                best = 0
             chosen = self._candidates[best]
             times = {c: statistics.median(r["score_s"] for r in self.records
                                           if r["kind"] == "race" and r["candidate"] == c)

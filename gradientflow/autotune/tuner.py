@@ -5,10 +5,11 @@ collectives): `step()` marks the end of a training step. Between trial boundarie
 the clock. Every `warmup + steps` steps (the same count on every rank, so the same step) the
 ranks exchange two rows by all_gather on the group itself:
 
-1. REPORT: each rank's median step time of the trial (warm-up steps discarded), with checks
+1. REPORT: each rank's score of the trial (block_score of its step times, warm-up steps
+   discarded), with checks
    (marker, phase, trial number, a fingerprint of the tuner's settings). A row that differs
    raises AutotuneMismatch on every rank, naming the ranks, since every rank sees every row.
-2. DECIDE: rank 0 scores the trial (the slowest rank's median), tells the study, and puts the
+2. DECIDE: rank 0 scores the trial (the slowest rank's score), tells the study, and puts the
    next trial's settings in its row; every rank reads rank 0's row.
 
 An all_gather is an ordered collective like any other: it takes the same sequence number on
@@ -21,7 +22,6 @@ from __future__ import annotations
 
 import json
 import logging
-import statistics
 import time
 from typing import Any, Sequence
 
@@ -38,7 +38,7 @@ log = logging.getLogger("gradientflow.autotune")
 MAGIC = 271828.0  # first word of every row: a row from anything else is a mismatch
 REPORT, DECIDE = 1.0, 2.0
 FAILED = -1.0  # rank 0's done flag when its search raised
-_HEAD = 5  # MAGIC, phase, trial, fingerprint, value (a median, or rank 0's done flag)
+_HEAD = 5  # MAGIC, phase, trial, fingerprint, value (a score, or rank 0's done flag)
 
 
 class Tuner:
@@ -88,10 +88,7 @@ class Tuner:
                 or self.finalists < 0):
             raise ValueError("autotune: trials and steps must be >= 1, warmup, confirm and "
                              "finalists >= 0")
-        self.defaults = {p.name: getattr(self._holder(p), p.name) for p in self.params}
-        self._fp = float(space.fingerprint(self.params, self.trials,
-                                           self.steps, self.warmup, self.confirm,
-                                           self.finalists, self.world_size))
+        self._fix_space()
         self.trial = 0  # the trial being measured
         self.calls = 0  # step() calls so far
         self.history: list[tuple[int, dict]] = []  # (step() call, settings applied after it)
@@ -115,6 +112,34 @@ class Tuner:
             self.done = True
             if self.rank == 0:
                 log.info("autotune: using the settings tuned earlier in %s", cfg.config_file)
+
+    def _fix_space(self) -> None:
+        """The defaults of the tuned settings and the fingerprint the ranks compare."""
+        self.defaults = {p.name: getattr(self._holder(p), p.name) for p in self.params}
+        self._fp = float(space.fingerprint(self.params, self.trials,
+                                           self.steps, self.warmup, self.confirm,
+                                           self.finalists, self.world_size))
+
+    def tune_compression(self, state: Any) -> None:
+        """Tune `state`'s CSC chunk size too (a DDP hook state, CSCState), from the first trial.
+
+        For a tuner made before the hook (GRADIENTFLOW_AUTOTUNE=1 makes it with the group):
+        call it on every rank before the first training step. A tuner that loaded its settings
+        from a file (GRADIENTFLOW_CONFIG) applies the chunk size that file holds instead.
+        """
+        if self.done:
+            if self.loaded_from:
+                chunk = tuned_compression(self.loaded_from).get("chunk_size")
+                if chunk is not None:
+                    state.set_chunk_size(int(chunk))
+            return
+        if self.calls > 0:
+            raise RuntimeError(f"gradientflow autotune: rank {self.rank}: tune_compression() "
+                               "after tuning started; call it before the first training step")
+        self.compression = state
+        if "chunk_size" not in {p.name for p in self.params}:
+            self.params = (*self.params, space.PARAMS["chunk_size"])
+        self._fix_space()
 
     @staticmethod
     def _space(names: Sequence[Any] | None, compression: Any, backend: Any
@@ -171,15 +196,14 @@ class Tuner:
         if len(self._samples) < self.warmup + self.steps:
             return
         measured = self._samples[self.warmup:]
-        median = statistics.median(measured)
-        rows = self._exchange(REPORT, median, [])
-        rank_medians = [float(r) for r in rows[:, 4]]
+        rows = self._exchange(REPORT, block_score(measured), [])
+        rank_scores = [float(r) for r in rows[:, 4]]
         decision: list[float] = []
         done = 0.0
         failure: BaseException | None = None
         if self.rank == 0:
             try:
-                done, decision = self._decide(max(rank_medians), rank_medians, measured)
+                done, decision = self._decide(max(rank_scores), rank_scores, measured)
             except Exception as exc:  # noqa: BLE001 - every rank must hear of it, not hang
                 failure, done, decision = exc, FAILED, space.encode(self.params, self.defaults)
         rows = self._exchange(DECIDE, done, decision)
@@ -198,13 +222,13 @@ class Tuner:
             self._finish()
         self._t_last = time.perf_counter()  # the exchange and the drain are not a step
 
-    def _decide(self, score: float, rank_medians: list[float],
+    def _decide(self, score: float, rank_scores: list[float],
                 samples: list[float]) -> tuple[float, list[float]]:
         """Rank 0: record the trial, pick the next one; (done flag, its settings encoded)."""
         if self._search is None:
             self._search = Search(self.params, self.defaults, self.trials, self.seed,
                                   self.sampler, self.confirm, self.finalists)
-        record = self._search.record(score, rank_medians, samples)
+        record = self._search.record(score, rank_scores, samples)
         self._log({"event": "trial", **record})
         nxt = self._search.next()
         done = 0.0
@@ -304,6 +328,19 @@ class Tuner:
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
+
+
+def block_score(samples: Sequence[float]) -> float:
+    """A trial's score on one rank: the mean of the faster half of its step times.
+
+    On a shared machine the noise is one-sided: another job's burst only ever adds time to a
+    step, and one step in four or five often meets one. The median of four steps still moves
+    with two such steps; the faster half's mean drops them and, unlike the minimum, does not
+    rest on one lucky step.
+    """
+    xs = sorted(samples)
+    half = xs[:max(1, (len(xs) + 1) // 2)]
+    return sum(half) / len(half)
 
 
 def tuned_compression(path: str) -> dict:

@@ -3,6 +3,7 @@ gradient mass is lost, and the ranks of a DDP model stay identical while it is t
 from __future__ import annotations
 
 import importlib.util
+import json
 
 import pytest
 import torch
@@ -175,3 +176,52 @@ def test_ddp_ranks_stay_identical_while_the_chunk_size_is_tuned(pools):
     out = pools(2).run(ddp_tuned_chunk_size, timeout=240)
     assert out[0] == out[1]
     assert len(set(out[0]["sizes"])) > 2  # it really changed, several times
+
+
+def train_with_env_autotune(rank, world):
+    """Rank body as experiments/imagenet/train.py runs it: GRADIENTFLOW_AUTOTUNE=1 made the
+    tuner with the group; the hook state is handed to it before the first step."""
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from gradientflow import autotune, hooks
+    from gradientflow.compression import CompressionConfig
+
+    torch.manual_seed(0)
+    model = DDP(torch.nn.Sequential(torch.nn.Linear(20, 300), torch.nn.Linear(300, 3)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    state = hooks.register(model, CompressionConfig(density=0.1), optimizer=opt)
+    tuner = autotune.tuner_of()
+    tuner.tune_compression(state)
+    steps = 0
+    while not tuner.done and steps < 200:
+        model(torch.randn(8, 20)).sum().backward()
+        opt.step()  # the tuner's hook marks the step
+        opt.zero_grad()
+        steps += 1
+    return {"done": tuner.done, "loaded": tuner.loaded_from, "chunk": state.config.chunk_size,
+            "tuned": [p.name for p in tuner.params]}
+
+
+@pytest.mark.skipif(importlib.util.find_spec("optuna") is None, reason="optuna is not installed")
+def test_env_autotune_tunes_the_chunk_size_and_a_later_run_reloads_it(pools, tmp_path):
+    from gradientflow.autotune import tuned_compression
+    from gradientflow.config import read_config_file
+
+    out_path = str(tmp_path / "tuned.json")
+    env = {"GRADIENTFLOW_AUTOTUNE": "1", "GRADIENTFLOW_AUTOTUNE_OUT": out_path,
+           "GRADIENTFLOW_AUTOTUNE_TRIALS": "4", "GRADIENTFLOW_AUTOTUNE_STEPS": "1",
+           "GRADIENTFLOW_AUTOTUNE_WARMUP": "0"}
+    first = pools(2).run(train_with_env_autotune, env=env, timeout=240)
+    assert first[0] == first[1] and first[0]["done"] and "chunk_size" in first[0]["tuned"]
+    saved = tuned_compression(out_path)
+    assert saved == {"chunk_size": first[0]["chunk"]}
+    assert "chunk_size" not in read_config_file(out_path)["settings"]  # not a Config field
+    if saved["chunk_size"] == 1024:  # the defaults won: reload a size that is not one
+        doc = json.load(open(out_path))
+        doc["compression"]["chunk_size"] = saved["chunk_size"] = 4096
+        json.dump(doc, open(out_path, "w"))
+    env2 = {"GRADIENTFLOW_AUTOTUNE": "1", "GRADIENTFLOW_CONFIG": out_path}
+    again = pools(2).run(train_with_env_autotune, env=env2, timeout=120)
+    for r in again:
+        assert r["loaded"] == out_path and r["chunk"] == saved["chunk_size"]
