@@ -22,6 +22,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from unittest import mock
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
@@ -57,16 +58,8 @@ def run(name: str, epochs: int, seed: int, out: Path, timeout: float) -> None:
         Path(env["GRADIENTFLOW_AUTOTUNE_LOG"]).unlink(missing_ok=True)
     args = [str(prepare()), *DIGITS_RECIPE, *CSC, "--epochs", str(epochs), "--seed", str(seed),
             "--dist-backend", "gradientflow"]
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)  # launch() hands its own environment to torchrun
-    try:
+    with mock.patch.dict(os.environ, env):  # launch() hands its environment to torchrun
         launch(args, log, out / "logs" / f"{name}.out", 2, timeout)
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def report(out: Path) -> dict:
