@@ -398,3 +398,18 @@ def test_race_picks_the_lowest_median_ratio_beyond_the_margin(ratios, chosen):
     assert len(plan) == 4
     summary = search.summary()
     assert summary["settings"] == summary["finalists"][chosen]
+
+
+def test_algorithm_is_a_choice_only_where_the_topology_offers_one():
+    from gradientflow.autotune import space
+
+    assert space.algorithm_choices(1, 4, 0) == ("ring",)  # one host: nothing to choose
+    assert space.algorithm_choices(4, 1, 0) == ("ring",)  # one rank per host: no hierarchy
+    assert space.algorithm_choices(2, 4, 0) == ("ring", "auto", "hierarchical")
+    assert space.algorithm_choices(1, 4, 2) == ("ring", "auto", "reduction_server")
+    p = space.with_choices(space.PARAMS["algorithm"], space.algorithm_choices(2, 4, 2))
+    assert p.choices == ("ring", "auto", "hierarchical", "reduction_server")
+    ps = (p, space.PARAMS["chunk_size"])
+    vals = {"algorithm": "hierarchical", "chunk_size": 2048}
+    assert space.decode(ps, space.encode(ps, vals)) == vals
+    assert space.decode(ps, [9.0, 1e9]) == {"algorithm": "reduction_server", "chunk_size": 4096}
