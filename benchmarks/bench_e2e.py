@@ -59,6 +59,9 @@ LABELS = {
     "powersgd": "DDP + powerSGD_hook r2", "gf_dense": "gradientflow dense",
     "gf_fp16": "gradientflow FP16", "gf_csc10": "gradientflow CSC 10%",
     "gf_csc1": "gradientflow CSC 1%", "gf_csc0.1": "gradientflow CSC 0.1%",
+    "gf_csc1_bucket": "gradientflow CSC 1%, quota per bucket",
+    "gf_csc1_unfused": "gradientflow CSC 1%, unfused (each bucket alone)",
+    "gf_csc1_t32": "gradientflow CSC 1%, fusion threshold 32 MB",
     "gf_opt": "gradientflow DistributedOptimizer, priority",
     "gf_opt_csc1": "gradientflow DistributedOptimizer, priority, CSC 1%",
 }
@@ -103,9 +106,9 @@ def _nic_tx_bytes(ifname: str) -> int:
     return 0
 
 
-def _gf_config(method: str, density: float):
+def _gf_config(method: str, density: float, **extra):
     from gradientflow.compression import CompressionConfig
-    kw = {"method": method}
+    kw = {"method": method, **extra}
     names = {f.name for f in dataclasses.fields(CompressionConfig)}
     if method == "csc":
         kw["density"] = density
@@ -114,9 +117,25 @@ def _gf_config(method: str, density: float):
     return CompressionConfig(**kw)
 
 
-def _make_variant(variant: str, model_name: str, gf_group, bucket_view: bool = False):
+def _threshold_of(variant: str) -> int | None:
+    """The fusion threshold a variant's own group takes (bytes), None: the shared group.
+
+    `..._unfused`: 0, every bucket its own op with its own collectives; `..._t<MB>`: MB MiB.
+    """
+    tag = variant.rsplit("_", 1)[-1]
+    if tag == "unfused":
+        return 0
+    if tag.startswith("t") and tag[1:].isdigit():
+        return int(tag[1:]) * 2**20
+    return None
+
+
+def _make_variant(variant: str, model_name: str, gf_group, bucket_view: bool = False,
+                  groups: dict | None = None):
     """Return the module to train for one variant; raises with a reason to skip it.
 
+    `..._bucket`: CSC choosing a quota per bucket; a variant with a threshold of its own
+    (`_threshold_of`) runs on its group in `groups` (by threshold).
     bucket_view: DDP's gradient_as_bucket_view for every DDP variant (peers and ours alike):
     gradients live in the buckets, which saves DDP's two copies of the gradient per step
     (into the bucket during backward, and the hook's result back into .grad).
@@ -150,14 +169,17 @@ def _make_variant(variant: str, model_name: str, gf_group, bucket_view: bool = F
     if variant.startswith("gf_opt"):
         return model  # averaged by its optimizer (_make_optimizer), not by DDP
     if variant.startswith("gf_"):
-        ddp = DDP(model, process_group=gf_group)
+        thr = _threshold_of(variant)
+        ddp = DDP(model, process_group=gf_group if thr is None else groups[thr])
         if variant == "gf_dense":
             return ddp
         import gradientflow.hooks as gfh
         if variant == "gf_fp16":
             cfg = _gf_config("fp16", 1.0)
         else:
-            cfg = _gf_config("csc", float(variant[len("gf_csc"):]) / 100)
+            density, *tags = variant[len("gf_csc"):].split("_")
+            extra = {"selection": "bucket"} if "bucket" in tags else {}
+            cfg = _gf_config("csc", float(density) / 100, **extra)
         gfh.register(ddp, cfg)
         return ddp
     raise ValueError(f"bench_e2e: unknown variant {variant!r}; use one of {list(LABELS)}")
@@ -185,11 +207,15 @@ def worker(rank: int, world_size: int, model: str, batch: int, image: int, varia
     import torch
     import torch.distributed as dist
 
-    gf_group, skipped = None, {}
+    gf_group, groups, skipped = None, {}, {}
     if any(v.startswith("gf_") for v in variants):
         try:
             import gradientflow  # noqa: F401  (registers the backend)
             gf_group = dist.new_group(backend="gradientflow")
+            for thr in dict.fromkeys(_threshold_of(v) for v in variants):
+                if thr is not None:  # in variant order: the same on every rank
+                    groups[thr] = dist.new_group(backend="gradientflow",
+                                                 pg_options={"fusion_threshold": thr})
         except Exception as exc:  # noqa: BLE001 - any failure means: skip, say why
             skipped.update({v: f"gradientflow backend: {type(exc).__name__}: {exc}"
                             for v in variants if v.startswith("gf_")})
@@ -198,7 +224,7 @@ def worker(rank: int, world_size: int, model: str, batch: int, image: int, varia
         if v in skipped:
             continue
         try:
-            runners[v] = _make_variant(v, model, gf_group, bucket_view)
+            runners[v] = _make_variant(v, model, gf_group, bucket_view, groups)
         except Exception as exc:  # noqa: BLE001
             skipped[v] = f"{type(exc).__name__}: {exc}"
     torch.manual_seed(1 + rank)  # each rank its own data shard
@@ -240,21 +266,41 @@ def worker(rank: int, world_size: int, model: str, batch: int, image: int, varia
     floor_ms = _error_feedback_floor_ms(sum(p.numel() for p in next(iter(runners.values()))
                                             .parameters())) if runners else None
     per_round = max(1, steps // rounds)
+    engine = {v: dict.fromkeys(ENGINE_STATS, 0.0) for v in runners if v.startswith("gf_")}
     for _ in range(rounds):
         for v in runners:
             dist.barrier()
             b0 = _nic_tx_bytes(ifname)
+            s0 = _engine_stats() if v in engine else None
             for _ in range(per_round):
                 t0, c0 = time.perf_counter(), time.process_time()
                 step(v)
                 times[v].append(time.perf_counter() - t0)
                 cpu[v].append(time.process_time() - c0)
             tx[v] += _nic_tx_bytes(ifname) - b0
+            if s0 is not None:
+                s1 = _engine_stats()
+                for k in ENGINE_STATS:
+                    engine[v][k] += (s1[k] - s0[k]) / per_round / rounds
     n_params = {v: sum(p.numel() for p in m.parameters()) for v, m in runners.items()}
     return {"times": times, "cpu": cpu, "tx_bytes": tx,
             "steps": {v: len(t) for v, t in times.items()},
             "skipped": skipped, "params": n_params, "probe_busbw_gbps": busbw,
-            "ef_floor_ms": floor_ms}
+            "ef_floor_ms": floor_ms, "engine": engine}
+
+
+# gradientflow.stats() counters reported per step for the gradientflow variants: collectives
+# handed to the transport, engine-thread time compressing/decompressing, time collectives were
+# in flight, agreement rounds and their time.
+ENGINE_STATS = ("fused_operations", "codec_time_s", "comm_time_s", "agreement_rounds",
+                "agreement_time_s")
+
+
+def _engine_stats() -> dict:
+    import gradientflow
+
+    s = gradientflow.stats()
+    return {k: float(s.get(k) or 0.0) for k in ENGINE_STATS}
 
 
 def _error_feedback_floor_ms(numel: int, reps: int = 5) -> float:

@@ -177,8 +177,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--fusion-threshold",
         default=None,
-        help="lazy-allreduce fusion threshold, e.g. 64MB "
-        "(passed to the gradientflow backend as pg_options)",
+        help="lazy-allreduce fusion threshold, e.g. 64MB (passed to the gradientflow backend as "
+        "pg_options). It applies to compressed traffic too: FP16/CSC buckets queued together "
+        "are fused into one op (CSC: two collectives for the batch) up to this many dense "
+        "bytes; 0 sends every bucket alone",
     )
     p.add_argument(
         "--bucket-cap-mb",

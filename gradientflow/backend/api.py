@@ -6,30 +6,45 @@ from typing import Hashable
 import torch
 
 from gradientflow.backend.registry import backend_of
-from gradientflow.engine.stages import StageGen, drive
+from gradientflow.engine.stages import Fuser, StageGen, drive, fuse
 
 
 def submit_stages(group, key: Hashable, gen: StageGen, device: torch.device | None = None,
                   name: str = "stages", dense_bytes: int = 0) -> torch.futures.Future:
     """Run a multi-stage op (e.g. a compressed bucket) over `group`; returns a Future of its result.
 
-    On a gradientflow group, every stage runs back to back on the engine thread in issue
-    order, so two collectives of one bucket never interleave with another bucket's differently
-    on different ranks. On any other backend (or without torch.distributed initialised, where
-    each stage is the identity of a one-rank group) the stages run here, synchronously.
+    A plain StageGen: fused (engine.stages.fuse) only with stage ops queued beside it.
+    """
+    return submit_part(group, key, gen, fuse, device, name, dense_bytes, close=True)
+
+
+def submit_part(group, key: Hashable, part, fuser: Fuser, device: torch.device | None = None,
+                name: str = "stages", dense_bytes: int = 0,
+                close: bool = True) -> torch.futures.Future:
+    """Run one op of a fusable multi-stage batch over `group`; returns a Future of its result.
+
+    `fuser([part, ...])` is the StageGen of a batch of such ops, returning their results in
+    order (engine.stages). On a gradientflow group the engine fuses the ops queued together
+    (of one fuser; `dense_bytes` counts towards the fusion threshold; `close`: the last op of
+    its batch, e.g. a step's last bucket) and runs every stage on its thread in issue order,
+    so no collective of one batch interleaves with another's differently on different ranks.
+    On any other backend (or without torch.distributed initialised, where each stage is the
+    identity of a one-rank group) the op runs here alone, synchronously.
     """
     backend = backend_of(group)
     if backend is not None:
-        return backend.engine.stages(name, gen, device or torch.device("cpu"), key, dense_bytes)
+        return backend.engine.stages(name, part, device or torch.device("cpu"), key,
+                                     dense_bytes, fuser, close)
     import torch.distributed as dist
 
     fut = torch.futures.Future()
     try:
+        gen = fuser([part])
         if dist.is_available() and dist.is_initialized():
             result = drive(gen, lambda t: dist.all_reduce(t, group=group))
         else:
             result = drive(gen, lambda t: None)
-        fut.set_result(result)
+        fut.set_result(result[0])
     except Exception as exc:  # noqa: BLE001 - delivered through the future
         fut.set_exception(exc)
     return fut

@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import abc
 import math
-from typing import ClassVar, Generator
+from typing import Any, ClassVar, Generator, Sequence
 
 import torch
 
-from ..engine.stages import StageGen
+from ..engine.stages import Final, StageGen, fuse
 from .config import CompressionConfig
 from .layout import Layout
 from .memory import ResidualMemory
@@ -77,10 +77,37 @@ class Compressor(abc.ABC):
                 across steps is rescaled when it changes. The result is in the same units.
         """
 
-    def _stage(self, tensor: torch.Tensor) -> Generator[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Yield one tensor to the SUM allreduce, counting its bytes as wire bytes."""
+    def prepare(self, flat: torch.Tensor, layout: Layout, loss_scale: float = 1.0) -> Any:
+        """Do one buffer's local work ahead of its batch (before any collective) and return it
+        for `reduce_many(prepared=...)`; None: nothing to do ahead (the default).
+
+        The engine runs it while it waits for the batch to close. It must not change state
+        kept across steps (only spare buffers), since the batch may still fail.
+        """
+        return None
+
+    def reduce_many(self, flats: Sequence[torch.Tensor], layouts: Sequence[Layout], *,
+                    loss_scale: float = 1.0, final: bool = False,
+                    prepared: Sequence[Any] | None = None) -> StageGen:
+        """Return a StageGen that averages several buffers as one fused op; returns the list of
+        their results (what `reduce` returns for each).
+
+        The engine calls it with the buffers of one fused batch. By default their stages are
+        fused generically (engine.stages.fuse); a method that can do better (CSC: chunks chosen
+        across the batch) overrides it. `final`: mark the last stage Final, so the engine need
+        not wait for it (only where no stage follows, as in the engine's own batches); a
+        method whose `reduce` takes no `final` ignores it. `prepared`: what `prepare` returned
+        for each buffer, if it ran.
+        """
+        return (yield from fuse([self.reduce(f, layout, loss_scale=loss_scale)
+                                 for f, layout in zip(flats, layouts)]))
+
+    def _stage(self, tensor: torch.Tensor,
+               final: bool = False) -> Generator[Any, torch.Tensor, torch.Tensor]:
+        """Yield one tensor to the SUM allreduce, counting its bytes as wire bytes; `final`:
+        the op's last stage (engine.stages.Final)."""
         self.stats.add_wire(tensor.numel() * tensor.element_size())
-        reduced = yield tensor
+        reduced = yield (Final(tensor) if final else tensor)
         return reduced
 
     # --- schedule ---------------------------------------------------------------------------------

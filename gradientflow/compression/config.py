@@ -79,6 +79,11 @@ class CompressionConfig:
     # overflow FP32 for any finite gradient a loss scaler lets through. "l2" selects the same
     # chunks as the (squared) Euclidean norm would.
     norm: str = "l1"
+    # Which chunks compete: "pool" ranks the chunks of every bucket of one fused batch together
+    # (the engine fuses the buckets queued together, up to the fusion threshold in dense bytes,
+    # a step's last bucket closing the batch), so what travels follows the gradients, not
+    # DDP's bucket_cap_mb; "bucket" gives each bucket its own quota of ceil(density x chunks).
+    selection: str = "pool"
 
     # --- wire format ---------------------------------------------------------------------------
     # FP16 halves the payload; values are pre-scaled by 1/world_size before the sum so the sum
@@ -154,6 +159,10 @@ class CompressionConfig:
             )
         if self.norm not in ("l1", "l2"):
             raise ValueError(f"CompressionConfig: norm={self.norm!r} must be 'l1' or 'l2'")
+        if self.selection not in ("pool", "bucket"):
+            raise ValueError(f"CompressionConfig: selection={self.selection!r} must be 'pool' "
+                             "(top chunks across a fused batch of buckets) or 'bucket' (a quota "
+                             "per bucket)")
         object.__setattr__(self, "wire_dtype", _dtype_name(self.wire_dtype, "wire_dtype"))
         if self.dense_wire_dtype is not None:
             object.__setattr__(

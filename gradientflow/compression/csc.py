@@ -33,8 +33,8 @@ skips the step on every rank.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
@@ -45,6 +45,7 @@ from . import wire_scale
 from .base import Compressor
 from .layout import Layout
 from .registry import register_compressor
+from .selection import select_pool
 
 __all__ = ["CSCCompressor"]
 
@@ -111,6 +112,32 @@ def _fill_chunks(
     _write_chunks(dst, idx, rows, chunk_size)
 
 
+class _Bucket:
+    """One buffer of a CSC batch, carried from its norms to its commit (CSCCompressor)."""
+
+    __slots__ = ("flat", "layout", "numel", "nch", "plan", "d", "eligible", "slots", "mem", "v",
+                 "dense_v", "dense_in_1", "dense_in_2", "dense_own", "dense_local",
+                 "dense_reduced", "scaled", "stage1", "ws", "reduced_norms", "bad", "idx", "k",
+                 "local", "reduced2")
+
+    def __init__(self, flat: torch.Tensor, layout: Layout, numel: int, nch: int) -> None:
+        self.flat, self.layout, self.numel, self.nch = flat, layout, numel, nch
+        self.plan = self.mem = self.v = self.dense_v = self.dense_local = None
+        self.dense_reduced = self.stage1 = self.ws = self.reduced_norms = self.idx = None
+        self.local = self.reduced2 = None
+        self.d = self.k = 0
+        self.eligible = self.dense_in_1 = self.dense_in_2 = self.dense_own = False
+        self.scaled = self.bad = False
+        self.slots: tuple = ()
+
+
+def _cat(tensors: list[torch.Tensor], dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The tensors back to back (a lone one as it is: no copy)."""
+    if len(tensors) == 1:
+        return tensors[0]
+    return torch.cat(tensors) if tensors else torch.empty(0, dtype=dtype)
+
+
 @register_compressor("csc")
 class CSCCompressor(Compressor):
     """Send the top ceil(density x chunks) chunks of grad + residual, agreed through allreduced
@@ -134,33 +161,107 @@ class CSCCompressor(Compressor):
             plan = self._plans[key] = _build_plan(layout, self.config, device)
         return plan
 
-    def reduce(self, flat: torch.Tensor, layout: Layout, *, loss_scale: float = 1.0) -> StageGen:
+    def reduce(self, flat: torch.Tensor, layout: Layout, *, loss_scale: float = 1.0,
+               final: bool = False) -> StageGen:
         """Return the CSC StageGen for one buffer (2 collectives; see the module docstring)."""
-        layout.check(flat, "CSCCompressor.reduce")
+        results = yield from self.reduce_many([flat], [layout], loss_scale=loss_scale,
+                                              final=final)
+        return results[0]
+
+    def prepare(self, flat: torch.Tensor, layout: Layout, loss_scale: float = 1.0) -> "_Bucket":
+        """v = grad + residual (+ momentum) and the chunk norms of one buffer, ahead of its
+        batch (only spare buffers are written; see reduce_many)."""
+        layout.check(flat, "CSCCompressor.prepare")
+        return self._prepare(flat, layout, loss_scale)
+
+    def reduce_many(self, flats: Sequence[torch.Tensor], layouts: Sequence[Layout], *,
+                    loss_scale: float = 1.0, final: bool = False,
+                    prepared: Sequence["_Bucket | None"] | None = None) -> StageGen:
+        """Return the CSC StageGen of a fused batch of buffers: 2 collectives for all of them.
+
+        Each buffer is computed as alone (its own chunks, dense part and wire scale); their
+        stage tensors travel back to back, and the chunks to send are chosen across the batch
+        (config.selection "pool") or per buffer ("bucket"), from the reduced norms.
+        """
+        for flat, layout in zip(flats, layouts):
+            layout.check(flat, "CSCCompressor.reduce")
+        cfg, n = self.config, self.world_size
+        density = self.density_in_force()
+        prepared = prepared or [None] * len(flats)
+        items = [it if it is not None else self._prepare(flat, layout, loss_scale)
+                 for it, flat, layout in zip(prepared, flats, layouts)]
+        live = [it for it in items if it.numel]
+        if not live:
+            return list(flats)
+
+        # --- stage 1: every buffer's norms (+ dense part in fp32, + FP16 bound), back to back --
+        reduced1 = yield from self._stage(_cat([it.stage1 for it in live]))
+        for it, part in zip(live, reduced1.split([it.stage1.numel() for it in live])):
+            part, it.ws = wire_scale.split_bound(part, it.scaled, n, cfg.torch_wire_dtype)
+            it.reduced_norms = part[:it.nch]
+            if it.dense_in_1:
+                it.dense_reduced = part[it.nch:]
+            it.bad = not kernels.all_finite(part)
+        chosen = select_pool([it.reduced_norms for it in live], density, quota=cfg.selection,
+                             eligible=[it.eligible and not it.bad for it in live])
+        for it, idx in zip(live, chosen):
+            it.idx = idx
+            self.stats.add_bucket(numel=it.numel, chunks_sent=idx.numel(), chunks_total=it.nch,
+                                  elements_sent_dense=it.d, density=density,
+                                  warmup=self.in_warmup())
+
+        # --- stage 2: the chosen chunks pre-scaled by 2^e/n (+ the dense part in the wire dtype)
+        wire_dtype, dense_dtype = cfg.torch_wire_dtype, cfg.torch_dense_wire_dtype
+        sends = [self._pack(it) for it in live]
+        own = [it for it in live if it.dense_own and not it.bad]
+        send = _cat(sends, wire_dtype)
+        if send.numel() == 0 and not own:
+            # Nothing chosen and no dense part (the same on every rank: decided from the
+            # reduced norms): no second collective.
+            for it in live:
+                it.reduced2 = send
+                self._finish(it)
+            return list(flats)
+        reduced2 = yield from self._stage(send, final=final and not own)
+        for it, part in zip(live, reduced2.split([t.numel() for t in sends])):
+            it.reduced2 = part
+            if it.dense_in_2 and not it.bad:
+                it.dense_reduced = part[it.k * cfg.chunk_size:]
+        if own:
+            # A dense dtype that is neither fp32 nor the chunks' wire dtype: its own stage.
+            thirds = [kernels.cast_scaled(it.dense_v, 1.0 / n, dense_dtype) for it in own]
+            for it, t in zip(own, thirds):
+                it.dense_local = t.clone()
+            reduced3 = yield from self._stage(_cat(thirds, dense_dtype), final=final)
+            for it, part in zip(own, reduced3.split([t.numel() for t in thirds])):
+                it.dense_reduced = part
+        for it in live:
+            self._finish(it)
+        return list(flats)
+
+    def _prepare(self, flat: torch.Tensor, layout: Layout, loss_scale: float) -> "_Bucket":
+        """v = grad + residual (+ momentum) and the chunk norms of one buffer, and its stage-1
+        tensor; nothing persistent is modified yet."""
         cfg, n = self.config, self.world_size
         c, numel = cfg.chunk_size, flat.numel()
-        nch = kernels.nchunks_of(numel, c)
+        it = _Bucket(flat, layout, numel, kernels.nchunks_of(numel, c))
         if numel == 0:
-            return flat
-        plan = self._plan(layout, flat.device)
-        density = self.density_in_force()
-        d = plan.dense_numel
+            return it
+        plan = it.plan = self._plan(layout, flat.device)
+        d = it.d = plan.dense_numel
         # A bucket of dense parameters only (e.g. all BN) has no chunk worth sending.
-        k = 0 if d == numel else min(nch, max(1, math.ceil(density * nch)))
+        it.eligible = d != numel
         wire_dtype, dense_dtype = cfg.torch_wire_dtype, cfg.torch_dense_wire_dtype
-
         if cfg.clip_norm is not None:
             self.clip_local(flat, layout, loss_scale)
-        # --- v = grad + residual (+ momentum), norms; nothing persistent is modified yet ---------
         # Each state slot has a spare: the new values are written there and committed by a swap,
         # so a step found non-finite later (even in another bucket) can be undone.
         ef, mc = cfg.error_feedback, cfg.momentum_correction
-        slots = (("residual", "_residual_spare") if ef else ()) + (
+        slots = it.slots = (("residual", "_residual_spare") if ef else ()) + (
             ("momentum", "_momentum_spare") if mc else ()
         )
-        mem = self.memory.get(layout, slots, flat, loss_scale) if slots else {}
+        mem = it.mem = self.memory.get(layout, slots, flat, loss_scale) if slots else {}
         residual = mem.get("residual")
-        new_residual = mem.get("_residual_spare")
         mom_kw = {}
         if mc:
             mom_kw = dict(momentum=mem["momentum"], momentum_out=mem["_momentum_spare"],
@@ -169,97 +270,96 @@ class CSCCompressor(Compressor):
             # v goes straight into the spare residual (the new residual wherever nothing is sent)
             # and the bucket is zeroed while it is in cache: after the collectives only the k sent
             # chunks are written (unpack_sent), not a second full pass over the bucket.
-            v = new_residual
+            v = it.v = mem["_residual_spare"]
             norms = kernels.chunk_norms(
                 flat, residual, c, cfg.norm, v_out=v, zero_grad=True, **mom_kw
             )
         else:
-            v = flat
+            it.v = flat
             norms = kernels.chunk_norms(flat, residual, c, cfg.norm, **mom_kw)
-        dense_v = None
         if d:
-            dense_v = v.index_select(0, plan.dense_idx)
+            it.dense_v = it.v.index_select(0, plan.dense_idx)
             kernels.masked_chunk_norms(
-                v, plan.mixed_chunks, plan.mixed_keep, c, cfg.norm, out=norms
+                it.v, plan.mixed_chunks, plan.mixed_keep, c, cfg.norm, out=norms
             )
-
-        # --- stage 1: norms (+ the dense part when it travels in fp32, like the norms) ------------
-        dense_in_1 = d > 0 and dense_dtype == torch.float32
-        dense_in_2 = d > 0 and dense_dtype == wire_dtype and not dense_in_1
+        # stage 1 carries the dense part when it travels in fp32, like the norms
+        it.dense_in_1 = d > 0 and dense_dtype == torch.float32
+        it.dense_in_2 = d > 0 and dense_dtype == wire_dtype and not it.dense_in_1
+        it.dense_own = d > 0 and not it.dense_in_1 and not it.dense_in_2
         stage1 = norms
-        if dense_in_1:
-            stage1 = torch.cat([norms, dense_v * (1.0 / n)])
-        dense_local = None
-        if dense_in_1:
-            dense_local = stage1[nch:].clone()
+        if it.dense_in_1:
+            stage1 = torch.cat([norms, it.dense_v * (1.0 / n)])
+            it.dense_local = stage1[it.nch:].clone()
         # FP16: the chunks' power of two, agreed by a bound sent with the norms (wire_scale.py).
-        scaled = k > 0 and wire_scale.needs_scale(wire_dtype)
-        if scaled:
-            stage1 = torch.cat([stage1, wire_scale.norms_bound(norms, cfg.norm, dense_v)])
-        reduced1 = yield from self._stage(stage1)
-        reduced1, ws = wire_scale.split_bound(reduced1, scaled, n, wire_dtype)
-        self.stats.add_bucket(numel=numel, chunks_sent=k, chunks_total=nch, elements_sent_dense=d,
-                              density=density, warmup=self.in_warmup())
-        if not kernels.all_finite(reduced1):
-            return self._non_finite(
-                flat, plan, reduced1[:nch], None, None, reduced1[nch:] if dense_in_1 else None
-            )
-        reduced_norms = reduced1[:nch]
+        it.scaled = it.eligible and wire_scale.needs_scale(wire_dtype)
+        if it.scaled:
+            stage1 = torch.cat([stage1, wire_scale.norms_bound(norms, cfg.norm, it.dense_v)])
+        it.stage1 = stage1
+        return it
 
-        # --- stage 2: the chosen chunks, pre-scaled by 1/n (+ the dense part in the wire dtype) ---
-        idx = kernels.select_chunks(reduced_norms, k)
-        send = torch.empty(k * c + (d if dense_in_2 else 0), dtype=wire_dtype, device=flat.device)
-        kernels.pack_chunks(v, idx, c, ws.pre, wire_dtype, out=send[: k * c])
-        if dense_in_2:
-            kernels.cast_scaled(dense_v, 1.0 / n, wire_dtype, out=send[k * c:])
+    def _pack(self, it: "_Bucket") -> torch.Tensor:
+        """One buffer's stage-2 tensor: its chosen chunks, then its dense part in the wire dtype.
+
+        A buffer found non-finite sends nothing more (the same on every rank)."""
+        cfg, n = self.config, self.world_size
+        c, wire_dtype = cfg.chunk_size, cfg.torch_wire_dtype
+        if it.bad:
+            return torch.empty(0, dtype=wire_dtype, device=it.flat.device)
+        k = it.k = it.idx.numel()
+        send = torch.empty(k * c + (it.d if it.dense_in_2 else 0), dtype=wire_dtype,
+                           device=it.flat.device)
+        kernels.pack_chunks(it.v, it.idx, c, it.ws.pre, wire_dtype, out=send[: k * c])
+        if it.dense_in_2:
+            kernels.cast_scaled(it.dense_v, 1.0 / n, wire_dtype, out=send[k * c:])
         # The local copy gives the exact rounding error (of the cast and of the 1/n pre-scale).
-        local = send.clone() if ef or dense_in_2 else None
-        reduced2 = yield from self._stage(send)
-        dense_reduced = None
-        if dense_in_1:
-            dense_reduced = reduced1[nch:]
-        elif dense_in_2:
-            dense_reduced = reduced2[k * c:]
-            dense_local = local[k * c:]
-        if d > 0 and not dense_in_1 and not dense_in_2:
-            # A dense dtype that is neither fp32 nor the chunks' wire dtype: its own stage.
-            third = kernels.cast_scaled(dense_v, 1.0 / n, dense_dtype)
-            dense_local = third.clone()
-            dense_reduced = yield from self._stage(third)
-        # The dense part was checked with its stage (stage 1 above, or inside reduced2) unless it
-        # had its own.
-        dense_own = d > 0 and not dense_in_1 and not dense_in_2
-        if not kernels.all_finite(reduced2) or (
-            dense_own and not kernels.all_finite(dense_reduced)
-        ):
-            return self._non_finite(
-                flat, plan, reduced_norms, idx, reduced2[: k * c], dense_reduced
-            )
+        if cfg.error_feedback or it.dense_in_2:
+            it.local = send.clone()
+        if it.dense_in_2:
+            it.dense_local = it.local[k * c:]
+        return send
 
-        # --- commit: out (in place over v) and the new residual in one pass, then the dense part --
+    def _finish(self, it: "_Bucket") -> None:
+        """Write one buffer's average in place, and commit its residual and momentum."""
+        cfg, n = self.config, self.world_size
+        c, flat, plan = cfg.chunk_size, it.flat, it.plan
+        if it.bad:
+            self._non_finite(flat, plan, it.reduced_norms, None, None, it.dense_reduced)
+            return
+        idx, k, reduced2 = it.idx, it.k, it.reduced2
+        # The dense part was checked with its stage (stage 1, or inside reduced2) unless it had
+        # its own.
+        if not kernels.all_finite(reduced2) or (
+            it.dense_own and not kernels.all_finite(it.dense_reduced)
+        ):
+            self._non_finite(flat, plan, it.reduced_norms, idx, reduced2[: k * c],
+                             it.dense_reduced)
+            return
+        ef, mc, d = cfg.error_feedback, cfg.momentum_correction, it.d
+        new_residual = it.mem.get("_residual_spare")
+        # --- out (in place over v) and the new residual in one pass, then the dense part --------
         if ef:
             # flat is zero and new_residual holds v: only the sent chunks change.
             kernels.unpack_sent(
-                flat, new_residual, reduced2[: k * c], local[: k * c], idx, c, ws.post, ws.err
+                flat, new_residual, reduced2[: k * c], it.local[: k * c], idx, c, it.ws.post,
+                it.ws.err
             )
         else:
             kernels.unpack_update(
-                flat, None, reduced2[: k * c], None, idx, c, ws.post, ws.err, out=flat
+                flat, None, reduced2[: k * c], None, idx, c, it.ws.post, it.ws.err, out=flat
             )
         if d:
-            kernels.dense_scatter(flat, new_residual if ef else None, plan.dense_idx, dense_reduced,
-                                  dense_local, dense_v, 1.0, float(n))
+            kernels.dense_scatter(flat, new_residual if ef else None, plan.dense_idx,
+                                  it.dense_reduced, it.dense_local, it.dense_v, 1.0, float(n))
         if mc:
-            u = mem["_momentum_spare"]
+            u = it.mem["_momentum_spare"]
             # Factor masking (DGC): the velocity of what was sent starts again from zero; dense
             # parameters are sent every step, so they keep theirs (plain heavy-ball momentum).
             dense_u = u.index_select(0, plan.dense_idx) if d else None
             _fill_chunks(u, idx, u.new_zeros(idx.numel()), c)
             if d:
                 u.index_copy_(0, plan.dense_idx, dense_u)
-        if slots:
-            self.memory.commit(layout, tuple(zip(slots[::2], slots[1::2])))
-        return flat
+        if it.slots:
+            self.memory.commit(it.layout, tuple(zip(it.slots[::2], it.slots[1::2])))
 
     def _non_finite(
         self, flat, plan: _Plan, reduced_norms, idx, reduced_chunks, dense_reduced

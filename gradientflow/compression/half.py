@@ -11,7 +11,7 @@ import torch
 
 from gradientflow import kernels
 
-from ..engine.stages import StageGen
+from ..engine.stages import StageGen, fuse
 from .base import Compressor
 from .layout import Layout
 from .registry import register_compressor
@@ -47,7 +47,14 @@ class HalfCompressor(Compressor):
             buf = self._wire[key] = torch.empty(flat.numel(), dtype=key[2], device=flat.device)
         return buf
 
-    def reduce(self, flat: torch.Tensor, layout: Layout, *, loss_scale: float = 1.0) -> StageGen:
+    def reduce_many(self, flats, layouts, *, loss_scale: float = 1.0, final: bool = False,
+                    prepared=None) -> StageGen:
+        """Several buffers as one fused op (engine.stages.fuse), the last stage marked `final`."""
+        return (yield from fuse([self.reduce(f, layout, loss_scale=loss_scale, final=final)
+                                 for f, layout in zip(flats, layouts)]))
+
+    def reduce(self, flat: torch.Tensor, layout: Layout, *, loss_scale: float = 1.0,
+               final: bool = False) -> StageGen:
         """Return a StageGen: v = grad + residual; send cast(v / n); residual <- rounding error.
 
         Two passes over the buffer in all: one fused kernel before the allreduce (add, cast,
@@ -71,7 +78,7 @@ class HalfCompressor(Compressor):
                                   out=wire, residual_out=mem["_residual_spare"])
         else:
             kernels.cast_scaled(flat, ws.pre, cfg.torch_wire_dtype, out=wire)
-        reduced = yield from self._stage(wire)
+        reduced = yield from self._stage(wire, final)
         # Decided from the reduced result, so the same on every rank.
         if not kernels.upcast_finite(reduced, ws.post, out=flat):
             self._step_non_finite = True

@@ -62,7 +62,9 @@ def select_pool(norms: Sequence[torch.Tensor], density: float, *, quota: str = "
             (ties to the earlier bucket, then the lower chunk; NaN ranks first); "bucket"
             chooses bucket_quota(...) chunks in each bucket, as CSC does for one bucket.
         eligible: per bucket, whether it has chunks worth sending (a bucket of dense
-            parameters only has none); default all.
+            parameters only has none); default all. Under "pool" every bucket's chunks count
+            towards the quota, as the chunks of dense parameters do inside one bucket, so a
+            batch selects as one bucket holding all its parameters would.
     """
     ok = _check(norms, density, quota, eligible)
     empty = [torch.zeros(0, dtype=torch.int64, device=n.device) for n in norms]
@@ -73,7 +75,7 @@ def select_pool(norms: Sequence[torch.Tensor], density: float, *, quota: str = "
     if not live:
         return empty
     pool = torch.cat([norms[i].to(torch.float32) for i in live])
-    k = pool_quota([norms[i].numel() for i in live], density)
+    k = min(pool.numel(), pool_quota([n.numel() for n in norms], density))
     chosen = kernels.select_chunks(pool, k)  # ascending positions in the pool
     out = list(empty)
     start = 0
@@ -91,14 +93,16 @@ def select_pool_reference(norms: Sequence[torch.Tensor], density: float, *, quot
     """The pure-torch reference of `select_pool`: an explicit ranking of (norm, bucket, chunk)."""
     ok = _check(norms, density, quota, eligible)
     out = [torch.zeros(0, dtype=torch.int64) for _ in norms]
-    groups = [[i] for i, e in enumerate(ok) if e] if quota == "bucket" else [
-        [i for i, e in enumerate(ok) if e]]
-    for members in groups:
+    if quota == "bucket":
+        groups = [([i], bucket_quota(norms[i].numel(), density)) for i, e in enumerate(ok) if e]
+    else:
+        groups = [([i for i, e in enumerate(ok) if e], pool_quota([n.numel() for n in norms],
+                                                                  density))]
+    for members, k in groups:
         entries = []
         for b in members:
             for c, v in enumerate(norms[b].to(torch.float32).tolist()):
                 entries.append((math.inf if math.isnan(v) else v, b, c))
-        k = pool_quota([norms[b].numel() for b in members], density) if members else 0
         entries.sort(key=lambda t: (-t[0], t[1], t[2]))
         for b in members:
             picked = sorted(c for _, bb, c in entries[:k] if bb == b)

@@ -37,6 +37,7 @@ from gradientflow.config import Config
 from gradientflow.engine import completion, streams
 from gradientflow.engine.fusion import FusableOp, Message
 from gradientflow.engine.issue import Issue
+from gradientflow.engine.jobs import StagesBatch
 from gradientflow.engine.messages import Messages
 from gradientflow.engine.queue import OrderedQueue
 from gradientflow.engine.rounds import Rounds
@@ -244,6 +245,8 @@ class Engine:
                 fused.extend(item.ops)
             elif isinstance(item, FusableOp):
                 fused.append(item)
+            elif isinstance(item, StagesBatch):
+                item.fail(err)
             else:
                 completion.complete(item.fut, error=err)
         self.fused.finish(fused, err)

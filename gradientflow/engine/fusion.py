@@ -51,6 +51,10 @@ class FusableOp:
     def reduce_op_name(self) -> str:
         return redop_name(self.reduce_op)
 
+    def describe(self) -> str:
+        return (f"#{self.seq} all_reduce {self.tensor.dtype} {tuple(self.tensor.shape)} "
+                f"{self.reduce_op_name}")
+
     @property
     def fingerprint(self) -> int:
         """A process-independent hash of what must match across ranks: dtype, size, op."""

@@ -29,8 +29,8 @@ import torch
 
 from gradientflow.engine import completion, streams
 from gradientflow.engine.fusion import FusableOp, solo_cut
-from gradientflow.engine.jobs import EagerOp, StagesOp
-from gradientflow.engine.stages import StageGen
+from gradientflow.engine.jobs import EagerOp
+from gradientflow.engine.stages import Fuser, StagesOp, fuse
 from gradientflow.engine.work import BothWork, FusedWork, FutureWork
 from gradientflow.fingerprint import DEFERRED
 from gradientflow.observability.timeline import TIMELINE, now_us
@@ -140,16 +140,22 @@ class Issue:
 
         return self._issue("barrier", submit, None, opts, cpu)
 
-    def stages(self, name: str, gen: StageGen, device: torch.device, key: Hashable = None,
-               dense_bytes: int = 0) -> torch.futures.Future:
-        """A multi-stage op (a compressed bucket), run in sequence order on the engine thread;
-        returns the future of its result."""
+    def stages(self, name: str, part: Any, device: torch.device, key: Hashable = None,
+               dense_bytes: int = 0, fuser: Fuser = fuse,
+               close: bool = True) -> torch.futures.Future:
+        """A multi-stage op (a compressed bucket): queued for a fused batch of stage ops, agreed
+        and run in sequence order on the engine thread; returns the future of its result.
+
+        `part`: what `fuser` takes for this op (engine.stages; by default `part` is a StageGen
+        and `fuse` drives it); `close`: no stage op of the same batch follows (a step's last
+        bucket), so the batch is agreed now.
+        """
         fut, public = completion.new_future(streams.future_devices(device))
         ready = streams.mark(device)
         with self._lock:
             seq = self._take(name)
-            self._queue.issued.append(StagesOp(seq, name, gen, device, fut, key, dense_bytes,
-                                               ready))
+            self._queue.push_stages(StagesOp(seq, name, part, fuser, device, fut, key,
+                                             dense_bytes, ready, close))
             self._stats.record_stages()
             self._cv.notify_all()
         return public

@@ -7,7 +7,9 @@ The ordered queue (queue.py) holds issued ops and hands the engine thread one jo
 - `SendMessage`: pack a fused message into its segment (or take a solo tensor in place) and
   hand it to the transport (messages.py);
 - `EagerOp`: a collective sent as issued, in sequence order;
-- `StagesOp`: a multi-collective op (a compressed bucket), its stages back to back.
+- `Prepare`: a queued stage op's local work (a compressed bucket's norms), ahead of its batch;
+- `StagesBatch`: an agreed batch of multi-collective ops (compressed buckets), fused: their
+  stages back to back, the last one left in flight while the engine goes on.
 
 `run` may raise: the engine then fails the group with the error (Engine.fail).
 """
@@ -15,7 +17,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Hashable
+from typing import Any, Callable
 
 import torch
 from torch._C._distributed_c10d import AllreduceOptions, ReduceOp
@@ -23,7 +25,7 @@ from torch._C._distributed_c10d import AllreduceOptions, ReduceOp
 from gradientflow.errors import StepFailed
 from gradientflow.engine import completion
 from gradientflow.engine.fusion import FusableOp, Message
-from gradientflow.engine.stages import StageGen
+from gradientflow.engine.stages import StagesOp, unwrap
 from gradientflow.observability import timeline as tl
 from gradientflow.observability.timeline import TIMELINE, now_us
 
@@ -38,6 +40,18 @@ class AgreeBatch:
         n = engine.rounds.agree(self.candidates)
         with engine.cv:
             engine.queue.take_batch(n)
+
+
+@dataclass(slots=True)
+class Prepare:
+    """Run a queued stage op's local work ahead of its batch (`part.prepare()`): the engine
+    thread would otherwise idle until the run closes. Touches no collective, so it cannot
+    change what pairs across ranks."""
+
+    op: StagesOp
+
+    def run(self, engine: Any) -> None:
+        self.op.part.prepare()
 
 
 @dataclass(slots=True)
@@ -87,60 +101,101 @@ class EagerOp:
 
 
 @dataclass
-class StagesOp:
-    """A multi-collective op (a compressed bucket): its stages run back to back on the engine.
+class StagesBatch:
+    """Agreed stage ops of one fuser and device (stages.plan_batches), run as one op.
 
-    Any error inside it leaves the other ranks one collective ahead or behind: the group
-    cannot stay consistent, so it fails the op and then the engine.
+    Every stage but the last is waited on here, on the engine thread, so the engine hands the
+    transport every batch's collectives in batch order on every rank. The last stage (marked
+    Final) is only launched: on CPU the reaper waits for it and runs the rest of the generator
+    (the unpack) there, while the engine thread agrees and launches the next batch; on CUDA
+    waiting costs no host time, so it is finished in line. Any error inside it leaves the other
+    ranks one collective ahead or behind: the group cannot stay consistent, so it fails the
+    ops and then the engine (a StepFailed, agreed on every rank, fails only these ops).
     """
 
-    seq: int
-    name: str
-    gen: StageGen
-    device: torch.device
-    fut: torch.futures.Future
-    key: Hashable = None
-    dense_bytes: int = 0  # the dense FP32 size of what the stages carry (for statistics)
-    ready: Any = None  # CUDA: streams.mark() of the submitting thread's stream
+    ops: list[StagesOp]
 
     def run(self, engine: Any) -> None:
-        transport = engine.transport_for(self.device)
+        ops = self.ops
+        dev = ops[0].device
         opts = AllreduceOptions()
         opts.reduceOp = ReduceOp.SUM
-        lane = f"bucket {self.key}" if self.key is not None else "stages"
-        with engine.streams.after(self.device, [self.ready]) as stream:
-            self._stages(engine, transport, opts, lane, stream)
+        key = ops[0].key
+        lane = f"bucket {key}" if key is not None and len(ops) == 1 else (
+            f"stages {ops[0].seq}-{ops[-1].seq}")
+        with engine.streams.after(dev, [op.ready for op in ops]) as stream:
+            self._run(engine, engine.transport_for(dev), opts, lane, stream)
 
-    def _stages(self, engine: Any, transport: Any, opts: AllreduceOptions, lane: str,
-                stream: Any) -> None:
+    def _run(self, engine: Any, transport: Any, opts: AllreduceOptions, lane: str,
+             stream: Any) -> None:
         """run's body, with `stream` (CUDA: the engine's) current."""
         stats = engine.stats
-        gen = self.gen
+        gen = self.ops[0].fuser([op.part for op in self.ops])
         t0 = time.perf_counter()
         codec_name = tl.COMPRESS
         try:
-            tensor = next(gen)
+            tensor, final = unwrap(next(gen))
             while True:
                 t1 = time.perf_counter()
                 _stage_event(codec_name, tl.CAT_CODEC, t0, t1, lane)
                 stats.record_codec_time(t1 - t0)
-                transport.allreduce([tensor], opts).wait()
+                work = transport.allreduce([tensor], opts)
+                if final and stream is None:
+                    engine.messages.later(
+                        lambda: self._finish(engine, gen, work, tensor, t1, lane))
+                    return
+                work.wait()
                 t0 = time.perf_counter()
-                stats.record_message(1, tensor.numel() * tensor.element_size(), 0, t0 - t1)
+                stats.record_message(len(self.ops), tensor.numel() * tensor.element_size(), 0,
+                                     t0 - t1)
                 _stage_event(tl.ALLREDUCE, tl.CAT_COMM, t1, t0, lane)
                 codec_name = tl.DECOMPRESS
-                tensor = gen.send(tensor)
+                tensor, final = unwrap(gen.send(tensor))
         except StopIteration as stop:
-            t1 = time.perf_counter()
-            stats.record_codec_time(t1 - t0)
-            stats.record_bytes(0, self.dense_bytes)
-            _stage_event(codec_name, tl.CAT_CODEC, t0, t1, lane)
-            completion.complete(self.fut, stop.value, stream=stream)
+            self._done(engine, stop.value, t0, codec_name, lane, stream)
         except StepFailed as exc:  # [algorithms] agreed on every rank: the group goes on
-            completion.complete(self.fut, error=exc)
+            self.fail(exc)
         except BaseException as exc:
-            completion.complete(self.fut, error=engine.fail(exc))
+            self.fail(engine.fail(exc))
             raise
+
+    def _finish(self, engine: Any, gen: Any, work: Any, tensor: torch.Tensor, t1: float,
+                lane: str) -> None:
+        """The last stage landed (the reaper's thread): the rest of the generator, then the
+        futures."""
+        try:
+            work.wait()
+            t0 = time.perf_counter()
+            engine.stats.record_message(len(self.ops), tensor.numel() * tensor.element_size(),
+                                        0, t0 - t1)
+            _stage_event(tl.ALLREDUCE, tl.CAT_COMM, t1, t0, lane)
+            gen.send(tensor)
+            raise RuntimeError(
+                f"gradientflow: rank {engine.rank}: stage op {self.ops[0].describe()} yielded "
+                "another stage after one marked Final; mark only the last stage Final")
+        except StopIteration as stop:
+            self._done(engine, stop.value, t0, tl.DECOMPRESS, lane, None)
+        except StepFailed as exc:
+            self.fail(exc)
+        except BaseException as exc:  # noqa: BLE001 - the group is broken
+            self.fail(engine.fail(exc))
+
+    def _done(self, engine: Any, results: list, t0: float, codec_name: str, lane: str,
+              stream: Any) -> None:
+        t1 = time.perf_counter()
+        engine.stats.record_codec_time(t1 - t0)
+        engine.stats.record_bytes(0, sum(op.nbytes for op in self.ops))
+        _stage_event(codec_name, tl.CAT_CODEC, t0, t1, lane)
+        if len(results) != len(self.ops):
+            self.fail(engine.fail(RuntimeError(
+                f"gradientflow: rank {engine.rank}: the fuser of {self.ops[0].describe()} "
+                f"returned {len(results)} results for {len(self.ops)} ops")))
+            return
+        completion.complete_all([(op.fut, r, None) for op, r in zip(self.ops, results)], stream)
+
+    def fail(self, err: BaseException) -> None:
+        """Complete every op of the batch with `err`."""
+        completion.complete_all([(op.fut, None, err) for op in self.ops])
 
 
 def _stage_event(name: str, cat: str, t0: float, t1: float, lane: str) -> None:

@@ -99,7 +99,8 @@ class Messages:
         self._pools: dict[Hashable, SegmentPool] = {}
         self.inflight = 0  # fused messages handed to the transport, not yet unpacked
         self._solo_last: Any = None  # the solo channel's last Work (still in flight?)
-        # CPU: fused messages in flight, in launch order, for the reaper thread.
+        # CPU: what is in flight, in launch order, for the reaper thread: each a callable that
+        # waits for its transport Work and finishes it (a fused message, a batch's last stage).
         self._reap: collections.deque = collections.deque()
         self._reap_cv = threading.Condition()
         self._reaper: threading.Thread | None = None
@@ -177,33 +178,57 @@ class Messages:
             buf.record_stream(stream)
         work = transport.allreduce([buf], opts)
         if stream is None:
-            with self._reap_cv:
-                self._reap.append((work, msg, buf, pool, seg))
-                if self._reaper is None:
-                    self._reaper = threading.Thread(target=self._reap_main, daemon=True,
-                                                    name=f"{self._name}-reaper")
-                    self._reaper.start()
-                self._reap_cv.notify()
+            self._queue_reap(lambda: self._reaped(work, msg, buf, pool, seg))
         else:
             # CUDA: Work.wait() orders this stream after the transport without a host wait, so
             # the unpack is queued now, and the next pack into this segment behind it.
             self._done(work, msg, buf, pool, seg, stream)
 
+    def later(self, finish: Callable[[], None]) -> None:
+        """Have the reaper run `finish` (it waits for a launched Work and completes what
+        waits on it), in launch order after what is in flight; counted in flight until then.
+        `finish` must complete its own futures, failing them on error."""
+        with self._cv:
+            self.inflight += 1
+
+        def run() -> None:
+            try:
+                finish()
+            finally:
+                with self._cv:
+                    self.inflight -= 1
+                    self._cv.notify_all()
+
+        self._queue_reap(run)
+
+    def _queue_reap(self, item: Callable[[], None]) -> None:
+        with self._reap_cv:
+            self._reap.append(item)
+            if self._reaper is None:
+                self._reaper = threading.Thread(target=self._reap_main, daemon=True,
+                                                name=f"{self._name}-reaper")
+                self._reaper.start()
+            self._reap_cv.notify()
+
     # ------------------------------------------------------------------ reaper thread
     def _reap_main(self) -> None:
-        """CPU: wait for each fused message's transport Work in launch order, then finish it."""
+        """CPU: wait for each launched Work in launch order, then finish it."""
         while True:
             with self._reap_cv:
                 while not self._reap:
                     if self._closing:
                         return
                     self._reap_cv.wait()
-                work, msg, buf, pool, seg = self._reap.popleft()
-            try:
-                # Its work.wait() releases the GIL: gloo's thread only signals a C++ condition.
-                self._done(work, msg, buf, pool, seg)
-            except BaseException as exc:  # noqa: BLE001 - a bug here must fail, not hang
-                self._fused.finish(msg.ops, self._fail(exc))
+                item = self._reap.popleft()
+            # A Work's wait() releases the GIL: gloo's thread only signals a C++ condition.
+            item()
+
+    def _reaped(self, work: Any, msg: Message, buf: torch.Tensor, pool: SegmentPool | None,
+                seg: int | None) -> None:
+        try:
+            self._done(work, msg, buf, pool, seg)
+        except BaseException as exc:  # noqa: BLE001 - a bug here must fail, not hang
+            self._fused.finish(msg.ops, self._fail(exc))
 
     def _done(self, work: Any, msg: Message, buf: torch.Tensor, pool: SegmentPool | None,
               seg: int | None, stream: Any = None) -> None:

@@ -1,11 +1,18 @@
 """The engine's ordered queue: issued ops waiting for agreement, agreed ops waiting to launch.
 
 Two deques under the engine's lock. `issued` holds every op in sequence order until it is
-ordered: a deferred allreduce (FusableOp) waits there for its batch's agreement round, any
-other op (EagerOp, StagesOp) moves to `agreed` once everything before it is ordered. `agreed`
-is the transport order: fused messages, solo tensors, eager and staged ops, launched strictly
-in that order; a message waits there (not on the engine thread) for a free segment, so the
-engine can agree the next batch meanwhile.
+ordered: a deferred allreduce (FusableOp) or a stage op (StagesOp, a compressed bucket) waits
+there for its batch's agreement round, any other op (EagerOp) moves to `agreed` once
+everything before it is ordered. `agreed` is the transport order: fused messages, solo
+tensors, eager ops and fused stage batches, launched strictly in that order; a message waits
+there (not on the engine thread) for a free segment, so the engine can agree the next batch
+meanwhile.
+
+The *run* is the leading ops of `issued` of one kind (deferred allreduces, or stage ops): one
+round agrees a prefix of it. A run of stage ops is closed only by what the call sequence says
+(the fusion threshold in dense bytes, an op marked `close` such as a step's last bucket,
+another collective behind it, or a flush), never by the cycle time, so which buckets share a
+batch, and so which chunks CSC selects across them, does not depend on timing.
 
 `next_job` is the engine thread's whole scheduling policy: launch the head of `agreed` if it
 can go, otherwise order the head of `issued`, otherwise start a round when a local reason says
@@ -20,10 +27,15 @@ from typing import Any, Callable
 
 from gradientflow.engine.agreement import MAX_BATCH
 from gradientflow.engine.fusion import FusableOp, Message, plan_messages
-from gradientflow.engine.jobs import AgreeBatch, SendMessage
+from gradientflow.engine.jobs import AgreeBatch, Prepare, SendMessage, StagesBatch
+from gradientflow.engine.stages import StagesOp, plan_batches
 
 MAX_WAIT_CYCLES = 5  # longest a partial batch waits for a quiet caller, in cycle times
 BUSY_QUIET_CYCLES = 5  # how long a caller must be quiet while the transport is busy, in cycles
+# A run of stage ops that nothing closes (a caller that never marks its last op) is agreed
+# after this long anyway, so it cannot wait for ever.
+STAGES_STALL_S = 5.0
+_RUN_KINDS = (FusableOp, StagesOp)
 
 
 class OrderedQueue:
@@ -36,8 +48,12 @@ class OrderedQueue:
         self._in_flight = in_flight  # whether messages (the solo channel's too) are in flight
         self.issued: collections.deque = collections.deque()
         self.agreed: collections.deque = collections.deque()
-        self.run_len = 0  # leading deferred ops in `issued`
+        # Stage ops whose part has local work to do ahead of its batch (`part.prepare()`).
+        self.to_prepare: collections.deque = collections.deque()
+        self.run_len = 0  # leading ops of one kind (deferred allreduces or stage ops) in `issued`
+        self.run_kind: type | None = None
         self.run_bytes = 0
+        self.run_closed = False  # a stage op of the run is marked close
         self.run_since = 0.0
         self.last_submit = 0.0  # when the last deferred or solo op was issued (the quiet rule)
         self.wanted_upto = -1  # highest seq somebody waits on (or flushed)
@@ -61,25 +77,47 @@ class OrderedQueue:
         issuing thread a GIL hand-off (a per-tensor loop issues one every few us).
         """
         issued = self.issued
-        if self.run_len == len(issued):
-            if self.run_len == 0:
-                self.run_since = time.monotonic()
-            self.run_len += 1
-            self.run_bytes += op.nbytes
+        joined = self._extend_run(op)
         issued.append(op)
         self.last_submit = time.monotonic()
         if waited and op.seq > self.wanted_upto:
             self.wanted_upto = op.seq
         thr = self._threshold
-        crossed = self.run_bytes >= thr > self.run_bytes - op.nbytes
+        crossed = joined and self.run_bytes >= thr > self.run_bytes - op.nbytes
         wake = (len(issued) == 1 or waited or self.run_len < len(issued)
                 or self.run_bytes >= thr)
         return wake, crossed
 
+    def push_stages(self, op: StagesOp) -> None:
+        """Queue a stage op (the engine is woken by the caller)."""
+        if self._extend_run(op) and op.close:
+            self.run_closed = True
+        self.issued.append(op)
+        if hasattr(op.part, "prepare"):
+            self.to_prepare.append(op)
+        self.last_submit = time.monotonic()
+
+    def _extend_run(self, op: Any) -> bool:
+        """Count `op`, about to be appended to `issued`, into the leading run if it joins it;
+        whether it did."""
+        if self.run_len != len(self.issued) or (self.run_len and self.run_kind is not type(op)):
+            return False
+        if self.run_len == 0:
+            self.run_since = time.monotonic()
+            self.run_kind = type(op)
+        self.run_len += 1
+        self.run_bytes += op.nbytes
+        return True
+
     def take_batch(self, n: int) -> None:
-        """The first `n` issued ops were agreed: cut them into messages, in transport order."""
+        """The first `n` issued ops were agreed: cut them into messages (deferred allreduces)
+        or fused batches (stage ops), in transport order."""
         batch = [self.issued.popleft() for _ in range(n)]
+        kind = self.run_kind
         self._recount_run()
+        if kind is StagesOp:
+            self.agreed.extend(StagesBatch(ops) for ops in plan_batches(batch, self._threshold))
+            return
         self.agreed.extend(plan_messages(batch, self._threshold, self._solo_threshold))
 
     def drain(self) -> list:
@@ -87,6 +125,7 @@ class OrderedQueue:
         items = list(self.agreed) + list(self.issued)
         self.agreed.clear()
         self.issued.clear()
+        self.to_prepare.clear()
         self.run_len = self.run_bytes = 0
         return items
 
@@ -94,11 +133,18 @@ class OrderedQueue:
         """Recompute the leading run of deferred ops after the head of `issued` changed."""
         self.run_len = 0
         self.run_bytes = 0
-        for op in self.issued:
-            if not isinstance(op, FusableOp):
+        self.run_closed = False
+        issued = self.issued
+        kind = self.run_kind = type(issued[0]) if issued else None
+        if kind not in _RUN_KINDS:
+            return
+        for op in issued:
+            if type(op) is not kind:
                 break
             self.run_len += 1
             self.run_bytes += op.nbytes
+            if kind is StagesOp and op.close:
+                self.run_closed = True
         self.run_since = time.monotonic()
 
     def _should_round(self, now: float) -> tuple[bool, float | None]:
@@ -107,6 +153,11 @@ class OrderedQueue:
             return True, None
         if self.wanted_upto >= self.issued[0].seq or self.run_bytes >= self._threshold:
             return True, None
+        if self.run_kind is StagesOp:
+            if self.run_closed:
+                return True, None
+            left = self.last_submit + STAGES_STALL_S - now
+            return (left <= 0), (left if left > 0 else None)
         # The cycle time (Horovod's): a partial batch is agreed once the caller has been quiet
         # for one cycle, so a batch keeps growing while the caller issues (bigger messages,
         # fewer rounds), at most MAX_WAIT_CYCLES cycles while the transport is idle, so latency
@@ -137,15 +188,19 @@ class OrderedQueue:
                 return SendMessage(head, *acquired), None
             # Blocked on a segment: a release wakes us. Rounds may still run meanwhile.
         issued = self.issued
-        while issued and not isinstance(issued[0], FusableOp):
+        while issued and not isinstance(issued[0], _RUN_KINDS):
             agreed.append(issued.popleft())
             self._recount_run()
         if agreed and not isinstance(agreed[0], Message):
             return agreed.popleft(), None
+        if self.to_prepare:
+            # Before any round: a round waits for the slowest rank, this uses that time.
+            return Prepare(self.to_prepare.popleft()), None
         if not issued:
             return None, None
         go, delay = self._should_round(time.monotonic())
         if go:
             # Snapshot of the local batch candidates, capped so the round's words stay valid.
+            # (A stage run's round needs no more: it is cut by plan_batches after agreement.)
             return AgreeBatch([issued[i] for i in range(min(self.run_len, MAX_BATCH))]), None
         return None, delay

@@ -16,7 +16,6 @@ from torch._C._distributed_c10d import AllreduceOptions, ReduceOp
 from gradientflow.engine.agreement import batch_fingerprint, read_round, round_words, verdict
 from gradientflow.engine.fusion import FusableOp
 from gradientflow.errors import EngineError
-from gradientflow.fingerprint import redop_name
 from gradientflow.observability import timeline as tl
 from gradientflow.observability.timeline import TIMELINE, now_us
 
@@ -30,8 +29,9 @@ class Rounds:
         self._group = group
         self._stats = stats
 
-    def agree(self, candidates: list[FusableOp]) -> int:
-        """How many of `candidates` (this rank's leading deferred ops) every rank has queued;
+    def agree(self, candidates: list) -> int:
+        """How many of `candidates` (this rank's leading run: deferred allreduces or stage ops,
+        each with `seq`, `fingerprint` and `describe()`) every rank has queued;
         raises a mismatch error (every rank's view) when the ranks queued different ones.
 
         When every rank has the same count (the usual case: the batch is closed by waits at
@@ -79,8 +79,7 @@ class Rounds:
 
     def _mismatch(self, ops: list[FusableOp], agreed: int, fps) -> EngineError:
         """Name what differs: every rank's view of the batch, gathered on the side group."""
-        mine = [f"#{op.seq} all_reduce {op.tensor.dtype} {tuple(op.tensor.shape)} "
-                f"{redop_name(op.reduce_op)}" for op in ops]
+        mine = [op.describe() for op in ops]
         views = None
         try:
             if fps is None:  # not every rank saw this: a gather could hang
@@ -90,7 +89,9 @@ class Rounds:
             pass
         detail = f"fingerprints differ ({fps[0]} vs {fps[1]})" if fps else (
             f"the agreed batch end {agreed} does not fall inside this rank's queued allreduces")
-        text = (f"gradientflow: rank {self.rank}: collective mismatch in the async allreduces "
+        what = "async allreduces" if not ops or isinstance(ops[0], FusableOp) else (
+            "compressed (multi-stage) ops")
+        text = (f"gradientflow: rank {self.rank}: collective mismatch in the {what} "
                 f"from sequence number {ops[0].seq if ops else '?'}: {detail}. Every rank must "
                 "issue the same collectives (op, dtype, shape, reduce op) in the same order; "
                 "async allreduces issued from callbacks or threads in timing-dependent order "

@@ -14,26 +14,14 @@ import torch.distributed as dist
 
 from ..compression import CompressionConfig, Compressor, Layout, make_compressor
 from ..compression import checkpoint as _ckpt
-from ..backend.api import submit_stages
+from ..backend.api import submit_part
 from ..compression.momentum import guard_momentum, take_momentum
+from ..fingerprint import text_fingerprint
 from ..engine.stages import StageGen
 
-__all__ = ["CompressionState", "compression_hook", "submit"]
+__all__ = ["CompressionState", "compression_hook"]
 
 _uid = itertools.count()
-
-
-def submit(process_group, key, gen: StageGen, device: torch.device | None = None,
-           dense_bytes: int = 0) -> torch.futures.Future:
-    """Run a bucket's StageGen through the engine (see gradientflow.engine.submit_stages).
-
-    On a gradientflow group every stage of one bucket runs back to back on the engine thread, in
-    bucket order on every rank, so CSC's two collectives per bucket never interleave with another
-    bucket's differently across ranks. On other backends the stages run synchronously in the
-    hook: DDP calls hooks in bucket order on every rank, so the order is the same everywhere, at
-    the cost of no overlap with the backward pass.
-    """
-    return submit_stages(process_group, key, gen, device=device, dense_bytes=dense_bytes)
 
 
 def group_config(process_group):
@@ -132,6 +120,10 @@ class CompressionState:
         _share_cores(process_group, self.world_size)
         self.compressor: Compressor = make_compressor(config, self.world_size)
         self._uid = next(_uid)
+        # The name its buckets are queued under: the agreement round fingerprints it, so ranks
+        # whose compression settings differ (their stage tensors would not pair) get a
+        # mismatch error naming both, not a transport hang.
+        self._op_name = f"{config.method} bucket (config {text_fingerprint(repr(config))})"
         self._names: dict[int, str] = {}  # id(parameter) -> name
         self._auto_names = 0  # first-appearance names when none were bound
         self._layouts: dict[tuple, Layout] = {}
@@ -218,24 +210,38 @@ class CompressionState:
         return self._loss_scale
 
     # --- the op -----------------------------------------------------------------------------------
-    def _stages(self, bucket) -> StageGen:
-        """Return the StageGen of one bucket (closes the step after the last bucket)."""
+    def _part(self, bucket) -> "_BucketPart":
+        """What the engine's batch takes for one bucket (its buffer, layout, whether it is the
+        step's last, the loss scale).
+
+        Checked here, on the caller's thread, so errors reach the caller, not the engine's.
+        """
         if not self._step_open:
-            self.compressor.check_schedule()  # here, on the caller's thread, not the engine's
+            self.compressor.check_schedule()
             self._step_open = True
             # one read per step: get_scale() syncs on CUDA
             self._step_scale = self._current_loss_scale()
         layout = self.layout_of(bucket)
-        # refuse now, not on the engine thread
         layout.check(bucket.buffer(), f"{type(self).__name__} (bucket {bucket.index()})")
-        gen = self.compressor.reduce(bucket.buffer(), layout, loss_scale=self._step_scale)
-        return self._closing(gen) if bucket.is_last() else gen
+        return _BucketPart(self.compressor, bucket.buffer(), layout, bucket.is_last(),
+                           self._step_scale)
 
-    def _closing(self, gen: StageGen) -> StageGen:
-        result = yield from gen
-        self.compressor.end_step()
-        self._step_open = False
-        return result
+    def _fuse(self, parts: list) -> StageGen:
+        """The StageGen of a fused batch of this state's buckets (the engine's fuser): one
+        compressor op for all of them; closes the step after the step's last bucket."""
+        for p in parts:
+            p.prepare()
+        results = yield from self.compressor.reduce_many(
+            [p.flat for p in parts], [p.layout for p in parts], loss_scale=parts[0].loss_scale,
+            final=True, prepared=[p.prepared for p in parts])
+        if any(p.last for p in parts):
+            self.compressor.end_step()
+            self._step_open = False
+        return results
+
+    def _stages(self, bucket) -> StageGen:
+        """The StageGen of one bucket alone (a batch of one), returning its result."""
+        return _only(self._fuse([self._part(bucket)]))
 
     # --- checkpoints and statistics ---------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -305,6 +311,30 @@ class CompressionState:
         self._guard_momentum()
 
 
+class _BucketPart:
+    """One DDP bucket queued in the engine; `prepare()` (the engine thread, while it waits for
+    the batch to close) runs the compressor's local work ahead (CSC: v and the chunk norms)."""
+
+    __slots__ = ("compressor", "flat", "layout", "last", "loss_scale", "prepared", "_done")
+
+    def __init__(self, compressor: Compressor, flat: torch.Tensor, layout: Layout, last: bool,
+                 loss_scale: float) -> None:
+        self.compressor, self.flat, self.layout = compressor, flat, layout
+        self.last, self.loss_scale = last, loss_scale
+        self.prepared = None
+        self._done = False
+
+    def prepare(self) -> None:
+        if not self._done:
+            self._done = True
+            self.prepared = self.compressor.prepare(self.flat, self.layout, self.loss_scale)
+
+
+def _only(gen: StageGen) -> StageGen:
+    results = yield from gen
+    return results[0]
+
+
 def _compressed_ids(state: CompressionState) -> set[int]:
     return set(state._names)
 
@@ -318,5 +348,8 @@ def compression_hook(state: CompressionState, bucket) -> torch.futures.Future[to
         >>> ddp.register_comm_hook(state, compression_hook)
     """
     buf = bucket.buffer()
-    return submit(state.process_group, ("ddp", state._uid, bucket.index()), state._stages(bucket),
-                  device=buf.device, dense_bytes=buf.numel() * 4)
+    # Buckets queued together are fused into one compressor op by the engine (up to the fusion
+    # threshold in dense bytes); the step's last bucket closes the batch.
+    return submit_part(state.process_group, ("ddp", state._uid, bucket.index()),
+                       state._part(bucket), state._fuse, device=buf.device, name=state._op_name,
+                       dense_bytes=buf.numel() * 4, close=bucket.is_last())

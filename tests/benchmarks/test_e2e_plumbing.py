@@ -45,3 +45,22 @@ def test_e2e_quick_runs_the_distributed_optimizer(tmp_path):
     ran = {r["variant"] for r in rows if "median_ms" in r}
     assert {"nocomm", "ddp", "gf_opt", "gf_csc1"} <= ran, [r.get("skipped") for r in rows]
     assert "DistributedOptimizer, priority" in (tmp_path / "e2e.md").read_text()
+
+
+def test_threshold_variants_get_their_own_group():
+    assert bench_e2e._threshold_of("gf_csc1_unfused") == 0
+    assert bench_e2e._threshold_of("gf_csc1_t32") == 32 * 2**20
+    assert bench_e2e._threshold_of("gf_csc1") is None
+    assert bench_e2e._threshold_of("gf_csc1_bucket") is None
+
+
+def test_pipeline_quick_counts_collectives_per_step(tmp_path):
+    from benchmarks import bench_pipeline
+
+    assert bench_pipeline.main(["--quick", "--out", str(tmp_path)]) == 0
+    rows = {r["variant"]: r for r in json.loads((tmp_path / "pipeline.json").read_text())["rows"]}
+    assert set(bench_pipeline.VARIANTS) <= set(rows), rows
+    # tiny's gradients are one batch per step under the default threshold: CSC's 2 collectives;
+    # unfused, every bucket makes its own 2
+    assert rows["gf_csc1"]["collectives"] == 2.0, rows["gf_csc1"]
+    assert rows["gf_csc1_unfused"]["collectives"] >= 2.0, rows["gf_csc1_unfused"]

@@ -1,0 +1,178 @@
+"""Compressed traffic through the engine: CSC's buckets fused and pipelined, against no
+communication at all.
+
+    python -m benchmarks.bench_pipeline --quick            # tiny model, loopback, seconds
+    python -m benchmarks.bench_pipeline                    # ResNet-50 and AlexNet, 1 and 10 Gbps
+
+Two ranks, each in its own network namespace behind a tbf-shaped veth (benchmarks/netem.py),
+run in one launch, in interleaved rounds (bench_e2e's worker): the step with no communication
+(the limit), and DDP with the CSC hook at 1% in three forms:
+
+- unfused: every bucket its own op with its own two collectives (fusion threshold 0), the
+  engine waiting on each;
+- fused, quota per bucket: the buckets of a step in one op (two collectives per step), each
+  bucket sending its own ceil(density x chunks);
+- fused, pool (the default): the same, the top chunks chosen across the whole batch;
+- fused, pool, fusion threshold 32 MB: a step cut into batches of about 32 MB of gradient,
+  so the earlier batches travel while backward still runs.
+
+Reported per variant: median step time, its speed as a fraction of the no-communication
+speed (the issue's target: >= 0.90 at 1 Gbps, >= 0.85 at 10 Gbps), CPU ms per step over the
+no-communication step, collectives per step, and where the engine's time goes (compressor time
+on the engine thread, time its collectives were in flight, agreement rounds), per step.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+if __package__ in (None, ""):  # run by path: make benchmarks.* importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.common import fmt, machine_line, markdown_table, results_dir, write_result
+
+NAME = "pipeline"
+VARIANTS = ("nocomm", "gf_csc1_unfused", "gf_csc1_bucket", "gf_csc1_t32", "gf_csc1")
+TARGETS = {1.0: 0.90, 10.0: 0.85}  # fraction of the no-communication speed
+
+
+def _rows(res, variants, model, tier, rate, shaped, batch):
+    from benchmarks.bench_e2e import ENGINE_STATS, _summarise
+
+    rows = _summarise(res, variants, 2, model, tier, shaped, batch)
+    limit = next((r for r in rows if r["variant"] == "nocomm" and "median_ms" in r), None)
+    for r in rows:
+        r["rate_gbps"] = rate
+        r["load1"] = os.getloadavg()[0]
+        if "median_ms" not in r:
+            continue
+        if limit:
+            r["of_limit"] = limit["median_ms"] / r["median_ms"]
+            if r.get("extra_cpu_ms") is not None and r["variant"] != "nocomm":
+                # The step's gap to the limit that is not this rank's CPU: waiting on the wire,
+                # on the other rank, or on a thread hand-off.
+                r["waiting_ms"] = max(r["comm_ms"] - r["extra_cpu_ms"], 0.0)
+        eng = [x["engine"].get(r["variant"]) for x in res.results]
+        if all(e for e in eng):
+            for k in ENGINE_STATS:
+                r[k] = sum(e[k] for e in eng) / len(eng)
+            r["collectives"] = r["fused_operations"]
+            r["codec_ms"] = r["codec_time_s"] * 1e3
+            r["inflight_ms"] = r["comm_time_s"] * 1e3
+            r["agree_ms"] = r["agreement_time_s"] * 1e3
+        target = TARGETS.get(rate)
+        if target is not None and r["variant"] != "nocomm" and "of_limit" in r:
+            r["target"] = target
+            r["met"] = "yes" if r["of_limit"] >= target else "no"
+    return rows
+
+
+def run(models, tiers, steps, rounds, warmup, timeout_s, loopback, bucket_view=False,
+        log=print):
+    import contextlib
+
+    from benchmarks.bench_e2e import MODELS, _available_bytes, _model_params, _split_for_memory
+    from benchmarks.launch import launch
+    from benchmarks.netem import Cluster, ShapeConfig
+
+    rows, notes = [], []
+    for model in models:
+        cfg = MODELS[model]
+        common = {"model": model, "batch": cfg["batch"], "image": cfg["image"], "steps": steps,
+                  "rounds": rounds, "warmup": warmup, "bucket_view": bucket_view}
+        for rate in tiers:
+            shape = ShapeConfig(rate_gbps=rate)
+            if loopback:
+                cluster = Cluster(2, shape)
+                cluster.tag, cluster.shaped, cluster.reason = "loopback", False, "requested"
+                ctx = contextlib.nullcontext(cluster)
+            else:
+                ctx = Cluster(2, shape, allow_fallback=True)
+            with ctx as cluster:
+                if rate is not None and not cluster.shaped:
+                    notes.append(f"{shape.label} not emulated ({cluster.reason}): skipped")
+                    continue
+                label = shape.label if cluster.shaped else "loopback"
+                parts = _split_for_memory(list(VARIANTS), _model_params(model), 2,
+                                          _available_bytes())
+                for variants in parts:
+                    t0 = time.monotonic()
+                    res = launch("benchmarks.bench_e2e:worker", 2,
+                                 {**common, "variants": variants, "ifname": cluster.ifname},
+                                 cluster=cluster, timeout_s=timeout_s)
+                    if not res.ok:
+                        notes.append(f"{model} {label} {variants}: {res.error}")
+                        log(f"[pipeline] FAILED {model} {label}: {res.error}")
+                        continue
+                    got = _rows(res, variants, model, label, rate, cluster.shaped, cfg["batch"])
+                    rows.extend(got)
+                    log(f"[pipeline] {model} {label} ({time.monotonic() - t0:.0f} s): " +
+                        ", ".join(f"{r['variant']} {fmt(r.get('median_ms'))} ms "
+                                  f"({fmt(r.get('of_limit'))})" for r in got))
+    return rows, notes
+
+
+def _markdown(rows, notes, cmd) -> str:
+    out = [f"## CSC through the engine: fused, pipelined, against no communication (`{NAME}`)",
+           "", machine_line(), f"Command: `{cmd}`", "",
+           "2 ranks, one thread each; median step time over interleaved rounds (a step ends "
+           "when its slowest rank does). of limit = no-communication step time / step time "
+           "(the speed kept). CPU over nocomm = the rank's process CPU per step minus the "
+           "no-communication step's; waiting = the gap to the limit that is not CPU. "
+           "Collectives = transport collectives per step; compressor = "
+           "engine-thread time compressing and decompressing per step; in flight = time its "
+           "collectives were in flight per step (overlaps the rest); agree = agreement rounds' "
+           "time per step. Load avg: the machine's 1-minute load after the launch (2 is this "
+           "benchmark's own ranks).", ""]
+    for model in dict.fromkeys(r["model"] for r in rows):
+        sub = [r for r in rows if r["model"] == model]
+        out += [f"### {model}", "", markdown_table(
+            ["tier", "label", "median_ms", "of_limit", "target", "met", "comm_ms", "extra_cpu_ms",
+             "waiting_ms", "collectives", "codec_ms", "inflight_ms", "agree_ms",
+             "wire_MB_per_step", "load1", "skipped"], sub,
+            ["tier", "variant", "median ms", "of limit", "target", "met", "gap to limit ms",
+             "CPU ms over nocomm", "waiting ms", "collectives/step", "compressor ms/step",
+             "in flight ms/step", "agree ms/step", "wire MB/step/rank", "load avg", "note"]), ""]
+    if notes:
+        out += ["Notes:", ""] + [f"- {n}" for n in notes] + [""]
+    return "\n".join(out)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="tiny model on loopback: seconds")
+    ap.add_argument("--out", default=results_dir(NAME))
+    ap.add_argument("--models", default=None, help="comma list of resnet50,alexnet,tiny")
+    ap.add_argument("--tiers", default=None, help="comma list of Gbit/s (default 1,10)")
+    ap.add_argument("--steps", type=int, default=12, help="timed steps per variant")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--timeout", type=float, default=900.0, help="seconds per launch")
+    ap.add_argument("--loopback", action="store_true", help="unshaped loopback, no namespaces")
+    ap.add_argument("--bucket-view", action="store_true",
+                    help="DDP's gradient_as_bucket_view (gradients live in the buckets: two "
+                         "copies per step fewer)")
+    args = ap.parse_args(argv)
+    if args.quick:
+        models, tiers, loopback = ["tiny"], [None], True
+        args.steps, args.rounds, args.warmup = 4, 2, 1
+    else:
+        models = (args.models or "resnet50,alexnet").split(",")
+        tiers = [float(t) for t in (args.tiers or "1,10").split(",")]
+        loopback = args.loopback
+        if loopback:
+            tiers = [None]
+    rows, notes = run(models, tiers, args.steps, args.rounds, args.warmup, args.timeout,
+                      loopback, args.bucket_view)
+    cmd = "python -m benchmarks.bench_pipeline " + " ".join(argv if argv is not None
+                                                           else sys.argv[1:])
+    md = _markdown(rows, notes, cmd)
+    print(md)
+    write_result(args.out, NAME, {"rows": rows, "notes": notes}, md)
+    return 0 if rows else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
