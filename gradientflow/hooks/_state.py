@@ -295,6 +295,8 @@ class CompressionState:
         compressor = make_compressor(config, self.world_size)
         compressor.load_state_dict(self.compressor.state_dict())
         self.config, self.compressor = config, compressor
+        # The agreement round fingerprints this name: a rank left on the old size must mismatch.
+        self._op_name = f"{config.method} bucket (config {text_fingerprint(repr(config))})"
 
     def __getstate__(self) -> dict:
         # A process group cannot be pickled, and parameter ids mean nothing in another process.
