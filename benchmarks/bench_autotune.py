@@ -7,10 +7,14 @@ order, then waits for all of them: one "step". On one gradientflow group per mod
   2. then the defaults, autotune's choice and every point of a grid of the same settings are
      timed alternately, rep by rep (order rotated), switching the group between them with
      GradientFlowBackend.reconfigure (the same drain-and-swap autotune uses), so all variants
-     meet the same machine load.
+     meet the same machine load. A variant's time in a rep is the median of --steps steps
+     after one discarded warm-up step (new segments, new routes).
+  3. the grid's best point then meets autotune's choice and the defaults head to head, in
+     --h2h more alternated reps: picked and compared on the same reps, the minimum of a dozen
+     noisy medians is biased low by the noise alone (that figure is given too).
 The table gives autotune's choice against the best grid point (target: within 5%), and its
-gain over the defaults, both from the alternated reps. On loopback; --tiers adds the emulated
-network of benchmarks/netem.py.
+gain over the defaults, both as medians of per-rep ratios of the head-to-head reps. On
+loopback; --tiers adds the emulated network of benchmarks/netem.py.
 
     python benchmarks/bench_autotune.py [--quick] [--out DIR] [--worlds 2,4] [--tiers none,10]
 """
@@ -48,8 +52,9 @@ def _label(p: dict) -> str:
 
 
 def worker(rank: int, world_size: int, models: list[str], grid: list[dict], reps: int,
-           tuner: dict) -> dict:
-    """Autotune, then the alternated reps of defaults, choice and grid, per model."""
+           tuner: dict, steps: int = 3, h2h: int = 8) -> dict:
+    """Per model: autotune; the grid search (alternated reps of defaults, choice and grid);
+    then `h2h` head-to-head reps of autotune's choice, the grid's winner and the defaults."""
     import time
 
     import torch
@@ -83,18 +88,29 @@ def worker(rank: int, world_size: int, models: list[str], grid: list[dict], reps
         chosen = {k: getattr(backend.config, k) for k in names}
         variants = {DEFAULT: {k: getattr(defaults, k) for k in names}, AUTOTUNE: chosen,
                     **{_label(p): p for p in grid}}
-        reps_ms: dict[str, list[float]] = {k: [] for k in variants}
-        keys = list(variants)
-        for rep in range(reps):
-            order = keys[rep % len(keys):] + keys[:rep % len(keys)]
-            for k in order:
-                backend.reconfigure(defaults.replace(**variants[k]))
-                step()  # warm-up: new segments, new routes
-                reps_ms[k].append(1e3 * min(step(), step()))
+
+        def alternate(keys: list[str], n: int) -> dict[str, list[float]]:
+            """`n` reps of every variant in `keys`, order rotated per rep: ms per rep."""
+            got: dict[str, list[float]] = {k: [] for k in keys}
+            for rep in range(n):
+                for k in keys[rep % len(keys):] + keys[:rep % len(keys)]:
+                    backend.reconfigure(defaults.replace(**variants[k]))
+                    step()  # warm-up: new segments, new routes
+                    got[k].append(1e3 * median([step() for _ in range(steps)]))
+            return got
+
+        reps_ms = alternate(list(variants), reps)
+        # The grid's winner (rank 0's times, so every rank switches to the same one), then a
+        # head-to-head on new reps: picked and compared on the same reps, the minimum of a
+        # dozen noisy medians would be biased low by the noise alone.
+        pick = [best_grid(reps_ms, list(range(reps)))]
+        dist.broadcast_object_list(pick, src=0, group=group)
+        h2h_ms = alternate([AUTOTUNE, pick[0], DEFAULT], h2h) if h2h else {}
         out[model] = {"tensors": len(grads), "bytes": sum(g.numel() * 4 for g in grads),
                       "tune_steps": tune.calls, "tune_s": tune_s, "chosen": chosen,
                       "summary": tune.summary, "variants": variants, "reps_ms": reps_ms,
-                      "ms": {k: median(v) for k, v in reps_ms.items()}}
+                      "ms": {k: median(v) for k, v in reps_ms.items()},
+                      "best_grid": pick[0], "h2h_ms": h2h_ms}
         dist.destroy_process_group(group)
     return out
 
@@ -111,19 +127,34 @@ def _launch_on(rate: float | None, n: int, kwargs: dict, notes: list) -> object 
         return launch(target, world_size=n, kwargs=kwargs, cluster=cluster, timeout_s=3000)
 
 
+def best_grid(reps_ms: dict[str, list[float]], reps: list[int]) -> str:
+    """The grid point with the lowest median over `reps` (indices into each variant's reps)."""
+    grid = [k for k in reps_ms if k not in (DEFAULT, AUTOTUNE)]
+    return min(grid, key=lambda k: median([reps_ms[k][i] for i in reps]))
+
+
 def _row(tier: str, n: int, model: str, r: dict) -> dict:
-    ms = r["ms"]
-    grid = {k: v for k, v in ms.items() if k not in (DEFAULT, AUTOTUNE)}
-    best = min(grid, key=grid.get)
-    vs_best = paired_ratio([r["reps_ms"][AUTOTUNE]], [r["reps_ms"][best]])
-    gain = paired_ratio([r["reps_ms"][DEFAULT]], [r["reps_ms"][AUTOTUNE]])
+    ms, reps_ms, best = r["ms"], r["reps_ms"], r["best_grid"]
+    h2h = dict(r["h2h_ms"] or reps_ms)  # the head-to-head reps (the grid's without them)
+    same = r["chosen"] == r["variants"][DEFAULT]
+    if same:
+        # Autotune kept the defaults: the two series time one setting, so each rep's mean of
+        # the two is that setting's time (their difference is the noise, not a choice).
+        both = [(a + d) / 2 for a, d in zip(h2h[AUTOTUNE], h2h[DEFAULT])]
+        h2h[AUTOTUNE] = h2h[DEFAULT] = both
+    vs_best = paired_ratio([h2h[AUTOTUNE]], [h2h[best]])
+    vs_best_all = paired_ratio([reps_ms[AUTOTUNE]], [reps_ms[best]])
+    gain = paired_ratio([h2h[DEFAULT]], [h2h[AUTOTUNE]])
     s = r["summary"] or {}
     return {"tier": tier, "ranks": n, "model": model, "tune steps": r["tune_steps"],
-            "default ms": ms[DEFAULT], "autotune ms": ms[AUTOTUNE], "best grid ms": grid[best],
+            "default ms": median(h2h[DEFAULT]), "autotune ms": median(h2h[AUTOTUNE]),
+            "best grid ms": median(h2h[best]), "grid-phase best ms": ms[best],
             "autotune / best grid": f"{vs_best[0]:.3f} [{vs_best[1]:.2f}, {vs_best[2]:.2f}]",
             "within 5%": "yes" if vs_best[0] <= 1.05 else "no",
+            "same-rep best": f"{vs_best_all[0]:.3f}",
             "gain over defaults": f"{gain[0] - 1:+.1%} [{gain[1] - 1:+.0%}, {gain[2] - 1:+.0%}]",
             "own estimate": f"{s.get('gain', float('nan')):+.1%}" if s else "-",
+            "kept defaults": "yes" if same else "no",
             "chosen": _label(r["chosen"]), "best grid": best,
             "mattered most": (max(s["importance"], key=s["importance"].get)
                               if s.get("importance") else "-")}
@@ -137,16 +168,19 @@ def main(argv=None) -> int:
     ap.add_argument("--models", default=None, help="e.g. resnet50,alexnet,bert-base")
     ap.add_argument("--tiers", default=None, help="emulated Gbit/s besides loopback: none,10")
     ap.add_argument("--reps", type=int, default=None)
+    ap.add_argument("--steps", type=int, default=3, help="timed steps per variant and rep")
+    ap.add_argument("--h2h", type=int, default=None,
+                    help="head-to-head reps of autotune, the grid's best and the defaults")
     ap.add_argument("--trials", type=int, default=None, help="autotune trials (default 12)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     if args.quick:
         models, worlds, reps, tiers = ["tiny"], [2], 3, [None]
-        tuner = {"trials": 4, "steps": 2, "warmup": 1, "confirm": 1}
+        tuner = {"trials": 4, "steps": 2, "warmup": 1, "confirm": 1, "finalists": 2}
     else:
-        models, worlds, reps, tiers = ["resnet50", "alexnet", "bert-base"], [2], 3, [None]
-        # 12 trials of 1 + 4 steps, 2 confirmation rounds (4 trials): 80 steps.
-        tuner = {"trials": 12, "steps": 4, "warmup": 1, "confirm": 2}
+        models, worlds, reps, tiers = ["resnet50", "alexnet", "bert-base"], [2], 5, [None]
+        # 12 trials of 1 + 4 steps, then 2 race rounds of 3 candidates: 90 steps (+1).
+        tuner = {"trials": 12, "steps": 4, "warmup": 1, "confirm": 2, "finalists": 2}
     tuner["seed"] = args.seed
     if args.trials:
         tuner["trials"] = args.trials
@@ -157,7 +191,9 @@ def main(argv=None) -> int:
                  for t in args.tiers.split(",")]
     reps = args.reps or reps
     grid = grid_points(args.quick)
-    kwargs = {"models": models, "grid": grid, "reps": reps, "tuner": tuner}
+    h2h = args.h2h if args.h2h is not None else (3 if args.quick else 8)
+    kwargs = {"models": models, "grid": grid, "reps": reps, "tuner": tuner,
+              "steps": args.steps, "h2h": h2h}
     rows, raw, notes = [], {}, []
     for rate, n in itertools.product(tiers, worlds):
         res = _launch_on(rate, n, kwargs, notes)
@@ -174,11 +210,17 @@ def main(argv=None) -> int:
           "was shared with other jobs while this ran.\n\n"
           f"Autotune: {tuner}; grid: {len(grid)} points (fusion x solo x cycle, 2 segments). "
           f"After tuning, defaults, autotune's choice and the grid were timed alternately "
-          f"over {reps} reps (each the faster of 2 steps after 1 warm-up step), switching "
-          "one group with reconfigure(). The bracketed ranges are 95% bootstrap intervals of "
-          "the paired per-rep ratios (benchmarks/common.py, paired_ratio); the best grid "
-          "point is picked by its time, so the ratio against it leans high. 'own estimate': "
-          "the gain autotune measured itself (confirmation rounds).\n\n"
+          f"over {reps} reps (each the median of {args.steps} steps after 1 discarded warm-up "
+          "step), switching one group with reconfigure(). The grid's best point (lowest "
+          f"median there) then met autotune's choice and the defaults head to head in {h2h} "
+          "more alternated reps: 'default ms', 'autotune ms', 'best grid ms', 'autotune / best "
+          "grid' and 'gain over defaults' come from those reps; the bracketed ranges are 95% "
+          "bootstrap intervals of the paired per-rep ratios (benchmarks/common.py, "
+          "paired_ratio). 'same-rep best': the ratio in the grid phase's own reps, where the "
+          "best point was picked (leans high: the minimum of many noisy medians). 'own "
+          "estimate': the gain autotune measured itself (its race rounds). Where autotune kept the "
+          "defaults, its series and the defaults' time one setting: each rep's mean of the two "
+          "stands for both (the gain is then 0 by construction).\n\n"
           + markdown_table(cols, rows) + "".join(f"\n- {x}" for x in notes))
     print(md)
     write_result(args.out, "autotune", {"rows": rows, "raw": raw, "notes": notes,

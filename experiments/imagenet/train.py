@@ -665,12 +665,17 @@ class GradientFlowHook:
     """gradientflow.hooks.register's state, seen through the same four calls as DenseAllreduce."""
 
     def __init__(self, ddp_model: TimedDDP, config, grad_scaler, optimizer):
+        import gradientflow.autotune
         import gradientflow.hooks
 
         self.ddp = ddp_model
         self.state = gradientflow.hooks.register(
             ddp_model, config, optimizer=optimizer,  # momentum correction takes its momentum
             grad_scaler=grad_scaler if grad_scaler.is_enabled() else None)
+        # GRADIENTFLOW_AUTOTUNE=1 tunes the engine from the group on; the chunk size too, here.
+        tuner = gradientflow.autotune.tuner_of(ddp_model.process_group)
+        if tuner is not None:
+            tuner.tune_compression(self.state)
 
     def set_epoch(self, epoch: int) -> None:
         self.state.set_epoch(epoch)  # drives the dense warm-up

@@ -11,10 +11,10 @@ from __future__ import annotations
 from typing import Any
 
 from gradientflow.autotune.space import DEFAULT_PARAMS, PARAMS, Param
-from gradientflow.autotune.tuner import AutotuneMismatch, Tuner, summary_text
+from gradientflow.autotune.tuner import AutotuneMismatch, Tuner, summary_text, tuned_compression
 
 __all__ = ["AutotuneMismatch", "DEFAULT_PARAMS", "PARAMS", "Param", "Tuner", "enable",
-           "summary_text", "tuner_of"]
+           "summary_text", "tuned_compression", "tuner_of"]
 
 
 def enable(group: Any = None, hook: bool = False, **options: Any) -> Tuner:
@@ -23,7 +23,7 @@ def enable(group: Any = None, hook: bool = False, **options: Any) -> Tuner:
     `hook=True`: every optimizer.step() in this process marks a step (one optimizer step per
     training step on every rank); otherwise call `tuner.step()` after each training step.
     `options`: Tuner's arguments (params, trials, steps, warmup, seed, sampler, log_path, out,
-    confirm).
+    confirm, finalists, compression: a CSCState whose chunk size is tuned too).
     """
     from gradientflow.backend.registry import backend_of
 

@@ -5,10 +5,11 @@ collectives): `step()` marks the end of a training step. Between trial boundarie
 the clock. Every `warmup + steps` steps (the same count on every rank, so the same step) the
 ranks exchange two rows by all_gather on the group itself:
 
-1. REPORT: each rank's median step time of the trial (warm-up steps discarded), with checks
+1. REPORT: each rank's score of the trial (block_score of its step times, warm-up steps
+   discarded), with checks
    (marker, phase, trial number, a fingerprint of the tuner's settings). A row that differs
    raises AutotuneMismatch on every rank, naming the ranks, since every rank sees every row.
-2. DECIDE: rank 0 scores the trial (the slowest rank's median), tells the study, and puts the
+2. DECIDE: rank 0 scores the trial (the slowest rank's score), tells the study, and puts the
    next trial's settings in its row; every rank reads rank 0's row.
 
 An all_gather is an ordered collective like any other: it takes the same sequence number on
@@ -21,7 +22,6 @@ from __future__ import annotations
 
 import json
 import logging
-import statistics
 import time
 from typing import Any, Sequence
 
@@ -38,25 +38,29 @@ log = logging.getLogger("gradientflow.autotune")
 MAGIC = 271828.0  # first word of every row: a row from anything else is a mismatch
 REPORT, DECIDE = 1.0, 2.0
 FAILED = -1.0  # rank 0's done flag when its search raised
-_HEAD = 5  # MAGIC, phase, trial, fingerprint, value (a median, or rank 0's done flag)
+_HEAD = 5  # MAGIC, phase, trial, fingerprint, value (a score, or rank 0's done flag)
 
 
 class Tuner:
     """Autotune of one process group's engine settings (see the module doc and AUTOTUNE.md).
 
     `group`: the process group (None: the default one). Unset arguments come from the
-    group's Config (GRADIENTFLOW_AUTOTUNE_*). `params`: the Config fields to tune (default
-    space.DEFAULT_PARAMS). `confirm`: rounds that re-measure the best trial against the
-    defaults, alternately, after the search (the best of many noisy medians is optimistic);
-    the choice and the gain come from those rounds. Call `step()` once per training step on
-    every rank (after optimizer.step()), or use `enable(..., hook=True)`.
+    group's Config (GRADIENTFLOW_AUTOTUNE_*). `params`: the settings to tune (default
+    space.DEFAULT_PARAMS, plus `chunk_size` when `compression` is given and `algorithm` where
+    the topology offers a choice). `compression`: a DDP hook state (CSCState) whose chunk size
+    is tuned through its `set_chunk_size`. `confirm`: race rounds after the search, in which
+    the `finalists` best searched settings and the defaults are measured side by side (the
+    best of many noisy medians is optimistic); the choice and the gain come from those rounds.
+    Call `step()` once per training step on every rank (after optimizer.step()), or use
+    `enable(..., hook=True)`.
     """
 
     def __init__(self, group: Any = None, *, params: Sequence[Any] | None = None,
                  trials: int | None = None, steps: int | None = None,
                  warmup: int | None = None, seed: int | None = None,
                  sampler: str | None = None, log_path: str | None = None,
-                 out: str | None = None, confirm: int = 2, backend: Any = None) -> None:
+                 out: str | None = None, confirm: int = 2, finalists: int = 2,
+                 compression: Any = None, backend: Any = None) -> None:
         if backend is None:
             from gradientflow.backend.registry import backend_of
 
@@ -68,7 +72,8 @@ class Tuner:
         cfg = backend.config
         self.rank = backend.rank()
         self.world_size = backend.size()
-        self.params = space.params_of(params)
+        self.compression = compression
+        self.params = self._space(params, compression, backend)
         self.trials = cfg.autotune_trials if trials is None else int(trials)
         self.steps = cfg.autotune_steps if steps is None else int(steps)
         self.warmup = cfg.autotune_warmup if warmup is None else int(warmup)
@@ -78,12 +83,12 @@ class Tuner:
             "{rank}", str(self.rank))
         self.out = cfg.autotune_out if out is None else out
         self.confirm = int(confirm)
-        if self.trials < 1 or self.steps < 1 or self.warmup < 0 or self.confirm < 0:
-            raise ValueError("autotune: trials and steps must be >= 1, warmup and confirm >= 0")
-        self.defaults = {p.name: getattr(cfg, p.name) for p in self.params}
-        self._fp = float(space.fingerprint(self.params, self.trials,
-                                           self.steps, self.warmup, self.confirm,
-                                           self.world_size))
+        self.finalists = int(finalists)
+        if (self.trials < 1 or self.steps < 1 or self.warmup < 0 or self.confirm < 0
+                or self.finalists < 0):
+            raise ValueError("autotune: trials and steps must be >= 1, warmup, confirm and "
+                             "finalists >= 0")
+        self._fix_space()
         self.trial = 0  # the trial being measured
         self.calls = 0  # step() calls so far
         self.history: list[tuple[int, dict]] = []  # (step() call, settings applied after it)
@@ -108,6 +113,70 @@ class Tuner:
             if self.rank == 0:
                 log.info("autotune: using the settings tuned earlier in %s", cfg.config_file)
 
+    def _fix_space(self) -> None:
+        """The defaults of the tuned settings and the fingerprint the ranks compare."""
+        self.defaults = {p.name: getattr(self._holder(p), p.name) for p in self.params}
+        self._fp = float(space.fingerprint(self.params, self.trials,
+                                           self.steps, self.warmup, self.confirm,
+                                           self.finalists, self.world_size))
+
+    def tune_compression(self, state: Any) -> None:
+        """Tune `state`'s CSC chunk size too (a DDP hook state, CSCState), from the first trial.
+
+        For a tuner made before the hook (GRADIENTFLOW_AUTOTUNE=1 makes it with the group):
+        call it on every rank before the first training step. A tuner that loaded its settings
+        from a file (GRADIENTFLOW_CONFIG) applies the chunk size that file holds instead.
+        """
+        if self.done:
+            if self.loaded_from:
+                chunk = tuned_compression(self.loaded_from).get("chunk_size")
+                if chunk is not None:
+                    state.set_chunk_size(int(chunk))
+            return
+        if self.calls > 0:
+            raise RuntimeError(f"gradientflow autotune: rank {self.rank}: tune_compression() "
+                               "after tuning started; call it before the first training step")
+        self.compression = state
+        if "chunk_size" not in {p.name for p in self.params}:
+            self.params = (*self.params, space.PARAMS["chunk_size"])
+        self._fix_space()
+
+    @staticmethod
+    def _space(names: Sequence[Any] | None, compression: Any, backend: Any
+               ) -> tuple[space.Param, ...]:
+        """The Params to tune: the named ones (or the defaults, plus the chunk size with a
+        compression state and the algorithm where there is a choice), choices fitted to this
+        group's topology (read through the store, the same on every rank)."""
+        params = list(space.params_of(names))
+        named = {p.name for p in params}
+        if names is None and compression is not None:
+            params.append(space.PARAMS["chunk_size"])
+        if "chunk_size" in named | {p.name for p in params} and compression is None:
+            raise ValueError("autotune: tuning chunk_size needs the DDP hook state it belongs "
+                             "to: Tuner(..., compression=state)")
+        algos = getattr(backend, "algorithms", None)
+        topo = algos.known_topology() if algos is not None else None
+        choices = space.algorithm_choices(
+            topo.num_hosts if topo is not None else 1,
+            topo.max_local if topo is not None else backend.size(),
+            getattr(algos, "reducers", 0))
+        if names is None and len(choices) > 1:
+            params.append(space.PARAMS["algorithm"])
+        out = []
+        for p in params:
+            if p.name == "algorithm" and p.choices:
+                p = space.with_choices(p, choices)
+                if len(p.choices) < 2:
+                    log.info("autotune: algorithm not tuned: this group's topology offers "
+                             "%s only", p.choices or ("ring",))
+                    continue
+            out.append(p)
+        return tuple(out)
+
+    def _holder(self, p: space.Param) -> Any:
+        """What holds `p`'s value: the group's Config or the compression state's config."""
+        return self.compression.config if p.target == "compression" else self._backend.config
+
     @staticmethod
     def done_loading(cfg: Any) -> bool:
         """Whether `cfg` was loaded from a file autotune wrote (then it does not tune again)."""
@@ -127,15 +196,14 @@ class Tuner:
         if len(self._samples) < self.warmup + self.steps:
             return
         measured = self._samples[self.warmup:]
-        median = statistics.median(measured)
-        rows = self._exchange(REPORT, median, [])
-        rank_medians = [float(r) for r in rows[:, 4]]
+        rows = self._exchange(REPORT, block_score(measured), [])
+        rank_scores = [float(r) for r in rows[:, 4]]
         decision: list[float] = []
         done = 0.0
         failure: BaseException | None = None
         if self.rank == 0:
             try:
-                done, decision = self._decide(max(rank_medians), rank_medians, measured)
+                done, decision = self._decide(max(rank_scores), rank_scores, measured)
             except Exception as exc:  # noqa: BLE001 - every rank must hear of it, not hang
                 failure, done, decision = exc, FAILED, space.encode(self.params, self.defaults)
         rows = self._exchange(DECIDE, done, decision)
@@ -154,13 +222,13 @@ class Tuner:
             self._finish()
         self._t_last = time.perf_counter()  # the exchange and the drain are not a step
 
-    def _decide(self, score: float, rank_medians: list[float],
+    def _decide(self, score: float, rank_scores: list[float],
                 samples: list[float]) -> tuple[float, list[float]]:
         """Rank 0: record the trial, pick the next one; (done flag, its settings encoded)."""
         if self._search is None:
             self._search = Search(self.params, self.defaults, self.trials, self.seed,
-                                  self.sampler, self.confirm)
-        record = self._search.record(score, rank_medians, samples)
+                                  self.sampler, self.confirm, self.finalists)
+        record = self._search.record(score, rank_scores, samples)
         self._log({"event": "trial", **record})
         nxt = self._search.next()
         done = 0.0
@@ -204,10 +272,21 @@ class Tuner:
         return rows
 
     def _apply(self, settings: dict) -> None:
-        """Drain the engine and swap its config (same call, same values on every rank)."""
+        """Drain the engine and swap its config, the algorithm and the chunk size (the same
+        call with the same values on every rank)."""
         backend = self._backend
-        if any(getattr(backend.config, k) != v for k, v in settings.items()):
-            backend.reconfigure(backend.config.replace(**settings))
+        engine = {p.name: settings[p.name] for p in self.params if p.target == "engine"}
+        comp = {p.name: settings[p.name] for p in self.params if p.target == "compression"}
+        if any(getattr(backend.config, k) != v for k, v in engine.items()):
+            backend.reconfigure(backend.config.replace(**engine))  # drains first
+            if "algorithm" in engine:
+                # The group's channels read the algorithm's name per message (Channel.pick);
+                # with the engine drained, every rank switches between the same two messages.
+                backend.algorithms.name = engine["algorithm"]
+        if "chunk_size" in comp and comp["chunk_size"] != self.compression.config.chunk_size:
+            # The hook's buckets run on the engine: drained, no step of the state is open.
+            backend.engine.drain()
+            self.compression.set_chunk_size(comp["chunk_size"])
         self.history.append((self.calls, dict(settings)))
 
     def _finish(self) -> None:
@@ -219,8 +298,16 @@ class Tuner:
         summary = self.summary
         self._log({"event": "final", **summary})
         if self.out:
-            write_config_file(self.out, summary["settings"],
-                              {"autotune": {k: v for k, v in summary.items() if k != "settings"}})
+            # The engine's settings go where GRADIENTFLOW_CONFIG loads them; the compression
+            # state's (chunk size) are not Config fields: they sit beside them, for
+            # tuned_compression() to read back into the CompressionConfig of a later run.
+            engine = {p.name for p in self.params if p.target == "engine"}
+            extra = {"autotune": {k: v for k, v in summary.items() if k != "settings"}}
+            comp = {k: v for k, v in summary["settings"].items() if k not in engine}
+            if comp:
+                extra["compression"] = comp
+            write_config_file(self.out, {k: v for k, v in summary["settings"].items()
+                                         if k in engine}, extra)
         log.info("%s", summary_text(summary))
 
     def _log(self, record: dict) -> None:
@@ -241,6 +328,25 @@ class Tuner:
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
+
+
+def block_score(samples: Sequence[float]) -> float:
+    """A trial's score on one rank: the mean of the faster half of its step times.
+
+    On a shared machine the noise is one-sided: another job's burst only ever adds time to a
+    step, and one step in four or five often meets one. The median of four steps still moves
+    with two such steps; the faster half's mean drops them and, unlike the minimum, does not
+    rest on one lucky step.
+    """
+    xs = sorted(samples)
+    half = xs[:max(1, (len(xs) + 1) // 2)]
+    return sum(half) / len(half)
+
+
+def tuned_compression(path: str) -> dict:
+    """The compression settings (e.g. {"chunk_size": 2048}) autotune wrote to the settings
+    file `path` ({} if it tuned none); pass them to CompressionConfig(...) in a later run."""
+    return dict(read_config_file(path).get("compression") or {})
 
 
 def summary_text(summary: dict) -> str:

@@ -274,6 +274,30 @@ class CompressionState:
         """Return the wire statistics (see gradientflow.compression.stats for the definitions)."""
         return self.compressor.stats.as_dict()
 
+    # --- autotune: a new chunk size between steps ---------------------------------------------
+    def set_chunk_size(self, chunk_size: int) -> None:
+        """Use `chunk_size` from the next step on, keeping every residual and velocity.
+
+        Call between steps, at the same step on every rank (gradientflow.autotune does, after
+        its agreed exchange and a drain of the engine); raises RuntimeError while a step's
+        buckets are being reduced. The compressor is rebuilt for the new size and handed the old
+        one's state (state_dict): residual and momentum are kept per parameter name and element,
+        never per chunk, so they carry over whole and no gradient mass is lost; plans that
+        depend on the chunk size are built again at the next step.
+        """
+        if self._step_open:
+            raise RuntimeError(
+                f"{type(self).__name__}.set_chunk_size: a step is being reduced; change the "
+                "chunk size between steps (after the optimizer step, with no bucket in flight)")
+        config = dataclasses.replace(self.config, chunk_size=chunk_size)  # validates it
+        if config == self.config:
+            return
+        compressor = make_compressor(config, self.world_size)
+        compressor.load_state_dict(self.compressor.state_dict())
+        self.config, self.compressor = config, compressor
+        # The agreement round fingerprints this name: a rank left on the old size must mismatch.
+        self._op_name = f"{config.method} bucket (config {text_fingerprint(repr(config))})"
+
     def __getstate__(self) -> dict:
         # A process group cannot be pickled, and parameter ids mean nothing in another process.
         state = {k: v for k, v in self.__dict__.items()

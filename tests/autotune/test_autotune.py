@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import statistics
 
 import pytest
 
@@ -227,21 +228,37 @@ def test_env_autotune_logs_every_trial_and_a_later_run_loads_the_choice(pools, t
            "GRADIENTFLOW_AUTOTUNE_STEPS": "2", "GRADIENTFLOW_AUTOTUNE_WARMUP": "1"}
     out = pools(2).run(tune_and_log, log_path, out_path, env=env, timeout=180)
     assert out[0] == out[1]
-    # 4 searched trials + 2 confirmation rounds of 2, 3 steps each (+1: the first starts the
-    # clock), unless the defaults won the search (no confirmation then).
-    assert out[0]["steps"] in (4 * 3 + 1, 8 * 3 + 1)
+    # 4 searched trials, then 2 race rounds of the defaults and the 2 best searched settings:
+    # 10 trials of 3 steps (+1: the first step starts the clock).
+    assert out[0]["steps"] == (4 + 2 * 3) * 3 + 1
     lines = [json.loads(x) for x in open(log_path)]
     trials, final = lines[:-1], lines[-1]
     assert [t["event"] for t in trials] == ["trial"] * len(trials)
     assert [t["trial"] for t in trials] == list(range(len(trials)))
     assert trials[0]["kind"] == "default" and {t["kind"] for t in trials[1:4]} == {"search"}
+    race = trials[4:]
+    assert [t["kind"] for t in race] == ["race"] * 6
+    # each round measures every finalist once, the defaults (candidate 0) among them
+    assert sorted((t["round"], t["candidate"]) for t in race) == [
+        (r, c) for r in range(2) for c in range(3)]
+    assert all(t["settings"] == final["finalists"][t["candidate"]] for t in race)
     for t in trials:
-        assert len(t["samples_s"]) == 2 and len(t["rank_medians_s"]) == 2
-        assert t["score_s"] == max(t["rank_medians_s"]) > 0
+        assert len(t["samples_s"]) == 2 and len(t["rank_scores_s"]) == 2
+        assert t["score_s"] == max(t["rank_scores_s"]) > 0
     assert final["event"] == "final"
     assert set(final["settings"]) == {"fusion_threshold", "solo_threshold", "cycle_time_ms",
                                       "fusion_segments"}
-    assert final["gain"] == pytest.approx(final["default_score_s"] / final["score_s"] - 1)
+    assert final["gain"] == pytest.approx(1 / final["ratio_to_defaults"] - 1)
+    chosen_at = final["finalists"].index(final["settings"])
+    ratios = {int(c): v for c, v in final["race_ratios"].items()}
+    assert ratios[0] == [1.0, 1.0]  # the defaults against themselves
+    medians = {c: statistics.median(v) for c, v in ratios.items()}
+    # the lowest median wins, unless it beats the defaults by less than the margin
+    from gradientflow.autotune.search import MARGIN
+    if chosen_at:
+        assert medians[chosen_at] == min(medians.values()) <= 1 - MARGIN
+    else:
+        assert min(medians.values()) > 1 - MARGIN or min(medians.values()) == 1.0
     assert set(final["importance"]) == set(final["settings"])
     chosen = [final["settings"][k] for k in ("fusion_threshold", "solo_threshold",
                                              "cycle_time_ms", "fusion_segments")]
@@ -347,3 +364,52 @@ def reconfigure_only_when_quiet(rank, world):
 def test_reconfigure_refuses_while_ops_are_queued(pools):
     for r, msg in enumerate(pools(2).run(reconfigure_only_when_quiet, timeout=60)):
         assert msg is not None and f"rank {r}: reconfigure()" in msg and "drain()" in msg
+
+
+def test_block_score_drops_the_slow_half_and_the_race_keeps_defaults_within_the_margin():
+    from gradientflow.autotune.tuner import block_score
+
+    assert block_score([1.0, 9.0, 2.0, 50.0]) == 1.5  # two bursts do not move it
+    assert block_score([3.0]) == 3.0 and block_score([2.0, 4.0, 9.0]) == 3.0
+
+
+@needs_optuna
+@pytest.mark.parametrize("ratios, chosen", [((0.99, 0.98), 0), ((0.9, 0.95), 1),
+                                             ((1.2, 0.9), 0), ((0.95, 0.9), 1)])
+def test_race_picks_the_lowest_median_ratio_beyond_the_margin(ratios, chosen):
+    """Two race rounds of the defaults and one candidate: the candidate's times are the
+    defaults' times scaled by `ratios` (the defaults' own time moves between rounds)."""
+    from gradientflow.autotune.search import Search
+    from gradientflow.autotune.space import params_of
+
+    ps = params_of(["cycle_time_ms"])
+    search = Search(ps, {"cycle_time_ms": 3.0}, trials=2, seed=0, sampler="tpe", rounds=2,
+                    finalists=1)
+    search.record(0.2, [0.2], [])  # the defaults' trial
+    search.next()
+    search.record(0.1, [0.1], [])  # the searched one: a lucky low score
+    plan = []
+    while (s := search.next()) is not None:
+        plan.append(s)
+        kind, settings, cand = search._current
+        rnd = sum(r.get("candidate") == cand for r in search.records)
+        base = [1.0, 3.0][rnd]
+        search.record(base * (ratios[rnd] if cand else 1.0), [0.0], [])
+    assert len(plan) == 4
+    summary = search.summary()
+    assert summary["settings"] == summary["finalists"][chosen]
+
+
+def test_algorithm_is_a_choice_only_where_the_topology_offers_one():
+    from gradientflow.autotune import space
+
+    assert space.algorithm_choices(1, 4, 0) == ("ring",)  # one host: nothing to choose
+    assert space.algorithm_choices(4, 1, 0) == ("ring",)  # one rank per host: no hierarchy
+    assert space.algorithm_choices(2, 4, 0) == ("ring", "auto", "hierarchical")
+    assert space.algorithm_choices(1, 4, 2) == ("ring", "auto", "reduction_server")
+    p = space.with_choices(space.PARAMS["algorithm"], space.algorithm_choices(2, 4, 2))
+    assert p.choices == ("ring", "auto", "hierarchical", "reduction_server")
+    ps = (p, space.PARAMS["chunk_size"])
+    vals = {"algorithm": "hierarchical", "chunk_size": 2048}
+    assert space.decode(ps, space.encode(ps, vals)) == vals
+    assert space.decode(ps, [9.0, 1e9]) == {"algorithm": "reduction_server", "chunk_size": 4096}

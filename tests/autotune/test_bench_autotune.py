@@ -20,7 +20,8 @@ def test_quick_benchmark_reports_grid_choice_and_gain(tmp_path):
     data = json.loads((tmp_path / "autotune.json").read_text())
     (row,) = data["rows"]
     tuner = data["tuner"]
-    most = (tuner["trials"] + 2 * tuner["confirm"]) * (tuner["warmup"] + tuner["steps"]) + 1
+    race = tuner["confirm"] * (tuner["finalists"] + 1)
+    most = (tuner["trials"] + race) * (tuner["warmup"] + tuner["steps"]) + 1
     assert row["model"] == "tiny" and 0 < row["tune steps"] <= most
     assert row["within 5%"] in ("yes", "no") and row["best grid"].startswith("fuse ")
     raw = data["raw"]["loopback 2"]["tiny"]
