@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 # torch would download a multi-GB build.
 TORCH_PINS := torch==2.14.1 torchvision==0.29.1
 
-.PHONY: install test lint demo bench bench-quick experiment sweep simulate bench-algorithms bench-algorithms-e2e bench-pipeline bench-autotune test-ray clean
+.PHONY: install test lint demo bench bench-quick experiment sweep simulate bench-algorithms bench-algorithms-e2e bench-pipeline bench-autotune bench-autotune-matrix autotune-e2e test-ray clean
 
 install: $(STAMP)
 
@@ -56,6 +56,15 @@ bench-pipeline: install
 # autotune against a grid of the same settings, in one launch
 bench-autotune: install
 	$(PY) benchmarks/bench_autotune.py
+
+# the same on loopback and the emulated 10 Gbit/s network, 2 and 4 ranks (root)
+bench-autotune-matrix: install
+	for t in none 10; do for n in 2 4; do $(PY) benchmarks/bench_autotune.py --tiers $$t \
+		--worlds $$n --out benchmarks/results/autotune/t$${t}_w$$n; done; done
+
+# a CSC training run with autotune against the defaults (digits, time to the same accuracy)
+autotune-e2e: install
+	$(PY) experiments/imagenet/autotune_e2e.py --runs default-0,autotune-0,autotune-1,default-1
 
 # the scale model's tables, plots and calibration (benchmarks/results/simulate/)
 simulate: install
