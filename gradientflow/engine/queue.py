@@ -127,10 +127,12 @@ class OrderedQueue:
         self.issued.clear()
         self.to_prepare.clear()
         self.run_len = self.run_bytes = 0
+        self.run_closed = False
         return items
 
     def _recount_run(self) -> None:
-        """Recompute the leading run of deferred ops after the head of `issued` changed."""
+        """Recompute the leading run (its kind, length, bytes, whether an op closes it) after
+        the head of `issued` changed."""
         self.run_len = 0
         self.run_bytes = 0
         self.run_closed = False
