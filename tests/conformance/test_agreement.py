@@ -30,18 +30,11 @@ MAY_DIFFER = {
 def _with_env(rank, settings, body):
     """Run body() with GRADIENTFLOW_* set per rank (rank 0 the first value), then restore."""
     import os
+    from unittest import mock
 
     names = {f"GRADIENTFLOW_{k.upper()}": v[0 if rank == 0 else 1] for k, v in settings.items()}
-    saved = {k: os.environ.get(k) for k in names}
-    os.environ.update(names)
-    try:
+    with mock.patch.dict(os.environ, names):
         return body()
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def _new_group_error(rank, ws, setting):
