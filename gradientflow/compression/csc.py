@@ -183,11 +183,12 @@ class CSCCompressor(Compressor):
         stage tensors travel back to back, and the chunks to send are chosen across the batch
         (config.selection "pool") or per buffer ("bucket"), from the reduced norms.
         """
-        for flat, layout in zip(flats, layouts):
-            layout.check(flat, "CSCCompressor.reduce")
+        prepared = prepared or [None] * len(flats)
+        for it, flat, layout in zip(prepared, flats, layouts):
+            if it is None:  # a prepared buffer was checked by prepare()
+                layout.check(flat, "CSCCompressor.reduce")
         cfg, n = self.config, self.world_size
         density = self.density_in_force()
-        prepared = prepared or [None] * len(flats)
         items = [it if it is not None else self._prepare(flat, layout, loss_scale)
                  for it, flat, layout in zip(prepared, flats, layouts)]
         live = [it for it in items if it.numel]
