@@ -8,7 +8,6 @@ the keyed scheduler). What it returns stands in for the transport's own process 
 """
 from __future__ import annotations
 
-import datetime
 import threading
 from typing import Any, Callable
 
@@ -21,6 +20,7 @@ from gradientflow.algorithms.base import (AlgorithmWork, Executor, StepFailed, a
 from gradientflow.algorithms.topology import Topology, discover
 
 from gradientflow.config import ALGORITHMS  # noqa: E402 - one list, validated there
+from gradientflow.stores import own_connection
 
 __all__ = ["ALGORITHMS", "Algorithms", "AlgorithmWork", "StepFailed", "Topology",
            "algorithm_stats", "reset_algorithm_stats"]
@@ -30,9 +30,10 @@ class Algorithms:
     """A process group's algorithm setting, its topology and its channels."""
 
     def __init__(self, config: Any, store, rank: int, size: int, timeout_s: float,
-                 make_group: Callable[[str, int, int, str], Any], label: str) -> None:
-        """`make_group(device_type, rank, size, prefix)`: a transport group (gloo for "cpu",
-        NCCL for "cuda") of `size` ranks meeting under `prefix` in the group's store."""
+                 make_group: Callable[[Any, str, int, int, str], Any], label: str) -> None:
+        """`make_group(store, device_type, rank, size, prefix)`: a transport group (gloo for
+        "cpu", NCCL for "cuda") of `size` ranks meeting under `prefix` in `store` (a
+        connection to the group's store)."""
         self.name = config.algorithm
         self.reducers = config.reducers
         self._config = config
@@ -55,33 +56,26 @@ class Algorithms:
         """Which ranks share a host (read through the store once, by every rank)."""
         with self._lock:
             if self._topo is None:
-                self._topo = discover(self._store, self.rank, self.size,
+                # on a connection of its own: a thread creating a transport group on the
+                # shared one may be waiting there for a peer that waits for this exchange
+                self._topo = discover(own_connection(self._store), self.rank, self.size,
                                       self._config.host or self._config.node,
                                       self.timeout_s,
                                       local_world_size=self._config.local_world_size)
             return self._topo
 
     def group_maker(self) -> Callable[[str, int, int, str], Any]:
-        """`make_group` for one channel's subgroups. CPU (gloo) groups meet through a store
-        connection of the channel's own: creating a group waits in the store for the other
-        ranks, and a wait holds its connection, so on the group's shared one it would block
-        every other thread of this rank using it (another channel creating its groups, the
-        inspector's check-ins). Two channels creating their groups in different orders on
-        different ranks then wait for each other until the store's timeout."""
-        from torch._C._distributed_c10d import PrefixStore, ProcessGroupGloo
-
+        """`make_group` for one channel's subgroups, which meet through a store connection of
+        the channel's own: creating a group waits in the store for the other ranks, and a wait
+        holds its connection (gradientflow/stores.py). On the group's shared one, two channels
+        creating their groups in different orders on different ranks wait for each other until
+        the store's timeout."""
         own: list = []
 
         def make(device_type: str, rank: int, size: int, prefix: str) -> Any:
-            if device_type != "cpu":
-                return self._make_group(device_type, rank, size, prefix)
             if not own:
-                try:
-                    own.append(self._store.clone())
-                except Exception:  # noqa: BLE001 - a store without clone(): share it
-                    own.append(self._store)
-            return ProcessGroupGloo(PrefixStore(prefix, own[0]), rank, size,
-                                    datetime.timedelta(seconds=self.timeout_s))
+                own.append(own_connection(self._store))
+            return self._make_group(own[0], device_type, rank, size, prefix)
 
         return make
 

@@ -24,6 +24,7 @@ from gradientflow.config import Config, current_overrides
 from gradientflow.backend.registry import backend_of  # noqa: F401 - its old home
 from gradientflow.engine.engine import Engine
 from gradientflow.inspector import Inspector, check_world
+from gradientflow.stores import own_connection
 
 
 @layouts.conform  # strided views and sparse COO, as gloo takes them (backend/layouts.py)
@@ -63,7 +64,7 @@ class GradientFlowBackend(_CBackend):
         # transports.
         self.algorithms = Algorithms(
             config, store, rank, size, timeout.total_seconds(),
-            lambda dev, r, n, p: Transports.factories[dev](store, r, n, timeout, p),
+            lambda st, dev, r, n, p: Transports.factories[dev](st, r, n, timeout, p),
             group_name or "gradientflow")
         self.engine = Engine(rank, size, config, timeout.total_seconds(),
                              self.algorithms.channel("fused", self.transports.get), agree,
@@ -99,7 +100,10 @@ class GradientFlowBackend(_CBackend):
             if self._scheduler is None:
                 from gradientflow.engine.scheduler import KeyedScheduler
 
-                store, rank, size, timeout = (self._store, self._rank, self._size, self._timeout)
+                # created on a user thread while the engine's may wait in the store: a
+                # connection of its own (gradientflow/stores.py)
+                store = own_connection(self._store)
+                rank, size, timeout = self._rank, self._size, self._timeout
                 self._sched_agree = make_gloo(store, rank, size, timeout,
                                               "gradientflow/sched-agree/")
                 self._sched_transports = Transports(store, rank, size, timeout,

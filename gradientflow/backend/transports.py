@@ -13,6 +13,7 @@ import torch
 from torch._C._distributed_c10d import PrefixStore, ProcessGroupGloo
 
 from gradientflow.config import restart_attempt
+from gradientflow.stores import own_connection
 
 
 def make_gloo(store, rank: int, size: int, timeout: datetime.timedelta, prefix: str):
@@ -40,7 +41,12 @@ def attempt_store(store):
 
 
 class Transports:
-    """The transport process group per device type; CUDA's is created on first use."""
+    """The transport process group per device type; CUDA's is created on first use.
+
+    Groups created on first use meet through a store connection of their own
+    (gradientflow/stores.py): their rendezvous runs on whichever thread first needs them,
+    while other threads of the rank may be waiting in the store.
+    """
 
     # Factories are class attributes so tests can substitute fakes for the CUDA path.
     factories: dict[str, Callable[..., Any]] = {"cpu": make_gloo, "cuda": make_nccl}
@@ -51,8 +57,10 @@ class Transports:
         self._prefix = prefix
         self._by_type: dict[str, Any] = {}
         self._lock = threading.Lock()
+        self._lazy = False
         if connect_cpu:
             self.get(torch.device("cpu"))  # gloo eagerly: connecting it is part of init
+        self._lazy = True
 
     def existing(self, device_type: str) -> Any:
         """The transport for `device_type` if it was created, else None."""
@@ -68,7 +76,10 @@ class Transports:
                     factory = self.factories.get(device.type)
                     if factory is None:
                         raise RuntimeError(f"gradientflow has no transport for {device.type}")
-                    pg = factory(*self._args, f"{self._prefix}{device.type}/")
+                    store, *rest = self._args
+                    if self._lazy:
+                        store = own_connection(store)
+                    pg = factory(store, *rest, f"{self._prefix}{device.type}/")
                     self._by_type[device.type] = pg
         return pg
 

@@ -55,6 +55,7 @@ from gradientflow.fingerprint import DEFERRED, describe, mix, name_id
 from gradientflow.inspector.compare import first_mismatch
 from gradientflow.inspector.debug import DebugCheck
 from gradientflow.inspector.world import pid_alive
+from gradientflow.stores import own_connection
 
 LOG = logging.getLogger("gradientflow")
 
@@ -85,10 +86,7 @@ class Inspector:
         self.sliced = True
         # A connection of its own: a user thread blocked in store.wait() holds the shared
         # client's connection, and the check-ins must go on meanwhile.
-        try:
-            self._store = store.clone()
-        except Exception:  # noqa: BLE001 - stores without clone() (HashStore, FileStore)
-            self._store = store
+        self._store = own_connection(store)
         self._on_fault = on_fault
         self._hist: collections.deque = collections.deque(maxlen=HISTORY)
         # A fingerprint chain over every collective issued: h_n = mix(h_{n-1}, fp(op_n)). Two
