@@ -170,26 +170,37 @@ def _make_variant(variant: str, model_name: str, gf_group, bucket_view: bool = F
         return model  # averaged by its optimizer (_make_optimizer), not by DDP
     if variant.startswith("gf_"):
         thr = _threshold_of(variant)
-        ddp = DDP(model, process_group=gf_group if thr is None else groups[thr])
-        if variant == "gf_dense":
-            return ddp
-        import gradientflow.hooks as gfh
-        if variant == "gf_fp16":
-            cfg = _gf_config("fp16", 1.0)
-        else:
-            density, *tags = variant[len("gf_csc"):].split("_")
-            extra = {"selection": "pool"} if "pool" in tags else {}
-            cfg = _gf_config("csc", float(density) / 100, **extra)
-        gfh.register(ddp, cfg)
-        return ddp
+        # gf_dense has no hook; the others' is registered with their optimizer (_make_optimizer)
+        return DDP(model, process_group=gf_group if thr is None else groups[thr])
     raise ValueError(f"bench_e2e: unknown variant {variant!r}; use one of {list(LABELS)}")
 
 
-def _make_optimizer(variant: str, model, gf_group):
-    """Return the optimizer of one variant: plain SGD, or gradientflow's DistributedOptimizer."""
+def _hook_config(variant: str):
+    """The compression config of a gradientflow DDP-hook variant, None for the others."""
+    if variant == "gf_fp16":
+        return _gf_config("fp16", 1.0)
+    if variant.startswith("gf_csc"):
+        density, *tags = variant[len("gf_csc"):].split("_")
+        extra = {"selection": "pool"} if "pool" in tags else {}
+        return _gf_config("csc", float(density) / 100, **extra)
+    return None
+
+
+def _make_optimizer(variant: str, model, gf_group, momentum: float = 0.0):
+    """Return the optimizer of one variant: SGD, or gradientflow's DistributedOptimizer.
+
+    A gradientflow hook variant's hook is registered here, with the optimizer, as a user
+    would: under CSC's momentum correction the SGD momentum moves into the compressor (the
+    optimizer then steps without it), so every variant applies the same momentum once.
+    """
     import torch
 
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=momentum)
+    cfg = _hook_config(variant)
+    if cfg is not None:
+        import gradientflow.hooks as gfh
+
+        gfh.register(model, cfg, optimizer=opt)
     if not variant.startswith("gf_opt"):
         return opt
     import gradientflow.optim as gfo
@@ -202,8 +213,12 @@ def _make_optimizer(variant: str, model, gf_group):
 
 
 def worker(rank: int, world_size: int, model: str, batch: int, image: int, variants: list,
-           steps: int, rounds: int, warmup: int, ifname: str, bucket_view: bool = False) -> dict:
-    """One rank: build every variant, run them in interleaved rounds, return per-step times."""
+           steps: int, rounds: int, warmup: int, ifname: str, bucket_view: bool = False,
+           momentum: float = 0.0) -> dict:
+    """One rank: build every variant, run them in interleaved rounds, return per-step times.
+
+    momentum: every variant's SGD momentum (0: plain SGD, whose step has no momentum pass,
+    while CSC's compressor still applies its default momentum correction)."""
     import torch
     import torch.distributed as dist
 
@@ -234,7 +249,7 @@ def worker(rank: int, world_size: int, model: str, batch: int, image: int, varia
     opts = {}
     for v in list(runners):
         try:
-            opts[v] = _make_optimizer(v, runners[v], gf_group)
+            opts[v] = _make_optimizer(v, runners[v], gf_group, momentum)
         except Exception as exc:  # noqa: BLE001 - skip the variant, say why
             skipped[v] = f"{type(exc).__name__}: {exc}"
             del runners[v]
