@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 # torch would download a multi-GB build.
 TORCH_PINS := torch==2.14.1 torchvision==0.29.1
 
-.PHONY: install test lint demo bench bench-quick experiment sweep simulate bench-algorithms bench-algorithms-e2e bench-pipeline bench-autotune bench-autotune-matrix autotune-e2e test-ray clean
+.PHONY: install test lint demo bench bench-quick experiment sweep simulate bench-algorithms bench-algorithms-e2e bench-pipeline bench-autotune bench-autotune-matrix autotune-matrix-table autotune-e2e test-ray clean
 
 install: $(STAMP)
 
@@ -57,10 +57,25 @@ bench-pipeline: install
 bench-autotune: install
 	$(PY) benchmarks/bench_autotune.py
 
-# the same on loopback and the emulated 10 Gbit/s network, 2 and 4 ranks (root)
+# the same on loopback and the emulated 10 Gbit/s network, 2 and 4 ranks, one launch per
+# folder (root); then the matrix of every folder (benchmarks/results/autotune/matrix.md)
+AT = $(PY) benchmarks/bench_autotune.py --seed 0
+AT_OUT = benchmarks/results/autotune
 bench-autotune-matrix: install
-	for t in none 10; do for n in 2 4; do $(PY) benchmarks/bench_autotune.py --tiers $$t \
-		--worlds $$n --out benchmarks/results/autotune/t$${t}_w$$n; done; done
+	for t in none 10; do for n in 2 4; do \
+		if [ $$n = 2 ]; then rh="--reps 5 --h2h 8"; else rh="--reps 3 --h2h 6"; fi; \
+		$(AT) --tiers $$t --worlds $$n --models resnet50,alexnet $$rh \
+			--out $(AT_OUT)/t$${t}_w$${n}_resnet50+alexnet || exit 1; \
+		if [ $$t = 10 -o $$n = 4 ]; then b="--reps 3 --h2h 6 --steps 2"; \
+		else b="--reps 5 --h2h 8 --steps 3"; fi; \
+		$(AT) --tiers $$t --worlds $$n --models bert-base $$b \
+			--out $(AT_OUT)/t$${t}_w$${n}_bert-base || exit 1; \
+	done; done
+	$(MAKE) autotune-matrix-table
+
+# the matrix of every launch folder under benchmarks/results/autotune (no run)
+autotune-matrix-table: install
+	$(PY) benchmarks/autotune_matrix.py
 
 # a CSC training run with autotune against the defaults (digits, time to the same accuracy)
 autotune-e2e: install

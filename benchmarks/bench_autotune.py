@@ -195,6 +195,7 @@ def main(argv=None) -> int:
     kwargs = {"models": models, "grid": grid, "reps": reps, "tuner": tuner,
               "steps": args.steps, "h2h": h2h}
     rows, raw, notes = [], {}, []
+    start = _when()
     for rate, n in itertools.product(tiers, worlds):
         res = _launch_on(rate, n, kwargs, notes)
         if res is None:
@@ -206,8 +207,9 @@ def main(argv=None) -> int:
         rows += [_row(_tier_label(rate), n, model, r) for model, r in res.results[0].items()]
     cols = list(rows[0].keys()) if rows else []
     md = (f"## Autotune against a grid of the same settings (median ms per step: the whole "
-          f"gradient list, one async allreduce per tensor)\n\n{machine_line()} The machine "
-          "was shared with other jobs while this ran.\n\n"
+          f"gradient list, one async allreduce per tensor)\n\n{machine_line()} The "
+          f"machine's 1-minute load average was {start[1]:.2f} at the start (2 cores; the "
+          "benchmark's own ranks load it too).\n\n"
           f"Autotune: {tuner}; grid: {len(grid)} points (fusion x solo x cycle, 2 segments). "
           f"After tuning, defaults, autotune's choice and the grid were timed alternately "
           f"over {reps} reps (each the median of {args.steps} steps after 1 discarded warm-up "
@@ -225,7 +227,18 @@ def main(argv=None) -> int:
     print(md)
     write_result(args.out, "autotune", {"rows": rows, "raw": raw, "notes": notes,
                                         "tuner": tuner, "grid": grid}, md)
+    # start and end with the load: the matrix (autotune_matrix.py) reports both per launch
+    with open(os.path.join(args.out, "log.txt"), "w") as f:
+        for what, (utc, load) in (("start", start), ("end", _when())):
+            f.write(f"{what}: {utc}  load average: {load:.2f}\n")
     return 0
+
+
+def _when() -> tuple[str, float]:
+    """The UTC time of day and the machine's 1-minute load average, now."""
+    import time
+
+    return time.strftime("%H:%M:%S", time.gmtime()), os.getloadavg()[0]
 
 
 if __name__ == "__main__":
