@@ -119,7 +119,8 @@ def budget_configs(density: float = 0.01, chunk_size: int = CompressionConfig.ch
     common = dict(chunk_size=chunk_size, warmup_densities=())
     return {
         "fp16 (error feedback)": CompressionConfig(method="fp16"),
-        "fp16 (no error feedback)": CompressionConfig(method="fp16", error_feedback=False),
+        "fp16 (no error feedback)": CompressionConfig(method="fp16", error_feedback=False,
+                                                      momentum_correction=False),
         f"csc {density:g} fp16": CompressionConfig(method="csc", density=density, **common),
         "csc 0.1 fp16": CompressionConfig(method="csc", density=0.1, **common),
     }

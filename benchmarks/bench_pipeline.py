@@ -123,16 +123,15 @@ def run(models, tiers, steps, rounds, warmup, timeout_s, loopback, bucket_view=F
 def _markdown(rows, notes, cmd) -> str:
     out = [f"## CSC through the engine: fused, pipelined, against no communication (`{NAME}`)",
            "", machine_line(), f"Command: `{cmd}`", "",
-           "2 ranks, one thread each; every variant's optimizer is SGD with the same "
-           "momentum (under CSC it moves into the compressor); median step time over interleaved rounds (a step ends "
-           "when its slowest rank does). of limit = no-communication step time / step time "
-           "(the speed kept). CPU over nocomm = the rank's process CPU per step minus the "
-           "no-communication step's; waiting = the gap to the limit that is not CPU. "
-           "Collectives = transport collectives per step; compressor = "
-           "engine-thread time compressing and decompressing per step; in flight = time its "
-           "collectives were in flight per step (overlaps the rest); agree = agreement rounds' "
-           "time per step. Load avg: the machine's 1-minute load after the launch (2 is this "
-           "benchmark's own ranks).", ""]
+           "2 ranks, one thread each; every variant's optimizer is SGD with the same momentum "
+           "(under CSC it moves into the compressor); median step time over interleaved rounds (a "
+           "step ends when its slowest rank does). of limit = no-communication step time / step "
+           "time (the speed kept). CPU over nocomm = the rank's process CPU per step minus the no-"
+           "communication step's; waiting = the gap to the limit that is not CPU. Collectives = "
+           "transport collectives per step; compressor = engine-thread time compressing and "
+           "decompressing per step; in flight = time its collectives were in flight per step "
+           "(overlaps the rest); agree = agreement rounds' time per step. Load avg: the machine's "
+           "1-minute load after the launch (2 is this benchmark's own ranks).", ""]
     for model in dict.fromkeys(r["model"] for r in rows):
         sub = [r for r in rows if r["model"] == model]
         out += [f"### {model}", "", markdown_table(

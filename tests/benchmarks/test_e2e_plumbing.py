@@ -64,3 +64,15 @@ def test_pipeline_quick_counts_collectives_per_step(tmp_path):
     # unfused, every bucket makes its own 2
     assert rows["gf_csc1"]["collectives"] == 2.0, rows["gf_csc1"]
     assert rows["gf_csc1_unfused"]["collectives"] >= 2.0, rows["gf_csc1_unfused"]
+
+
+def test_compression_budget_builds_and_times_every_config():
+    """`make bench`'s compression budget: every config it times is one the current
+    CompressionConfig accepts, and one tiny step of each runs."""
+    from benchmarks import bench_compression as bc
+
+    configs = bc.budget_configs(chunk_size=16)
+    layouts = bc.ddp_buckets([("w", (40, 8)), ("b", (8,))], cap_mb=0.001)
+    rows = bc.step_budget(configs, layouts, reps=1)
+    assert [r["compressor"] for r in rows] == list(configs)
+    assert all(r["wall_ms"] > 0 and r["buckets"] == len(layouts) for r in rows)
