@@ -55,6 +55,7 @@ PEERS = ("nocomm", "ddp", "fp16_hook", "powersgd")
 GF_VARIANTS = ("gf_dense", "gf_fp16", "gf_csc10", "gf_csc1", "gf_csc0.1", "gf_opt", "gf_opt_csc1")
 LABELS = {
     "nocomm": "no communication (limit)", "ddp": "DDP gloo",
+    "ddp_noop": "DDP, a hook that sends nothing (DDP's own cost)",
     "fp16_hook": "DDP + fp16_compress_hook",
     "powersgd": "DDP + powerSGD_hook r2", "gf_dense": "gradientflow dense",
     "gf_fp16": "gradientflow FP16", "gf_csc10": "gradientflow CSC 10%",
@@ -68,9 +69,9 @@ LABELS = {
 # Bytes of memory per model parameter each variant holds in a rank (FP32: weights, gradients,
 # DDP's bucket copy, the compressors' residual and its spare, FP16's wire buffer): what decides
 # how many variants one launch can build side by side.
-_BYTES_PER_PARAM = {"nocomm": 8, "ddp": 12, "fp16_hook": 14, "powersgd": 12, "gf_dense": 12,
-                    "gf_fp16": 22, "gf_csc10": 20, "gf_csc1": 20, "gf_csc0.1": 20, "gf_opt": 12,
-                    "gf_opt_csc1": 20}
+_BYTES_PER_PARAM = {"nocomm": 8, "ddp": 12, "ddp_noop": 12, "fp16_hook": 14, "powersgd": 12,
+                    "gf_dense": 12, "gf_fp16": 22, "gf_csc10": 20, "gf_csc1": 20, "gf_csc0.1": 20,
+                    "gf_opt": 12, "gf_opt_csc1": 20}
 # Issue 7's reference figures: ResNet-50, 2 ranks, batch 4 of 64x64, one thread per rank,
 # median step ms measured on an unloaded machine of this kind; CSC rows are target speedups.
 TARGETS = {
@@ -153,6 +154,12 @@ def _make_variant(variant: str, model_name: str, gf_group, bucket_view: bool = F
         return model
     if variant == "ddp":
         return DDP(model)
+    if variant == "ddp_noop":
+        # DDP as the gradientflow variants run it (their group, their buffer broadcasts), with
+        # nothing sent for the gradients: what DDP itself adds to the limit.
+        ddp = DDP(model, process_group=gf_group)
+        ddp.register_comm_hook(None, _noop_hook)
+        return ddp
     if variant == "fp16_hook":
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
         ddp = DDP(model)
@@ -173,6 +180,15 @@ def _make_variant(variant: str, model_name: str, gf_group, bucket_view: bool = F
         # gf_dense has no hook; the others' is registered with their optimizer (_make_optimizer)
         return DDP(model, process_group=gf_group if thr is None else groups[thr])
     raise ValueError(f"bench_e2e: unknown variant {variant!r}; use one of {list(LABELS)}")
+
+
+def _noop_hook(state, bucket):
+    """A DDP comm hook that sends nothing: the bucket's gradients come back as they are."""
+    import torch
+
+    fut = torch.futures.Future()
+    fut.set_result(bucket.buffer())
+    return fut
 
 
 def _hook_config(variant: str):
