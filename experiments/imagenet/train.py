@@ -884,8 +884,12 @@ def print_config(cfg: Config, device: torch.device) -> None:
         "compression": cfg.compression_config or "none",
         "threads_per_rank": torch.get_num_threads(),
     }
-    print("config: " + " ".join(f"{k}={v}" for k, v in dataclasses.asdict(cfg).items()
-                                if k not in ("compression_config",)), flush=True)
+    shown = dataclasses.asdict(cfg)
+    del shown["compression_config"]
+    # paths inside the working directory relative to it: a log reads the same in any checkout
+    if cfg.data and os.path.isabs(cfg.data) and cfg.data.startswith(os.getcwd() + os.sep):
+        shown["data"] = os.path.relpath(cfg.data)
+    print("config: " + " ".join(f"{k}={v}" for k, v in shown.items()), flush=True)
     print("derived: " + " ".join(f"{k}={v}" for k, v in derived.items()), flush=True)
 
 
