@@ -108,6 +108,7 @@ def main(argv=None) -> int:
     ap.add_argument("--no-run", action="store_true", help="only rebuild the report")
     args = ap.parse_args(argv)
     out = Path(args.out)
+    load0 = os.getloadavg()[0]
     if not args.no_run:
         for name in [r.strip() for r in args.runs.split(",") if r.strip()]:
             run(name, args.epochs, args.seed, out, args.timeout)
@@ -117,7 +118,8 @@ def main(argv=None) -> int:
              else "n/a")
     cols = list(data["rows"][0])
     md = (f"## CSC 1% training, autotune on vs the defaults: time to the same top-1\n\n"
-          f"{machine_line()} The machine was shared with other jobs while this ran.\n\n"
+          f"{machine_line()} The 1-minute load average was {load0:.2f} when this command "
+          "started (2 cores; with --no-run the runs may be older: see each log).\n\n"
           f"Digits, ResNet-18 at 32x32, 2 CPU ranks, seed {args.seed}, CSC 1% + momentum "
           f"correction, FP16 wire. Autotune: {TUNER_ENV} (engine settings and the CSC chunk "
           f"size). Target: {data['target_top1']:.2f}% top-1, the highest every run reached. "
