@@ -205,9 +205,11 @@ def _hook_config(variant: str):
 def _make_optimizer(variant: str, model, gf_group, momentum: float = 0.0):
     """Return the optimizer of one variant: SGD, or gradientflow's DistributedOptimizer.
 
-    A gradientflow hook variant's hook is registered here, with the optimizer, as a user
-    would: under CSC's momentum correction the SGD momentum moves into the compressor (the
-    optimizer then steps without it), so every variant applies the same momentum once.
+    A gradientflow hook variant's hook is registered here. With momentum, it is registered
+    with the optimizer, as a user would: under CSC's momentum correction the SGD momentum moves
+    into the compressor (the optimizer then steps without it), so every variant applies the
+    same momentum once. Without, it is registered alone, so the compressor keeps its default
+    momentum correction (bound to a momentum-free SGD, it would turn it off).
     """
     import torch
 
@@ -216,7 +218,7 @@ def _make_optimizer(variant: str, model, gf_group, momentum: float = 0.0):
     if cfg is not None:
         import gradientflow.hooks as gfh
 
-        gfh.register(model, cfg, optimizer=opt)
+        gfh.register(model, cfg, optimizer=opt if momentum else None)
     if not variant.startswith("gf_opt"):
         return opt
     import gradientflow.optim as gfo
