@@ -1,9 +1,9 @@
 """Gather every launch of bench_autotune.py under one root into one table: matrix.md and .json.
 
 Each folder `t<T>_w<N>_<models>` (T `none` for loopback or the emulated Gbit/s, N the rank
-count) holds one launch: its autotune.json (the raw per-cell data) and log.txt (the `start:` and
-`end:` lines with `uptime` at both). Every cell's row is recomputed from the raw data by the
-benchmark's own `_row`, with the launch's 1-minute load average and UTC span beside it.
+count) holds one launch: its autotune.json (the raw per-cell data) and log.txt (the `start:`
+and `end:` lines with the 1-minute load average at both). Every cell's row is recomputed from
+the raw data by the benchmark's own `_row`, with the launch's load and UTC span beside it.
 
     python benchmarks/autotune_matrix.py [--root benchmarks/results/autotune]
 """
@@ -41,11 +41,11 @@ One launch per folder: `python benchmarks/bench_autotune.py --tiers T --worlds N
 --reps R --h2h H [--steps S] --seed 0 --out DIR` with T, N and M from the folder's name
 (t<T>_w<N>_<models>), R 5 and H 8 at 2 ranks, R 3 and H 6 at 4 ranks, and R 3, H 6, S 2 for
 BERT-base at 10 Gbit/s or 4 ranks (S 3 otherwise); the folder's log.txt has its start and end
-and `uptime` at both. Each ran under the machine-wide timing lock,
-on a 2-core machine shared with other jobs (the load column: 1-minute load average at start
-and end). Autotune: 12 trials of 1 + 4 steps, then 2 race rounds of the defaults and 2
-finalists: 91 steps. Ratios and gains come from the head-to-head reps (see
-docs/AUTOTUNE.md, "Benchmark"). This table and matrix.json are written by
+times with the 1-minute load average at both. Each ran under the machine-wide timing lock on a
+2-core machine, some while other jobs shared it (the load column: 1-minute load average at
+start and end; 2 or 4 is the launch's own ranks). Autotune: 12 trials of 1 + 4 steps, then
+2 race rounds of the defaults and 2 finalists: 91 steps. Ratios and gains come from the
+head-to-head reps (see docs/AUTOTUNE.md, "Benchmark"). This table and matrix.json are written by
 `python benchmarks/autotune_matrix.py`, which recomputes every row from each folder's raw data
 (autotune.json) with the benchmark's own `_row`; where autotune kept the defaults, each rep's
 mean of its series and the defaults' stands for both (the per-folder autotune.md of the first
