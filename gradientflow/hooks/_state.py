@@ -120,10 +120,7 @@ class CompressionState:
         _share_cores(process_group, self.world_size)
         self.compressor: Compressor = make_compressor(config, self.world_size)
         self._uid = next(_uid)
-        # The name its buckets are queued under: the agreement round fingerprints it, so ranks
-        # whose compression settings differ (their stage tensors would not pair) get a
-        # mismatch error naming both, not a transport hang.
-        self._op_name = f"{config.method} bucket (config {text_fingerprint(repr(config))})"
+        self._op_name = _queue_name(config)
         self._names: dict[int, str] = {}  # id(parameter) -> name
         self._auto_names = 0  # first-appearance names when none were bound
         self._layouts: dict[tuple, Layout] = {}
@@ -295,8 +292,7 @@ class CompressionState:
         compressor = make_compressor(config, self.world_size)
         compressor.load_state_dict(self.compressor.state_dict())
         self.config, self.compressor = config, compressor
-        # The agreement round fingerprints this name: a rank left on the old size must mismatch.
-        self._op_name = f"{config.method} bucket (config {text_fingerprint(repr(config))})"
+        self._op_name = _queue_name(config)  # a rank left on the old size must mismatch
 
     def __getstate__(self) -> dict:
         # A process group cannot be pickled, and parameter ids mean nothing in another process.
@@ -311,6 +307,13 @@ class CompressionState:
         self._names = {}
         self._layouts = {}
         self._guard_momentum()
+
+
+def _queue_name(config: CompressionConfig) -> str:
+    """The name a state's buckets are queued under. The agreement round fingerprints it, so
+    ranks whose compression settings differ (their stage tensors would not pair) get a mismatch
+    error naming both, not a transport hang."""
+    return f"{config.method} bucket (config {text_fingerprint(repr(config))})"
 
 
 class _BucketPart:
