@@ -111,27 +111,7 @@ def _launch_in(tmp: Path, target, world_size, kwargs, cluster, timeout_s, env_ex
             fh.close()
             logs.append(log)
             outs.append(out)
-        failed_rank, failed_at, timed_out = None, None, False
-        # Watchdog: wait for every rank, but stop at the deadline or soon after a failure.
-        while True:
-            codes = [p.poll() for p in procs]
-            now = time.monotonic()
-            if failed_rank is None:
-                for r, c in enumerate(codes):
-                    if c not in (None, 0):
-                        failed_rank, failed_at = r, now
-                        break
-            if all(c is not None for c in codes):
-                break
-            if now - t0 > timeout_s:
-                timed_out = True
-                break
-            if failed_at is not None and now - failed_at > _FAIL_GRACE_S:
-                break
-            try:
-                procs[codes.index(None)].wait(timeout=0.2)
-            except subprocess.TimeoutExpired:
-                pass
+        failed_rank, timed_out = wait_ranks(procs, timeout_s, start=t0)
     finally:
         for p in procs:
             _kill(p)
@@ -163,6 +143,35 @@ def _launch_in(tmp: Path, target, world_size, kwargs, cluster, timeout_s, env_ex
                  f"its log ends:\n{_tail(log_texts[failed_rank])}")
     return LaunchResult(ok=ok, results=results, returncodes=codes, error=error,
                         failed_rank=None if ok else failed_rank, wall_s=wall, logs=log_texts)
+
+
+def wait_ranks(procs: list, timeout_s: float, grace_s: float = _FAIL_GRACE_S,
+               start: float | None = None) -> tuple[int | None, bool]:
+    """Wait for every rank's process, but stop at the deadline or soon after a failure.
+
+    Returns (the first rank seen exiting non-zero, or None; whether `timeout_s` passed, counted
+    from `start`, default now). Stops `grace_s` after the first failure: the other ranks may
+    finish, or wait on a collective for ever.
+    """
+    t0 = time.monotonic() if start is None else start
+    failed_rank, failed_at = None, None
+    while True:
+        codes = [p.poll() for p in procs]
+        now = time.monotonic()
+        if failed_rank is None:
+            bad = [r for r, c in enumerate(codes) if c not in (None, 0)]
+            if bad:
+                failed_rank, failed_at = bad[0], now
+        if all(c is not None for c in codes):
+            return failed_rank, False
+        if now - t0 > timeout_s:
+            return failed_rank, True
+        if failed_at is not None and now - failed_at > grace_s:
+            return failed_rank, False
+        try:
+            procs[codes.index(None)].wait(timeout=0.2)
+        except subprocess.TimeoutExpired:
+            pass
 
 
 def _kill(proc: subprocess.Popen) -> None:

@@ -136,6 +136,12 @@ def held(lock: Path | None):
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
+def _repo_on_path() -> None:
+    """Make the checkout's `benchmarks` package importable (this script runs by path)."""
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))
+
+
 def launch_shaped(train_args: list, log: Path, console: Path, nproc: int, timeout: float,
                   link_gbps: float) -> None:
     """Run train.py's ranks on an emulated switch: one namespace per rank, tbf at `link_gbps`.
@@ -145,8 +151,7 @@ def launch_shaped(train_args: list, log: Path, console: Path, nproc: int, timeou
     passes or shortly after one rank fails (the others would wait on a collective forever); the
     namespaces are removed in every case. Raises RuntimeError naming the failed rank.
     """
-    if str(REPO) not in sys.path:
-        sys.path.insert(0, str(REPO))
+    _repo_on_path()
     from benchmarks.launch import _kill, free_port
     from benchmarks.netem import Cluster, NetemUnavailable, ShapeConfig
 
@@ -190,27 +195,19 @@ def launch_shaped(train_args: list, log: Path, console: Path, nproc: int, timeou
 def wait_ranks(procs: list, timeout: float, grace: float = 10.0):
     """Wait for every rank; None when all exit 0, else (rank, why) of the first to fail.
 
-    Stops waiting at `timeout` seconds, or `grace` seconds after the first failure.
+    Stops waiting at `timeout` seconds, or `grace` seconds after the first failure
+    (benchmarks.launch.wait_ranks).
     """
-    t0 = time.monotonic()
-    failed, failed_at = None, None
-    while True:
-        codes = [p.poll() for p in procs]
-        now = time.monotonic()
-        if failed is None:
-            bad = [r for r, c in enumerate(codes) if c not in (None, 0)]
-            if bad:
-                failed, failed_at = (bad[0], f"exited with code {codes[bad[0]]}"), now
-        if all(c is not None for c in codes):
-            return failed
-        if now - t0 > timeout:
-            return failed or (codes.index(None), f"timed out after {timeout:.0f} s")
-        if failed_at is not None and now - failed_at > grace:
-            return failed
-        try:
-            procs[codes.index(None)].wait(timeout=0.5)
-        except subprocess.TimeoutExpired:
-            pass
+    _repo_on_path()
+    from benchmarks.launch import wait_ranks as wait
+
+    failed, timed_out = wait(procs, timeout, grace)
+    if failed is not None:
+        return failed, f"exited with code {procs[failed].poll()}"
+    if timed_out:
+        return next(r for r, p in enumerate(procs) if p.poll() is None), \
+            f"timed out after {timeout:.0f} s"
+    return None
 
 
 def epoch_at_top1(log: list, target: float) -> int | None:
