@@ -57,30 +57,30 @@ class Transports:
         self._prefix = prefix
         self._by_type: dict[str, Any] = {}
         self._lock = threading.Lock()
-        self._lazy = False
-        if connect_cpu:
-            self.get(torch.device("cpu"))  # gloo eagerly: connecting it is part of init
-        self._lazy = True
+        if connect_cpu:  # gloo eagerly: connecting it is part of init, on the group's connection
+            self._create("cpu", store)
 
     def existing(self, device_type: str) -> Any:
         """The transport for `device_type` if it was created, else None."""
         return self._by_type.get(device_type)
 
     def get(self, device: torch.device) -> Any:
-        """The transport for `device`, created on first use."""
+        """The transport for `device`, created on first use (on a store connection of its
+        own)."""
         pg = self._by_type.get(device.type)
         if pg is None:
             with self._lock:
                 pg = self._by_type.get(device.type)
                 if pg is None:
-                    factory = self.factories.get(device.type)
-                    if factory is None:
-                        raise RuntimeError(f"gradientflow has no transport for {device.type}")
-                    store, *rest = self._args
-                    if self._lazy:
-                        store = own_connection(store)
-                    pg = factory(store, *rest, f"{self._prefix}{device.type}/")
-                    self._by_type[device.type] = pg
+                    pg = self._create(device.type, own_connection(self._args[0]))
+        return pg
+
+    def _create(self, device_type: str, store) -> Any:
+        factory = self.factories.get(device_type)
+        if factory is None:
+            raise RuntimeError(f"gradientflow has no transport for {device_type}")
+        pg = self._by_type[device_type] = factory(store, *self._args[1:],
+                                                  f"{self._prefix}{device_type}/")
         return pg
 
     def created(self) -> list[str]:
