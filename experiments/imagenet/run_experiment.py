@@ -72,7 +72,13 @@ SETTINGS = {
                  ["--compression", "csc", "--density", "0.01", "--selection", "pool"]),
     # Plain DDP: dense FP32 over torch's own gloo process group, whatever --dist-backend says.
     "ddp-gloo": ("DDP gloo dense FP32", ["--compression", "none"]),
+    # DDP with a hook that sends nothing: no setting can step faster. The ranks do not average,
+    # so its accuracy is not comparable; its epoch times bound every speed-up (time_table).
+    "nocomm": ("no communication (time bound; ranks do not average)",
+               ["--compression", "noop"]),
 }
+# The setting whose epoch times bound the speed-up over BASELINE.
+LIMIT = "nocomm"
 # Settings that always run on one transport (the others take --dist-backend).
 TRANSPORT = {"ddp-gloo": "gloo"}
 # What a plain run (no --settings) runs.
@@ -307,6 +313,7 @@ def summarise(runs: dict, backends: dict | None = None, target: float = 97.0,
             "time_to_target_s": [time_to_top1(log, target) for log in logs],
             "epoch_at_target": [epoch_at_top1(log, target) for log in logs],
             "train_time_s": [sum(r["train_time_s"] for r in log) for log in logs],
+            "epoch_times_s": [[r["train_time_s"] for r in log] for log in logs],
             "runs": (metas or {}).get(key, []),
         }
     base = summary.get(BASELINE, {})
@@ -393,7 +400,9 @@ def time_table(summary: dict) -> list:
         "| load average per run |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    for s in summary.values():
+    for key, s in summary.items():
+        if key == LIMIT:  # its ranks do not average: only its epoch times count (the bound)
+            continue
         times = [f"{t:.0f} @{e}" if t else "not reached"
                  for t, e in zip(s["time_to_target_s"], s["epoch_at_target"])]
         reached = [t for t in s["time_to_target_s"] if t]
@@ -407,7 +416,40 @@ def time_table(summary: dict) -> list:
         lines.append(f"| {s['label']} | {', '.join(times)} | {mean} | {per_seed or '-'} "
                      f"| {of_means} | {statistics.mean(s['train_time_s']):.0f} | "
                      f"{f'{run_up:.2f}x' if run_up else '-'} | {loads or '-'} |")
+    bound = speedup_bound(summary)
+    if bound is not None:
+        seeds = ", ".join(f"{x:.2f}x" for x in bound["per_seed"])
+        lines += ["", f"The bound: {summary[LIMIT]['label'].split(' (')[0]} trains "
+                  f"{bound['s_per_epoch']:.1f} s per epoch (median, epochs 1 on). Over the "
+                  f"epochs {base} needed to reach {target:g}%, it takes {bound['of_means']:.2f}x "
+                  f"less time than {base} (per seed {seeds}): "
+                  f"a setting that converged as fast as {base} and communicated in no time at "
+                  f"all would reach the target that much sooner, and no sooner."]
     return lines
+
+
+def speedup_bound(summary: dict) -> dict | None:
+    """How much sooner than BASELINE the target can be reached at all: BASELINE's time to it over
+    LIMIT's time for the same epochs, seed by seed. None unless both ran and BASELINE reached it.
+
+    LIMIT's epoch times are what a step costs with no communication; the epochs are BASELINE's
+    (dense convergence, which no compressor beats).
+    """
+    base, limit = summary.get(BASELINE), summary.get(LIMIT)
+    if not base or not limit or not limit.get("epoch_times_s"):
+        return None
+    per_seed, bases, limits = [], [], []
+    for t, e, times in zip(base["time_to_target_s"], base["epoch_at_target"],
+                           limit["epoch_times_s"]):
+        if t and e is not None and e < len(times):
+            bases.append(t)
+            limits.append(sum(times[: e + 1]))
+            per_seed.append(t / limits[-1])
+    if not per_seed:
+        return None
+    steady = [x for times in limit["epoch_times_s"] for x in times[1:]]
+    return {"per_seed": per_seed, "of_means": statistics.mean(bases) / statistics.mean(limits),
+            "s_per_epoch": statistics.median(steady or limit["epoch_times_s"][0])}
 
 
 def _bytes(n: float) -> str:

@@ -136,8 +136,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--dummy", action="store_true", help="use fake data to benchmark")
     # --- GradientFlow: compression and transport ---
-    p.add_argument("--compression", default="none", choices=["none", "fp16", "csc"],
-                   help="gradient compression in the DDP comm hook")
+    p.add_argument("--compression", default="none", choices=["none", "fp16", "csc", "noop"],
+                   help="gradient compression in the DDP comm hook (noop: a hook that sends "
+                   "nothing, each rank stepping on its own gradients: the no-communication "
+                   "time bound, not a way to train)")
     p.add_argument(
         "--density",
         default=0.01,
@@ -418,7 +420,8 @@ def resolve(args: argparse.Namespace, env=os.environ) -> Config:
             f"{world_size}"
         )
     warmup = None if args.warmup is None else dgc_warmup(args.warmup, args.density)
-    comp = None if args.compression == "none" else build_compression_config(args, warmup)
+    comp = (None if args.compression in ("none", "noop")
+            else build_compression_config(args, warmup))
     return Config(
         data=args.data,
         dummy=args.dummy,
@@ -634,7 +637,7 @@ class DenseAllreduce:
 
     def __init__(self, ddp_model: TimedDDP):
         self.ddp, self.world_size, self.wire_bytes = ddp_model, dist.get_world_size(), 0
-        ddp_model.register_comm_hook(self, DenseAllreduce.hook)
+        ddp_model.register_comm_hook(self, type(self).hook)
 
     @staticmethod
     def hook(state: "DenseAllreduce", bucket):
@@ -659,6 +662,18 @@ class DenseAllreduce:
 
     def load_state_dict(self, state: dict) -> None:
         pass
+
+
+class NoCommunication(DenseAllreduce):
+    """The --compression noop path: DDP with a hook that sends nothing, each rank's gradient
+    left as it is. The time of a step with DDP's own costs and no communication: the bound on
+    what any compression can reach (the ranks do not average, so it does not train alike)."""
+
+    @staticmethod
+    def hook(state: "DenseAllreduce", bucket):
+        fut = torch.futures.Future()
+        fut.set_result(bucket.buffer())
+        return fut
 
 
 class GradientFlowHook:
@@ -917,11 +932,15 @@ def main(argv=None) -> int:
             device_ids=[device.index] if device.type == "cuda" else None,
             bucket_cap_mb=cfg.bucket_cap_mb,
             find_unused_parameters=cfg.compression == "csc",
+            # Gradients live in DDP's buckets: no copy into them and back out each step, for
+            # every setting alike (README.md: this matters most under compression).
+            gradient_as_bucket_view=True,
         )
         criterion = nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing).to(device)
         optimizer = build_optimizer(model, cfg)
         scaler = torch.amp.GradScaler(device.type, enabled=cfg.amp and device.type == "cuda")
         comm = (DenseAllreduce(ddp) if cfg.compression == "none"
+                else NoCommunication(ddp) if cfg.compression == "noop"
                 else GradientFlowHook(ddp, cfg.compression_config, scaler, optimizer))
         start_epoch, best_acc1 = cfg.start_epoch, 0.0
         if cfg.resume:

@@ -20,6 +20,15 @@ def _log(top1: list, train_s: float = 10.0) -> list:
     return [{"epoch": e, "val_top1": t, "train_time_s": train_s + e} for e, t in enumerate(top1)]
 
 
+def _fill(logs: dict) -> None:
+    """Give every epoch record the fields summarise() reads besides top-1 and time."""
+    for log in (r for runs in logs.values() for r in runs):
+        for record in log:
+            record.update(val_top5=100.0, wire_bytes=1, steps=1, dense_bytes=1,
+                          wire_bytes_per_step=1.0, dense_bytes_per_step=1.0, images_per_s=1.0,
+                          comm_s=0.0, train_loss=0.1, val_loss=0.1)
+
+
 def test_time_to_target_sums_training_time_up_to_the_first_epoch_at_the_target():
     log = _log([50.0, 96.9, 97.0, 96.0, 98.0])
     assert rx.time_to_top1(log, 97.0) == pytest.approx(10 + 11 + 12)
@@ -39,11 +48,7 @@ def test_speedup_is_per_seed_and_of_the_means_of_the_runs_that_reached_the_targe
 def test_summary_and_table_give_the_ratio_against_ddp_on_gloo(tmp_path):
     logs = {"ddp-gloo": [_log([90, 97, 98], 30.0)] * 2, "csc-default": [_log([96, 97.5, 98], 10.0)]
             * 2}
-    for log in (r for runs in logs.values() for r in runs):
-        for record in log:
-            record.update(val_top5=100.0, wire_bytes=1, steps=1, dense_bytes=1,
-                          wire_bytes_per_step=1.0, dense_bytes_per_step=1.0, images_per_s=1.0,
-                          comm_s=0.0, train_loss=0.1, val_loss=0.1)
+    _fill(logs)
     metas = {k: [{"loadavg_before": [3.0, 0, 0], "loadavg_after": [4.5, 0, 0]}] * 2
              for k in logs}
     summary = rx.summarise(logs, target=97.0, metas=metas)
@@ -59,6 +64,26 @@ def test_summary_and_table_give_the_ratio_against_ddp_on_gloo(tmp_path):
     untimed = rx.markdown(summary, 3, [0, 1], 2, "gradientflow", "cmd", timed=False)
     assert "Accuracy only" in untimed and "speed-up vs DDP gloo" not in untimed
 
+
+
+def test_the_no_communication_limit_bounds_the_speedup_over_dense_convergence():
+    logs = {"ddp-gloo": [_log([90, 97, 98], 30.0), _log([90, 96, 97], 30.0)],
+            "nocomm": [_log([50, 60, 70], 5.0), _log([50, 60, 70], 7.0)]}
+    _fill(logs)
+    metas = {k: [{"loadavg_before": [1.0, 0, 0], "loadavg_after": [1.0, 0, 0]}] * 2
+             for k in logs}
+    summary = rx.summarise(logs, target=97.0, metas=metas)
+    bound = rx.speedup_bound(summary)
+    # DDP reached at epoch 1 (61 s) and epoch 2 (93 s); the limit's same epochs: 11 s and 24 s.
+    assert bound["per_seed"] == [pytest.approx(61 / 11), pytest.approx(93 / 24)]
+    assert bound["of_means"] == pytest.approx(77 / 17.5)
+    assert bound["s_per_epoch"] == pytest.approx(7.5)  # median of 6, 7, 8, 9 (epochs 1 on)
+    text = rx.markdown(summary, 3, [0, 1], 2, "gradientflow", "cmd", link_gbps=1.0)
+    assert f"{77 / 17.5:.2f}x less time" in text
+    # Its ranks do not average: no time-to-target row of its own.
+    assert not any(line.startswith("| no communication") and "@" in line
+                   for line in text.splitlines())
+    assert rx.speedup_bound({"ddp-gloo": summary["ddp-gloo"]}) is None
 
 def test_runs_go_seed_by_seed_so_that_load_drift_hits_every_setting():
     assert rx.run_order(["a", "b"], [0, 1]) == [("a", 0), ("b", 0), ("a", 1), ("b", 1)]

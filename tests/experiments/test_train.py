@@ -150,6 +150,21 @@ def test_alexnet_bn_is_an_arch_with_batch_norm_after_every_hidden_layer():
             == sorted(tuple(p.shape) for p in plain.parameters() if p.ndim > 1))
 
 
+
+def test_the_noop_hook_returns_each_ranks_gradient_untouched():
+    class Bucket:
+        def __init__(self, t):
+            self.t = t
+
+        def buffer(self):
+            return self.t
+
+    grad = torch.arange(5.0)
+    fut = train.NoCommunication.hook(None, Bucket(grad))
+    assert fut.done() and fut.value() is grad and torch.equal(grad, torch.arange(5.0))
+    cfg = train.resolve(train.parse_args(["--dummy", "--compression", "noop"]), env={})
+    assert cfg.compression == "noop" and cfg.compression_config is None
+
 # ---- a tiny run ----------------------------------------------------------------------------------
 def test_tiny_dummy_run_on_one_process(tmp_path):
     backend, comp = ("gradientflow", "csc") if _gradientflow_ready() else ("gloo", "none")
