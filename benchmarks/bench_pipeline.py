@@ -34,6 +34,7 @@ import argparse
 import os
 import sys
 import time
+from pathlib import Path
 
 if __package__ in (None, ""):  # run by path: make benchmarks.* importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -74,6 +75,31 @@ def _rows(res, variants, model, tier, rate, shaped, batch):
             r["target"] = target
             r["met"] = "yes" if r["of_limit"] >= target else "no"
     return rows
+
+
+def add_floor(rows) -> None:
+    """Add to each CSC row the least step time this machine allows it, from the same launch.
+
+    floor = DDP's own cost (the no-op hook's gap to the limit) + the error-feedback floor (the
+    memory passes any compressor with a residual makes on the rank's one core: gradient into
+    residual, buckets rewritten; under momentum correction the velocity's pass moves from the
+    optimizer into the compressor, so it adds nothing net) + the wire time of the step's bytes at
+    the probed link rate, unless it is hidden under backward. best = limit / (limit + floor).
+    """
+    for key in dict.fromkeys((r["model"], r["tier"]) for r in rows):
+        sub = {r["variant"]: r for r in rows if (r["model"], r["tier"]) == key and "median_ms" in r}
+        limit, noop = sub.get("nocomm"), sub.get("ddp_noop")
+        if not limit or not noop:
+            continue
+        for r in sub.values():
+            ef, rate = r.get("ef_floor_ms"), r.get("link_gbps") or r.get("rate_gbps")
+            if not r["variant"].startswith("gf_") or not ef or not rate:
+                continue
+            r["wire_ms"] = r["wire_MB_per_step"] * 8.0 / rate
+            hidden = noop["comm_ms"] + ef
+            r["floor_ms"] = hidden + r["wire_ms"]
+            r["best_of_limit"] = limit["median_ms"] / (limit["median_ms"] + r["floor_ms"])
+            r["best_hidden_of_limit"] = limit["median_ms"] / (limit["median_ms"] + hidden)
 
 
 def run(models, tiers, steps, rounds, warmup, timeout_s, loopback, bucket_view=False,
@@ -119,12 +145,13 @@ def run(models, tiers, steps, rounds, warmup, timeout_s, loopback, bucket_view=F
                     log(f"[pipeline] {model} {label} ({time.monotonic() - t0:.0f} s): " +
                         ", ".join(f"{r['variant']} {fmt(r.get('median_ms'))} ms "
                                   f"({fmt(r.get('of_limit'))})" for r in got))
+    add_floor(rows)
     return rows, notes
 
 
-def _markdown(rows, notes, cmd) -> str:
+def _markdown(rows, notes, cmd, machine=None) -> str:
     out = [f"## CSC through the engine: fused, pipelined, against no communication (`{NAME}`)",
-           "", machine_line(), f"Command: `{cmd}`", "",
+           "", machine_line(machine), f"Command: `{cmd}`", "",
            "2 ranks, one thread each; every variant's optimizer is SGD with the same momentum "
            "(under CSC it moves into the compressor); median step time over interleaved rounds (a "
            "step ends when its slowest rank does). of limit = no-communication step time / step "
@@ -133,16 +160,24 @@ def _markdown(rows, notes, cmd) -> str:
            "transport collectives per step; compressor = engine-thread time compressing and "
            "decompressing per step; in flight = time its collectives were in flight per step "
            "(overlaps the rest); agree = agreement rounds' time per step. Load avg: the machine's "
-           "1-minute load after the launch (2 is this benchmark's own ranks).", ""]
+           "1-minute load after the launch (2 is this benchmark's own ranks).", "",
+           "Floor (`add_floor`): the least step time over the limit this machine allows CSC, from "
+           "the same launch: DDP's own cost (the no-op hook's gap) + the error-feedback floor "
+           "(the memory passes any compressor with a residual makes on the rank's one core) + the "
+           "step's wire bytes at the probed link rate. best = limit / (limit + floor); 'wire "
+           "hidden' leaves the wire time out, as if every byte travelled under backward.", ""]
     for model in dict.fromkeys(r["model"] for r in rows):
         sub = [r for r in rows if r["model"] == model]
         out += [f"### {model}", "", markdown_table(
             ["tier", "label", "median_ms", "of_limit", "target", "met", "comm_ms", "extra_cpu_ms",
              "waiting_ms", "collectives", "codec_ms", "inflight_ms", "agree_ms",
-             "wire_MB_per_step", "load1", "skipped"], sub,
+             "wire_MB_per_step", "ef_floor_ms", "wire_ms", "floor_ms", "best_of_limit",
+             "best_hidden_of_limit", "load1", "skipped"], sub,
             ["tier", "variant", "median ms", "of limit", "target", "met", "gap to limit ms",
              "CPU ms over nocomm", "waiting ms", "collectives/step", "compressor ms/step",
-             "in flight ms/step", "agree ms/step", "wire MB/step/rank", "load avg", "note"]), ""]
+             "in flight ms/step", "agree ms/step", "wire MB/step/rank", "EF floor ms",
+             "wire ms", "floor ms", "best of limit", "best, wire hidden", "load avg",
+             "note"]), ""]
     if notes:
         out += ["Notes:", ""] + [f"- {n}" for n in notes] + [""]
     return "\n".join(out)
@@ -165,7 +200,25 @@ def main(argv=None) -> int:
     ap.add_argument("--momentum", type=float, default=0.9,
                     help="every variant's SGD momentum (0: plain SGD; CSC's compressor then "
                          "still applies its default momentum correction)")
+    ap.add_argument("--table-only", action="store_true",
+                    help="rebuild the markdown (floor columns included) from OUT/pipeline.json "
+                         "of the latest run; runs nothing")
     args = ap.parse_args(argv)
+    if args.table_only:
+        import json
+
+        import re
+
+        out = Path(args.out)
+        data = json.loads((out / f"{NAME}.json").read_text())
+        if not data.get("command"):  # written before the command was kept in the JSON
+            m = re.search(r"^Command: `(.*)`$", (out / f"{NAME}.md").read_text(), re.M)
+            data["command"] = m.group(1) if m else "unknown"
+        add_floor(data["rows"])
+        md = _markdown(data["rows"], data["notes"], data["command"], data.get("machine"))
+        print(md)
+        write_result(out, NAME, {k: v for k, v in data.items() if k != "name"}, md)
+        return 0
     if args.quick:
         models, tiers, loopback = ["tiny"], [None], True
         args.steps, args.rounds, args.warmup = 4, 2, 1
@@ -181,7 +234,7 @@ def main(argv=None) -> int:
                                                            else sys.argv[1:])
     md = _markdown(rows, notes, cmd)
     print(md)
-    write_result(args.out, NAME, {"rows": rows, "notes": notes}, md)
+    write_result(args.out, NAME, {"rows": rows, "notes": notes, "command": cmd}, md)
     return 0 if rows else 1
 
 
