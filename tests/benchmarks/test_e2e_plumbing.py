@@ -76,3 +76,30 @@ def test_compression_budget_builds_and_times_every_config():
     rows = bc.step_budget(configs, layouts, reps=1)
     assert [r["compressor"] for r in rows] == list(configs)
     assert all(r["wall_ms"] > 0 and r["buckets"] == len(layouts) for r in rows)
+
+
+def test_pipeline_floor_adds_ddp_cost_error_feedback_and_wire_and_rebuilds_the_table(tmp_path):
+    from benchmarks import bench_pipeline
+
+    base = {"model": "m", "tier": "1 Gbps", "rate_gbps": 1.0, "ef_floor_ms": 15.0,
+            "link_gbps": 0.8}
+    rows = [{**base, "variant": "nocomm", "median_ms": 300.0, "comm_ms": 0.0},
+            {**base, "variant": "ddp_noop", "median_ms": 305.0, "comm_ms": 5.0},
+            {**base, "variant": "gf_csc1", "median_ms": 340.0, "comm_ms": 40.0,
+             "wire_MB_per_step": 1.0},
+            {**base, "model": "other", "variant": "gf_csc1", "median_ms": 1.0,
+             "wire_MB_per_step": 1.0}]  # no limit of its own: left alone
+    bench_pipeline.add_floor(rows)
+    csc = rows[2]
+    assert csc["wire_ms"] == 10.0  # 1 MB at the probed 0.8 Gbit/s, not the nominal 1
+    assert csc["floor_ms"] == 5.0 + 15.0 + 10.0
+    assert csc["best_of_limit"] == 300.0 / 330.0 and csc["best_hidden_of_limit"] == 300 / 320
+    assert "floor_ms" not in rows[1] and "floor_ms" not in rows[3]
+    # --table-only rebuilds the markdown from the JSON, keeping the run's command and machine
+    (tmp_path / "pipeline.json").write_text(json.dumps(
+        {"name": "pipeline", "machine": {"nproc": 9, "cpu": "x", "mem_gib": 1, "torch": "t",
+                                         "python": "p", "kernel": "k"},
+         "rows": rows[:3], "notes": [], "command": "python -m benchmarks.bench_pipeline --x"}))
+    assert bench_pipeline.main(["--table-only", "--out", str(tmp_path)]) == 0
+    md = (tmp_path / "pipeline.md").read_text()
+    assert "Machine: 9 cores" in md and "--x`" in md and "| 30.0 |" in md
