@@ -206,7 +206,6 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.table_only:
         import json
-
         import re
 
         out = Path(args.out)
