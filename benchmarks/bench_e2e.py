@@ -157,8 +157,10 @@ def _make_variant(variant: str, model_name: str, gf_group, bucket_view: bool = F
     if variant == "ddp_noop":
         # DDP as the gradientflow variants run it (their group, their buffer broadcasts), with
         # nothing sent for the gradients: what DDP itself adds to the limit.
+        from torch.distributed.algorithms.ddp_comm_hooks.debugging_hooks import noop_hook
+
         ddp = DDP(model, process_group=gf_group)
-        ddp.register_comm_hook(None, _noop_hook)
+        ddp.register_comm_hook(None, noop_hook)
         return ddp
     if variant == "fp16_hook":
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -180,15 +182,6 @@ def _make_variant(variant: str, model_name: str, gf_group, bucket_view: bool = F
         # gf_dense has no hook; the others' is registered with their optimizer (_make_optimizer)
         return DDP(model, process_group=gf_group if thr is None else groups[thr])
     raise ValueError(f"bench_e2e: unknown variant {variant!r}; use one of {list(LABELS)}")
-
-
-def _noop_hook(state, bucket):
-    """A DDP comm hook that sends nothing: the bucket's gradients come back as they are."""
-    import torch
-
-    fut = torch.futures.Future()
-    fut.set_result(bucket.buffer())
-    return fut
 
 
 def _hook_config(variant: str):
