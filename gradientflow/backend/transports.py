@@ -53,7 +53,8 @@ class Transports:
 
     def __init__(self, store, rank: int, size: int, timeout: datetime.timedelta,
                  prefix: str = "gradientflow/", connect_cpu: bool = True) -> None:
-        self._args = (store, rank, size, timeout)
+        self._store = store
+        self._peers = (rank, size, timeout)  # the factories' arguments after the store
         self._prefix = prefix
         self._by_type: dict[str, Any] = {}
         self._lock = threading.Lock()
@@ -72,14 +73,14 @@ class Transports:
             with self._lock:
                 pg = self._by_type.get(device.type)
                 if pg is None:
-                    pg = self._create(device.type, own_connection(self._args[0]))
+                    pg = self._create(device.type, own_connection(self._store))
         return pg
 
     def _create(self, device_type: str, store) -> Any:
         factory = self.factories.get(device_type)
         if factory is None:
             raise RuntimeError(f"gradientflow has no transport for {device_type}")
-        pg = self._by_type[device_type] = factory(store, *self._args[1:],
+        pg = self._by_type[device_type] = factory(store, *self._peers,
                                                   f"{self._prefix}{device_type}/")
         return pg
 
