@@ -42,17 +42,20 @@ CHUNK = 1024
 DENSITY = 0.01
 
 
-def pipeline(grad, res, spare, send, k, impl, stages=None, one_pass=True):
+def pipeline(grad, res, spare, send, k, impl, stages=None, one_pass=True, mom=None):
     """One CSC step on (grad, res); fills `stages` with per-stage seconds when given.
 
     one_pass: v into `spare` with grad zeroed, then only the sent chunks written (the
     compressor's path); otherwise v back into grad and a full unpack_update pass (the old path).
+    mom: (momentum, momentum_out) for DGC's momentum correction (the default recipe).
     """
     import time
 
     t0 = time.perf_counter()
     if one_pass:
-        norms = K.chunk_norms(grad, res, CHUNK, "l1", v_out=spare, zero_grad=True, impl=impl)
+        mkw = dict(momentum=mom[0], momentum_out=mom[1], m=0.9) if mom else {}
+        norms = K.chunk_norms(grad, res, CHUNK, "l1", v_out=spare, zero_grad=True, impl=impl,
+                              **mkw)
         v = spare
     else:
         norms = K.chunk_norms(grad, res, CHUNK, "l1", impl=impl)
@@ -92,6 +95,7 @@ def main(argv=None) -> int:
     grad0 = torch.randn(n, generator=gen)
     res0 = torch.randn(n, generator=gen) * 0.1
     grad, res, spare = torch.empty(n), torch.empty(n), torch.empty(n)
+    mom = (torch.randn(n, generator=gen) * 0.1, torch.empty(n))  # momentum correction's u
     dst = torch.empty(n)
     send = torch.empty(k * CHUNK, dtype=torch.float16)
     half = torch.empty(n, dtype=torch.float16)
@@ -107,17 +111,19 @@ def main(argv=None) -> int:
     for threads in [int(t) for t in args.threads.split(",")]:
         torch.set_num_threads(threads)
         K.set_num_threads(threads)
-        times = {"numba": [], "torch": [], "numba 2-pass": [], "copy": [], "fp16 numba": [],
-                 "fp16 torch": [], "fp16ef numba": [], "fp16ef torch": []}
-        stages = {"numba": {}, "torch": {}, "numba 2-pass": {}}
+        times = {"numba": [], "torch": [], "numba 2-pass": [], "numba mc": [], "torch mc": [],
+                 "copy": [], "fp16 numba": [], "fp16 torch": [], "fp16ef numba": [],
+                 "fp16ef torch": []}
+        stages = {"numba": {}, "torch": {}, "numba 2-pass": {}, "numba mc": {}, "torch mc": {}}
         for rep in range(reps + 1):  # rep 0 warms up (page faults, caches)
-            for key in ("numba", "torch", "numba 2-pass"):
+            for key in ("numba", "torch", "numba 2-pass", "numba mc", "torch mc"):
                 impl = key.split()[0]
                 grad.copy_(grad0)
                 res.copy_(res0)
                 st = {} if rep == 0 else stages[key]
                 t0 = time.perf_counter()
-                pipeline(grad, res, spare, send, k, impl, st, one_pass=key != "numba 2-pass")
+                pipeline(grad, res, spare, send, k, impl, st, one_pass=key != "numba 2-pass",
+                         mom=mom if key.endswith(" mc") else None)
                 if rep:
                     times[key].append(time.perf_counter() - t0)
             t0 = time.perf_counter()
@@ -137,15 +143,19 @@ def main(argv=None) -> int:
                 if rep:
                     times[f"fp16ef {impl}"].append(time.perf_counter() - t0)
         med = {key: median(v) for key, v in times.items()}
+        # momentum correction also reads u and writes the new u: 24 bytes per element
         moved = {"numba": 16 * n, "torch": 16 * n, "numba 2-pass": 24 * n, "copy": 8 * n,
+                 "numba mc": 24 * n, "torch mc": 24 * n,
                  "fp16 numba": 12 * n, "fp16 torch": 12 * n,
                  "fp16ef numba": 18 * n, "fp16ef torch": 18 * n}
         copy_gbps = moved["copy"] / med["copy"] / 1e9
-        for key in ("numba", "torch", "numba 2-pass", "copy", "fp16 numba", "fp16 torch",
-                    "fp16ef numba", "fp16ef torch"):
+        for key in ("numba", "torch", "numba 2-pass", "numba mc", "torch mc", "copy",
+                    "fp16 numba", "fp16 torch", "fp16ef numba", "fp16ef torch"):
             gbps = moved[key] / med[key] / 1e9
             label = {"numba": "CSC pipeline, numba", "torch": "CSC pipeline, torch reference",
                      "numba 2-pass": "CSC pipeline, numba, two full passes",
+                     "numba mc": "CSC pipeline with momentum correction, numba",
+                     "torch mc": "CSC pipeline with momentum correction, torch reference",
                      "copy": "copy of the gradient (bound)",
                      "fp16 numba": "dense FP16 cast+upcast, numba",
                      "fp16 torch": "dense FP16 cast+upcast, torch",
@@ -155,10 +165,11 @@ def main(argv=None) -> int:
                    "gbps": gbps, "vs_copy": gbps / copy_gbps,
                    "speedup_vs_torch": (med["torch"] / med[key])
                    if key in ("numba", "torch", "numba 2-pass")
+                   else (med["torch mc"] / med[key]) if key.endswith(" mc")
                    else (med["fp16 torch"] / med[key]) if key.startswith("fp16 ")
                    else (med["fp16ef torch"] / med[key]) if key.startswith("fp16ef") else None}
             rows.append(row)
-        for impl in ("numba", "torch", "numba 2-pass"):
+        for impl in ("numba", "torch", "numba 2-pass", "numba mc", "torch mc"):
             srow = {"threads": threads, "impl": impl}
             for name, v in stages[impl].items():
                 srow[name] = median(v) * 1e3
@@ -167,6 +178,7 @@ def main(argv=None) -> int:
         print(f"threads={threads}: numba {med['numba']*1e3:.1f} ms, "
               f"torch {med['torch']*1e3:.1f} ms ({med['torch']/med['numba']:.2f}x), "
               f"numba two-pass {med['numba 2-pass']*1e3:.1f} ms, "
+              f"with momentum correction numba {med['numba mc']*1e3:.1f} ms, "
               f"copy {med['copy']*1e3:.1f} ms", flush=True)
 
     table = markdown_table(
@@ -182,7 +194,7 @@ def main(argv=None) -> int:
         f"to FP16; median of {reps} reps per thread count, variants alternating rep by rep. "
         f"Numba threading layer: {K.threading_layer()}; first compile/cache load "
         f"{fmt(t_compile)} s. GB/s counts the least bytes moved (pipeline 16 B/element, the "
-        "two-pass one 24, copy 8, "
+        "two-pass one 24, with momentum correction 24, copy 8, "
         f"dense FP16 12, FP16 with error feedback 18: read grad and residual, write the half "
         f"buffer and the new residual, then read the half buffer and write the result).\n\n"
         f"{table}\n\nPer stage (median ms):\n\n{stage_table}\n\n"
