@@ -132,7 +132,7 @@ def _threshold_of(variant: str) -> int | None:
 
 
 def _make_variant(variant: str, model_name: str, gf_group, bucket_view: bool = False,
-                  groups: dict | None = None):
+                  groups: dict | None = None, broadcast_buffers: bool = True):
     """Return the module to train for one variant; raises with a reason to skip it.
 
     `..._pool`: CSC choosing chunks across each fused batch; a variant with a threshold of its own
@@ -140,13 +140,17 @@ def _make_variant(variant: str, model_name: str, gf_group, bucket_view: bool = F
     bucket_view: DDP's gradient_as_bucket_view for every DDP variant (peers and ours alike):
     gradients live in the buckets, which saves DDP's two copies of the gradient per step
     (into the bucket during backward, and the hook's result back into .grad).
+    broadcast_buffers: DDP's own option, for every DDP variant alike; False leaves out the
+    synchronous broadcast of rank 0's buffers (BN running statistics) before each forward, as
+    Horovod does (it broadcasts them once, at the start).
     """
     import functools
 
     import torch
     from torch.nn.parallel import DistributedDataParallel
 
-    DDP = functools.partial(DistributedDataParallel, gradient_as_bucket_view=bucket_view)
+    DDP = functools.partial(DistributedDataParallel, gradient_as_bucket_view=bucket_view,
+                            broadcast_buffers=broadcast_buffers)
 
     torch.manual_seed(0)  # every variant starts from the same weights
     model = _build_model(model_name)
@@ -225,7 +229,7 @@ def _make_optimizer(variant: str, model, gf_group, momentum: float = 0.0):
 
 def worker(rank: int, world_size: int, model: str, batch: int, image: int, variants: list,
            steps: int, rounds: int, warmup: int, ifname: str, bucket_view: bool = False,
-           momentum: float = 0.0) -> dict:
+           momentum: float = 0.0, broadcast_buffers: bool = True) -> dict:
     """One rank: build every variant, run them in interleaved rounds, return per-step times.
 
     momentum: every variant's SGD momentum (0: plain SGD, whose step has no momentum pass,
@@ -250,7 +254,8 @@ def worker(rank: int, world_size: int, model: str, batch: int, image: int, varia
         if v in skipped:
             continue
         try:
-            runners[v] = _make_variant(v, model, gf_group, bucket_view, groups)
+            runners[v] = _make_variant(v, model, gf_group, bucket_view, groups,
+                                       broadcast_buffers)
         except Exception as exc:  # noqa: BLE001
             skipped[v] = f"{type(exc).__name__}: {exc}"
     torch.manual_seed(1 + rank)  # each rank its own data shard

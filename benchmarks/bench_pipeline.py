@@ -103,7 +103,7 @@ def add_floor(rows) -> None:
 
 
 def run(models, tiers, steps, rounds, warmup, timeout_s, loopback, bucket_view=False,
-        log=print, momentum=0.9):
+        log=print, momentum=0.9, broadcast_buffers=True):
     import contextlib
 
     from benchmarks.bench_e2e import MODELS, _available_bytes, _model_params, _split_for_memory
@@ -115,7 +115,7 @@ def run(models, tiers, steps, rounds, warmup, timeout_s, loopback, bucket_view=F
         cfg = MODELS[model]
         common = {"model": model, "batch": cfg["batch"], "image": cfg["image"], "steps": steps,
                   "rounds": rounds, "warmup": warmup, "bucket_view": bucket_view,
-                  "momentum": momentum}
+                  "momentum": momentum, "broadcast_buffers": broadcast_buffers}
         for rate in tiers:
             shape = ShapeConfig(rate_gbps=rate)
             if loopback:
@@ -197,6 +197,10 @@ def main(argv=None) -> int:
     ap.add_argument("--bucket-view", action="store_true",
                     help="DDP's gradient_as_bucket_view (gradients live in the buckets: two "
                          "copies per step fewer)")
+    ap.add_argument("--no-broadcast-buffers", action="store_true",
+                    help="DDP(broadcast_buffers=False) for every DDP variant: no broadcast of "
+                         "rank 0's BN statistics before each forward (Horovod broadcasts them "
+                         "once); the limit never sends them")
     ap.add_argument("--momentum", type=float, default=0.9,
                     help="every variant's SGD momentum (0: plain SGD; CSC's compressor then "
                          "still applies its default momentum correction)")
@@ -228,7 +232,8 @@ def main(argv=None) -> int:
         if loopback:
             tiers = [None]
     rows, notes = run(models, tiers, args.steps, args.rounds, args.warmup, args.timeout,
-                      loopback, args.bucket_view, momentum=args.momentum)
+                      loopback, args.bucket_view, momentum=args.momentum,
+                      broadcast_buffers=not args.no_broadcast_buffers)
     cmd = "python -m benchmarks.bench_pipeline " + " ".join(argv if argv is not None
                                                            else sys.argv[1:])
     md = _markdown(rows, notes, cmd)
