@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 # torch would download a multi-GB build.
 TORCH_PINS := torch==2.14.1 torchvision==0.29.1
 
-.PHONY: install test lint demo bench bench-quick experiment sweep simulate bench-algorithms bench-algorithms-e2e bench-pipeline bench-autotune bench-autotune-matrix autotune-matrix-table autotune-e2e test-ray clean
+.PHONY: install test lint demo bench bench-quick experiment sweep simulate bench-algorithms bench-algorithms-e2e bench-pipeline step-anatomy bench-autotune bench-autotune-matrix autotune-matrix-table autotune-e2e test-ray clean
 
 install: $(STAMP)
 
@@ -49,9 +49,16 @@ bench-algorithms: install
 bench-algorithms-e2e: install
 	$(PY) benchmarks/bench_algorithms_e2e.py
 
-# CSC fused and pipelined by the engine against no communication, ResNet-50 and AlexNet (root)
+# CSC fused and pipelined by the engine against no communication, ResNet-50 and AlexNet, DDP
+# built as README.md recommends, medians over 3 launches (root)
 bench-pipeline: install
-	$(PY) -m benchmarks.bench_pipeline
+	$(PY) -m benchmarks.bench_pipeline --models resnet50,alexnet --tiers 1,10 --bucket-view \
+		--no-broadcast-buffers --steps 24 --rounds 6 --launches 3 \
+		--out benchmarks/results/pipeline/bucket_view_no_broadcast
+
+# where a CSC step's time goes: each thread's CPU and the tail after backward (root)
+step-anatomy: install
+	$(PY) -m benchmarks.step_anatomy --model resnet50 --tier 1 --bucket-view --no-broadcast-buffers
 
 # autotune against a grid of the same settings, in one launch
 bench-autotune: install

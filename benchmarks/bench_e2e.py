@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import itertools
 import json
 import os
 import sys
@@ -229,11 +230,14 @@ def _make_optimizer(variant: str, model, gf_group, momentum: float = 0.0):
 
 def worker(rank: int, world_size: int, model: str, batch: int, image: int, variants: list,
            steps: int, rounds: int, warmup: int, ifname: str, bucket_view: bool = False,
-           momentum: float = 0.0, broadcast_buffers: bool = True) -> dict:
+           momentum: float = 0.0, broadcast_buffers: bool = True,
+           mark_steps: bool = False) -> dict:
     """One rank: build every variant, run them in interleaved rounds, return per-step times.
 
     momentum: every variant's SGD momentum (0: plain SGD, whose step has no momentum pass,
-    while CSC's compressor still applies its default momentum correction)."""
+    while CSC's compressor still applies its default momentum correction).
+    mark_steps: mark each step on gradientflow's timeline (`gradientflow.mark_step`).
+    Also returned: each thread's CPU ms per timed step, per variant (`thread_cpu_ms`)."""
     import torch
     import torch.distributed as dist
 
@@ -270,8 +274,14 @@ def worker(rank: int, world_size: int, model: str, batch: int, image: int, varia
             skipped[v] = f"{type(exc).__name__}: {exc}"
             del runners[v]
 
+    marked = itertools.count()
+
     def step(v):
         m, opt = runners[v], opts[v]
+        if mark_steps:
+            import gradientflow
+
+            gradientflow.mark_step(next(marked))
         opt.zero_grad(set_to_none=False)
         loss_fn(m(x), y).backward()
         opt.step()
@@ -298,16 +308,21 @@ def worker(rank: int, world_size: int, model: str, batch: int, image: int, varia
                                             .parameters())) if runners else None
     per_round = max(1, steps // rounds)
     engine = {v: dict.fromkeys(ENGINE_STATS, 0.0) for v in runners if v.startswith("gf_")}
+    threads = {v: {} for v in runners}
     for _ in range(rounds):
         for v in runners:
             dist.barrier()
             b0 = _nic_tx_bytes(ifname)
             s0 = _engine_stats() if v in engine else None
+            th0 = _thread_cpu()
             for _ in range(per_round):
                 t0, c0 = time.perf_counter(), time.process_time()
                 step(v)
                 times[v].append(time.perf_counter() - t0)
                 cpu[v].append(time.process_time() - c0)
+            for name, sec in _thread_cpu().items():
+                got = (sec - th0.get(name, 0.0)) * 1e3 / per_round / rounds
+                threads[v][name] = threads[v].get(name, 0.0) + got
             tx[v] += _nic_tx_bytes(ifname) - b0
             if s0 is not None:
                 s1 = _engine_stats()
@@ -317,7 +332,34 @@ def worker(rank: int, world_size: int, model: str, batch: int, image: int, varia
     return {"times": times, "cpu": cpu, "tx_bytes": tx,
             "steps": {v: len(t) for v, t in times.items()},
             "skipped": skipped, "params": n_params, "probe_busbw_gbps": busbw,
-            "ef_floor_ms": floor_ms, "engine": engine}
+            "ef_floor_ms": floor_ms, "engine": engine, "thread_cpu_ms": threads}
+
+
+def _thread_cpu() -> dict[str, float]:
+    """CPU seconds of this process's threads so far, by name: Python's name for the threads
+    Python made (a group's number left out: 'engine', 'reaper'), the kernel's for the others
+    (gloo's); threads of one name are summed. Read from /proc (Linux); {} elsewhere."""
+    import re
+    import threading
+
+    names = {t.native_id: re.sub(r"^\d+-", "", t.name) for t in threading.enumerate()}
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as fh:
+                fields = fh.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/self/task/{tid}/comm") as fh:
+                comm = fh.read().strip()
+        except OSError:
+            continue  # the thread has ended
+        name = names.get(int(tid), comm)
+        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return out
 
 
 # gradientflow.stats() counters reported per step for the gradientflow variants: collectives
@@ -369,6 +411,22 @@ def _gf_available() -> str:
     if not hasattr(gfh, "register"):
         return "gradientflow.hooks.register is not defined yet"
     return ""
+
+
+def launch_worker(n: int, kwargs: dict, variants: list, cluster, timeout_s: float,
+                  notes: list, what: str, log=print):
+    """Run `worker` for `variants` on `n` ranks of `cluster`; return the launch's result, or
+    None after adding a note and a log line naming `what` failed."""
+    from benchmarks.launch import launch
+
+    res = launch("benchmarks.bench_e2e:worker", n,
+                 {**kwargs, "variants": variants, "ifname": cluster.ifname},
+                 cluster=cluster, timeout_s=timeout_s)
+    if not res.ok:
+        notes.append(f"{what} {variants}: {res.error}")
+        log(f"FAILED {what}: {res.error}")
+        return None
+    return res
 
 
 def _summarise(res, variants, world_size, model, tier_label, shaped, batch):
@@ -511,13 +569,10 @@ def run(models, ranks_list, tiers, steps, rounds, warmup, timeout_s, loopback, l
                         launches += parts
                     for variants in launches:
                         t0 = time.monotonic()
-                        res = launch("benchmarks.bench_e2e:worker", n,
-                                     {**common, "variants": variants, "ifname": cluster.ifname},
-                                     cluster=cluster, timeout_s=timeout_s)
                         label = shape.label if cluster.shaped else "loopback"
-                        if not res.ok:
-                            notes.append(f"{model} {n} ranks {label} {variants}: {res.error}")
-                            log(f"[e2e] FAILED {model} n={n} {label}: {res.error}")
+                        res = launch_worker(n, common, variants, cluster, timeout_s, notes,
+                                            f"{model} {n} ranks {label}", log)
+                        if res is None:
                             continue
                         got = _summarise(res, variants, n, model, label, cluster.shaped,
                                          cfg["batch"])

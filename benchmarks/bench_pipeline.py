@@ -134,8 +134,8 @@ def run(models, tiers, steps, rounds, warmup, timeout_s, loopback, bucket_view=F
         log=print, momentum=0.9, broadcast_buffers=True, launches=1):
     import contextlib
 
-    from benchmarks.bench_e2e import MODELS, _available_bytes, _model_params, _split_for_memory
-    from benchmarks.launch import launch
+    from benchmarks.bench_e2e import (MODELS, _available_bytes, _model_params, _split_for_memory,
+                                      launch_worker)
     from benchmarks.netem import Cluster, ShapeConfig
 
     rows, notes = [], []
@@ -163,12 +163,9 @@ def run(models, tiers, steps, rounds, warmup, timeout_s, loopback, bucket_view=F
                     each = []
                     for i in range(launches):
                         t0 = time.monotonic()
-                        res = launch("benchmarks.bench_e2e:worker", 2,
-                                     {**common, "variants": variants, "ifname": cluster.ifname},
-                                     cluster=cluster, timeout_s=timeout_s)
-                        if not res.ok:
-                            notes.append(f"{model} {label} {variants} launch {i}: {res.error}")
-                            log(f"[pipeline] FAILED {model} {label}: {res.error}")
+                        res = launch_worker(2, common, variants, cluster, timeout_s, notes,
+                                            f"{model} {label} launch {i}", log)
+                        if res is None:
                             continue
                         got = _rows(res, variants, model, label, rate, cluster.shaped,
                                     cfg["batch"])

@@ -128,3 +128,27 @@ def test_pipeline_launches_merge_to_medians_and_judge_the_median_speed():
     (single,) = [r for r in bench_pipeline.merge_launches([launch(200, 250)])
                  if r["variant"] == "gf_csc1"]
     assert single["of_limit"] == 0.8 and single["met"] == "no" and single["launches"] == 1
+
+
+def test_step_anatomy_tail_runs_from_the_steps_last_round_to_its_last_phase():
+    from benchmarks.step_anatomy import tail_phases
+
+    def x(name, ts, dur, cat="engine"):
+        return {"ph": "X", "name": name, "cat": cat, "ts": ts, "dur": dur}
+
+    events = [{"ph": "i", "name": "step 0", "ts": 0.0}, {"ph": "i", "name": "step 1", "ts": 100e3},
+              {"ph": "i", "name": "step 2", "ts": 200e3},
+              x("compress", 10e3, 5e3),              # a bucket prepared during backward
+              x("agree", 20e3, 1e3, "agree"),        # an earlier batch's round: not the tail
+              x("agree", 60e3, 2e3, "agree"), x("allreduce", 62e3, 3e3, "comm"),
+              x("decompress", 65e3, 1e3, "codec"),
+              x("agree", 160e3, 4e3, "agree"), x("allreduce", 164e3, 5e3, "comm"),
+              x("decompress", 170e3, 2e3, "codec"),
+              x("step", 0.0, 100e3, "step")]        # step bars are not phases
+    rows = tail_phases(events)
+    assert [r["phase"] for r in rows] == ["agree", "allreduce", "decompress",
+                                          "tail (round to last unpack)"]
+    assert rows[0]["dur_ms"] == 3.0 and rows[1]["start_ms"] == 3.0  # medians over the 2 steps
+    assert rows[2]["end_ms"] == 9.0 and rows[-1]["dur_ms"] == 9.0  # ends 6 and 12 ms
+    assert all(r["steps"] == 2 for r in rows)
+    assert tail_phases([e for e in events if e.get("name") != "agree"]) == []  # no round: none
