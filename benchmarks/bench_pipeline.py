@@ -195,9 +195,10 @@ def _markdown(rows, notes, cmd, machine=None) -> str:
            "launches (`--launches`) every number is the median over the launches, and 'each "
            "launch' lists every launch's speed kept (each against its own limit).", "",
            "Floor (`add_floor`): the least step time over the limit this machine allows CSC, from "
-           "the same launch: DDP's own cost (the no-op hook's gap) + the error-feedback floor "
-           "(the memory passes any compressor with a residual makes on the rank's one core) + the "
-           "step's wire bytes at the probed link rate. best = limit / (limit + floor); 'wire "
+           "the same launch (with several, from the medians over them): DDP's own cost (the "
+           "no-op hook's gap) + the error-feedback floor (the memory passes any compressor with "
+           "a residual makes on the rank's one core) + the step's wire bytes at the probed link "
+           "rate. best = limit / (limit + floor); 'wire "
            "hidden' leaves the wire time out, as if every byte travelled under backward.", ""]
     for model in dict.fromkeys(r["model"] for r in rows):
         sub = [r for r in rows if r["model"] == model]
