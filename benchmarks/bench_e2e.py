@@ -141,9 +141,9 @@ def _make_variant(variant: str, model_name: str, gf_group, bucket_view: bool = F
     bucket_view: DDP's gradient_as_bucket_view for every DDP variant (peers and ours alike):
     gradients live in the buckets, which saves DDP's two copies of the gradient per step
     (into the bucket during backward, and the hook's result back into .grad).
-    broadcast_buffers: DDP's own option, for every DDP variant alike; False leaves out the
-    synchronous broadcast of rank 0's buffers (BN running statistics) before each forward, as
-    Horovod does (it broadcasts them once, at the start).
+    broadcast_buffers: False leaves out DDP's synchronous broadcast of rank 0's buffers (BN
+    running statistics) before each forward, for every DDP variant alike, as Horovod does (it
+    broadcasts them once, at the start): `_no_forward_buffer_sync`.
     """
     import functools
 
@@ -151,7 +151,7 @@ def _make_variant(variant: str, model_name: str, gf_group, bucket_view: bool = F
     from torch.nn.parallel import DistributedDataParallel
 
     DDP = functools.partial(DistributedDataParallel, gradient_as_bucket_view=bucket_view,
-                            broadcast_buffers=broadcast_buffers)
+                            **({} if broadcast_buffers else _no_forward_buffer_sync()))
 
     torch.manual_seed(0)  # every variant starts from the same weights
     model = _build_model(model_name)
@@ -187,6 +187,19 @@ def _make_variant(variant: str, model_name: str, gf_group, bucket_view: bool = F
         # gf_dense has no hook; the others' is registered with their optimizer (_make_optimizer)
         return DDP(model, process_group=gf_group if thr is None else groups[thr])
     raise ValueError(f"bench_e2e: unknown variant {variant!r}; use one of {list(LABELS)}")
+
+
+def _no_forward_buffer_sync() -> dict:
+    """DDP's argument that leaves out the broadcast of rank 0's buffers before each forward:
+    `forward_sync_buffers=False` from torch 2.14 on (it still syncs them once, at construction;
+    `broadcast_buffers` is deprecated there), `broadcast_buffers=False` before."""
+    import inspect
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters:
+        return {"forward_sync_buffers": False}
+    return {"broadcast_buffers": False}
 
 
 def _hook_config(variant: str):

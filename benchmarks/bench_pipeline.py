@@ -237,9 +237,9 @@ def main(argv=None) -> int:
                     help="DDP's gradient_as_bucket_view (gradients live in the buckets: two "
                          "copies per step fewer)")
     ap.add_argument("--no-broadcast-buffers", action="store_true",
-                    help="DDP(broadcast_buffers=False) for every DDP variant: no broadcast of "
-                         "rank 0's BN statistics before each forward (Horovod broadcasts them "
-                         "once); the limit never sends them")
+                    help="DDP without its broadcast of rank 0's BN statistics before each "
+                         "forward, for every DDP variant (Horovod broadcasts them once); the "
+                         "limit never sends them")
     ap.add_argument("--momentum", type=float, default=0.9,
                     help="every variant's SGD momentum (0: plain SGD; CSC's compressor then "
                          "still applies its default momentum correction)")
