@@ -8,8 +8,10 @@ residual and the gradient zeroed in the same pass), ``select_chunks`` (1% of the
 their rounding error into the residual, the packed buffer standing in for the reduced one). The
 same calls run with ``impl="numba"`` and ``impl="torch"``; the two-pass pipeline the compressor
 used before (v back into the gradient, then ``unpack_update`` over every element) runs beside
-them; and a plain ``copy_`` of the gradient's bytes is the memory-bandwidth bound; all alternate
-rep by rep at each thread count (torch and numba set to the same count), medians reported.
+them; the same pipeline under DGC's momentum correction (the default recipe: the velocity read
+and its new value written in the ``chunk_norms`` pass) runs with both implementations too; and a
+plain ``copy_`` of the gradient's bytes is the memory-bandwidth bound; all alternate rep by rep
+at each thread count (torch and numba set to the same count), medians reported.
 
 GB/s: the bytes each variant must move at the least. The one-pass pipeline reads grad and
 residual and writes the spare residual and grad: 16 bytes per element (plus k chunks); the
