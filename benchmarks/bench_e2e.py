@@ -287,14 +287,15 @@ def worker(rank: int, world_size: int, model: str, batch: int, image: int, varia
             skipped[v] = f"{type(exc).__name__}: {exc}"
             del runners[v]
 
+    mark_step = None
+    if mark_steps:
+        from gradientflow import mark_step
     marked = itertools.count()
 
     def step(v):
         m, opt = runners[v], opts[v]
-        if mark_steps:
-            import gradientflow
-
-            gradientflow.mark_step(next(marked))
+        if mark_step is not None:
+            mark_step(next(marked))
         opt.zero_grad(set_to_none=False)
         loss_fn(m(x), y).backward()
         opt.step()
@@ -427,14 +428,14 @@ def _gf_available() -> str:
 
 
 def launch_worker(n: int, kwargs: dict, variants: list, cluster, timeout_s: float,
-                  notes: list, what: str, log=print):
+                  notes: list, what: str, log=print, env_extra: dict | None = None):
     """Run `worker` for `variants` on `n` ranks of `cluster`; return the launch's result, or
     None after adding a note and a log line naming `what` failed."""
     from benchmarks.launch import launch
 
     res = launch("benchmarks.bench_e2e:worker", n,
                  {**kwargs, "variants": variants, "ifname": cluster.ifname},
-                 cluster=cluster, timeout_s=timeout_s)
+                 cluster=cluster, timeout_s=timeout_s, env_extra=env_extra)
     if not res.ok:
         notes.append(f"{what} {variants}: {res.error}")
         log(f"FAILED {what}: {res.error}")

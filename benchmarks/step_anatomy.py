@@ -101,8 +101,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=results_dir(NAME))
     args = ap.parse_args(argv)
 
-    from benchmarks.bench_e2e import MODELS
-    from benchmarks.launch import launch
+    from benchmarks.bench_e2e import MODELS, launch_worker
     from benchmarks.netem import Cluster, ShapeConfig
     from gradientflow.observability.timeline import load_trace
 
@@ -113,16 +112,15 @@ def main(argv=None) -> int:
         if not cluster.shaped:
             print(f"step_anatomy: {args.tier:g} Gbit/s not emulated ({cluster.reason})")
             return 1
-        res = launch("benchmarks.bench_e2e:worker", 2,
-                     {"model": args.model, "batch": cfg["batch"], "image": cfg["image"],
-                      "steps": args.steps, "rounds": args.rounds, "warmup": 3,
-                      "bucket_view": args.bucket_view, "momentum": args.momentum,
-                      "broadcast_buffers": not args.no_broadcast_buffers,
-                      "variants": variants, "ifname": cluster.ifname, "mark_steps": True},
-                     cluster=cluster, timeout_s=900,
-                     env_extra={"GRADIENTFLOW_TIMELINE": str(Path(tmp) / "rank{rank}.json")})
-        if not res.ok:
-            print(f"step_anatomy: the launch failed: {res.error}")
+        notes: list[str] = []
+        res = launch_worker(
+            2, {"model": args.model, "batch": cfg["batch"], "image": cfg["image"],
+                "steps": args.steps, "rounds": args.rounds, "warmup": 3,
+                "bucket_view": args.bucket_view, "momentum": args.momentum,
+                "broadcast_buffers": not args.no_broadcast_buffers, "mark_steps": True},
+            variants, cluster, 900, notes, "step_anatomy's launch",
+            env_extra={"GRADIENTFLOW_TIMELINE": str(Path(tmp) / "rank{rank}.json")})
+        if res is None:
             return 1
         tail = tail_phases(load_trace(str(Path(tmp) / "rank0.json"))["traceEvents"])
     threads = _thread_rows(res, variants)
