@@ -66,13 +66,15 @@ LABELS = {
     "gf_csc1_t32": "gradientflow CSC 1%, fusion threshold 32 MB",
     "gf_opt": "gradientflow DistributedOptimizer, priority",
     "gf_opt_csc1": "gradientflow DistributedOptimizer, priority, CSC 1%",
+    "gf_opt_csc1_nf": "gradientflow DistributedOptimizer, priority, CSC 1%, next-forward "
+                      "overlap",
 }
 # Bytes of memory per model parameter each variant holds in a rank (FP32: weights, gradients,
 # DDP's bucket copy, the compressors' residual and its spare, FP16's wire buffer): what decides
 # how many variants one launch can build side by side.
 _BYTES_PER_PARAM = {"nocomm": 8, "ddp": 12, "ddp_noop": 12, "fp16_hook": 14, "powersgd": 12,
                     "gf_dense": 12, "gf_fp16": 22, "gf_csc10": 20, "gf_csc1": 20, "gf_csc0.1": 20,
-                    "gf_opt": 12, "gf_opt_csc1": 20}
+                    "gf_opt": 12, "gf_opt_csc1": 20, "gf_opt_csc1_nf": 24}
 # Issue 7's reference figures: ResNet-50, 2 ranks, batch 4 of 64x64, one thread per rank,
 # median step ms measured on an unloaded machine of this kind; CSC rows are target speedups.
 TARGETS = {
@@ -235,10 +237,12 @@ def _make_optimizer(variant: str, model, gf_group, momentum: float = 0.0):
     import gradientflow.optim as gfo
 
     # Priority scheduling on (the default, said explicitly): the partition the next forward
-    # needs first is launched first; the public API only, as a user would call it.
-    compression = _gf_config("csc", 0.01) if variant == "gf_opt_csc1" else None
+    # needs first is launched first; the public API only, as a user would call it. "_nf":
+    # step() returns at once and each module's update waits for its next forward.
+    compression = _gf_config("csc", 0.01) if variant.startswith("gf_opt_csc1") else None
     return gfo.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
-                                    compression=compression, process_group=gf_group, priority=True)
+                                    compression=compression, process_group=gf_group, priority=True,
+                                    overlap_next_forward=variant.endswith("_nf"))
 
 
 def worker(rank: int, world_size: int, model: str, batch: int, image: int, variants: list,

@@ -131,7 +131,7 @@ def add_floor(rows) -> None:
 
 
 def run(models, tiers, steps, rounds, warmup, timeout_s, loopback, bucket_view=False,
-        log=print, momentum=0.9, broadcast_buffers=True, launches=1):
+        log=print, momentum=0.9, broadcast_buffers=True, launches=1, variants=VARIANTS):
     import contextlib
 
     from benchmarks.bench_e2e import (MODELS, _available_bytes, _model_params, _split_for_memory,
@@ -157,17 +157,17 @@ def run(models, tiers, steps, rounds, warmup, timeout_s, loopback, bucket_view=F
                     notes.append(f"{shape.label} not emulated ({cluster.reason}): skipped")
                     continue
                 label = shape.label if cluster.shaped else "loopback"
-                parts = _split_for_memory(list(VARIANTS), _model_params(model), 2,
+                parts = _split_for_memory(list(variants), _model_params(model), 2,
                                           _available_bytes())
-                for variants in parts:
+                for part in parts:
                     each = []
                     for i in range(launches):
                         t0 = time.monotonic()
-                        res = launch_worker(2, common, variants, cluster, timeout_s, notes,
+                        res = launch_worker(2, common, part, cluster, timeout_s, notes,
                                             f"{model} {label} launch {i}", log)
                         if res is None:
                             continue
-                        got = _rows(res, variants, model, label, rate, cluster.shaped,
+                        got = _rows(res, part, model, label, rate, cluster.shaped,
                                     cfg["batch"])
                         each.append(got)
                         log(f"[pipeline] {model} {label} launch {i} "
@@ -243,10 +243,20 @@ def main(argv=None) -> int:
     ap.add_argument("--momentum", type=float, default=0.9,
                     help="every variant's SGD momentum (0: plain SGD; CSC's compressor then "
                          "still applies its default momentum correction)")
+    ap.add_argument("--variants", default=",".join(VARIANTS),
+                    help="comma list, the limit first (also: gf_opt_csc1, the "
+                         "DistributedOptimizer with CSC 1%%; gf_opt_csc1_nf, the same with "
+                         "next-forward overlap)")
     ap.add_argument("--table-only", action="store_true",
                     help="rebuild the markdown (floor columns included) from OUT/pipeline.json "
                          "of the latest run; runs nothing")
     args = ap.parse_args(argv)
+    from benchmarks.bench_e2e import LABELS
+
+    variants = tuple(args.variants.split(","))
+    if variants[0] != "nocomm" or any(v not in LABELS for v in variants):
+        ap.error(f"--variants {args.variants!r}: a comma list of {sorted(LABELS)}, "
+                 "nocomm first (the limit every other variant is measured against)")
     if args.table_only:
         import json
         import re
@@ -273,7 +283,7 @@ def main(argv=None) -> int:
     rows, notes = run(models, tiers, args.steps, args.rounds, args.warmup, args.timeout,
                       loopback, args.bucket_view, momentum=args.momentum,
                       broadcast_buffers=not args.no_broadcast_buffers,
-                      launches=args.launches)
+                      launches=args.launches, variants=variants)
     cmd = "python -m benchmarks.bench_pipeline " + " ".join(argv if argv is not None
                                                            else sys.argv[1:])
     md = _markdown(rows, notes, cmd)
