@@ -331,8 +331,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
             just before its next forward (call finish_updates() before reading them otherwise).
         sparse_as_dense: densify sparse gradients (else they are allgathered).
 
-    After step() (dense path), p.grad is a view into a flat buffer that is reused the next step,
-    as with DDP's gradient_as_bucket_view: clone it to keep it longer. A parameter no rank gave a
+    After step(), p.grad is a view into a flat buffer that is reused the next step, as with
+    DDP's gradient_as_bucket_view: clone it to keep it longer. A parameter no rank gave a
     gradient keeps grad None. optimizer.step(closure) calls the closure once (it runs
     backward), then steps on the averaged gradients.
 

@@ -174,7 +174,9 @@ class GradientReducer:
             _check_same_everywhere(specs, options, process_group, self.rank, self.world_size)
         # Every rank calls scheduler_of here, at the same point (it connects a new group).
         self._sched = scheduler_of(process_group) if initialized else None
-        self.target: Any = GradTarget(self.params, bucket_view=self.compressor is None)
+        # Dense or compressed, a result sits in its partition's reused buffer: the gradients
+        # point into it rather than take a copy (one pass over the model fewer per step).
+        self.target: Any = GradTarget(self.params, bucket_view=True)
         self._before_first_grad = before_first_grad
 
         # --- internal, per step ---
@@ -295,22 +297,27 @@ class GradientReducer:
         sparse_grads = {seg.index: self.params[seg.index].grad for seg in sparse}
         return self._run_stages(part, dense, sparse, sparse_grads)
 
+    def _buffer(self, part: Partition, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """Partition `part`'s flat buffer of `numel` elements, allocated on first use."""
+        buf = self._buffers.get(part.key)
+        if buf is None or buf.numel() != numel or buf.dtype != dtype:
+            buf = self._buffers[part.key] = torch.empty(numel, dtype=dtype, device=part.device)
+        return buf
+
     def _run_stages(self, part: Partition, dense, sparse, sparse_grads):
         pre, post = self._scales()
         flat = None
+        # One buffer per partition, reused every step (a fresh one costs a page fault per 4 kB
+        # of gradient, every step): a partition runs once per step and its results are
+        # delivered to the target before its future completes.
         if self.compressor is not None and dense:
-            gen = compressed_average(self.compressor, self._layouts[part.key],
-                                     [g for g, _ in dense], pre, post)
+            layout = self._layouts[part.key]
+            gen = compressed_average(self.compressor, layout, [g for g, _ in dense], pre, post,
+                                     buffer=self._buffer(part, sum(layout.numels), torch.float32))
         elif dense:
             numels = [seg.numel for _, seg in dense]
-            buf = self._buffers.get(part.key)
-            if buf is None or buf.numel() != sum(numels) + len(numels):
-                buf = self._buffers[part.key] = torch.empty(sum(numels) + len(numels),
-                                                            dtype=part.dtype, device=part.device)
-            # One buffer per partition, reused every step: a partition runs once per step and
-            # its results are copied out before its future completes.
             gen = dense_average([g for g, _ in dense], numels, part.dtype, part.device, pre, post,
-                                buffer=buf)
+                                buffer=self._buffer(part, sum(numels) + len(numels), part.dtype))
         else:
             gen = None
         if gen is not None:

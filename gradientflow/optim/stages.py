@@ -61,14 +61,17 @@ def dense_average(inputs: Sequence[torch.Tensor | None], numels: Sequence[int],
 
 
 def compressed_average(compressor, layout, inputs: Sequence[torch.Tensor | None],
-                       prescale: float, postscale: float) -> StageGen:
+                       prescale: float, postscale: float,
+                       buffer: torch.Tensor | None = None) -> StageGen:
     """Average `inputs` with a gradientflow compressor (its own stages), then agree on used flags.
 
     The compressor returns the average over ranks; postscale turns it into what the op asks for
-    (world_size * predivide for Sum, predivide for Average).
+    (world_size * predivide for Sum, predivide for Average). `buffer`: the flat FP32 buffer to
+    fill, reused every step (as dense_average's).
     """
     numels = layout.numels
-    flat = _fill(inputs, numels, torch.float32, _device_of(inputs), 0, scale=prescale)
+    flat = _fill(inputs, numels, torch.float32, _device_of(inputs), 0, buffer=buffer,
+                 scale=prescale)
     out = yield from compressor.reduce(flat, layout)
     flags = torch.tensor([0.0 if g is None else 1.0 for g in inputs], dtype=torch.float32,
                          device=flat.device)  # on CUDA, NCCL takes CUDA tensors only
