@@ -325,7 +325,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
         gradient_predivide_factor: Average only: scale by 1/f before the sum and f/size after.
         process_group: the group to average over (default: the world group).
         priority: True launches the partition the next forward needs first (TicTac); False
-            launches in backward order (FIFO). Both are the same order on every rank.
+            launches in backward order (FIFO). Both are the same order on every rank. With
+            compression the partitions travel fused, in backward order, whatever it says.
         partition_bytes: bytes per partition; larger parameters are cut into row blocks.
         overlap_next_forward: step() returns at once; each module's parameters are updated
             just before its next forward (call finish_updates() before reading them otherwise).

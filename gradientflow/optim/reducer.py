@@ -20,6 +20,10 @@ How a step flows (on a gradientflow process group):
 3. `submit_rest()` submits what backward did not complete (unused parameters: zeros, as DDP's
    find_unused_parameters) and `wait_all()` waits only for what is still in flight.
 
+Compressed partitions skip the scheduler: they are queued in the engine's fused stage batches,
+as DDP's compressed buckets are, in backward's fixed order (a batch is one compressor op, 3
+collectives for all its partitions; see docs/DESIGN.md, the keyed scheduler).
+
 On any other group (plain gloo, or no torch.distributed at all) nothing is launched during
 backward: `submit_rest()` reduces every partition in priority order, synchronously. That static
 order needs no agreement, but it is the "no overlap" baseline.
@@ -37,10 +41,12 @@ import torch
 import torch.distributed as dist
 
 from gradientflow.compression import CompressionConfig, make_compressor
-from gradientflow.backend.api import scheduler_of, submit_stages
+from gradientflow.backend.api import scheduler_of, submit_part, submit_stages
 from gradientflow.engine.scheduler import MAX_KEYS
 from gradientflow.optim.plan import ParamSpec, Partition, build_plan, plan_fingerprint
-from gradientflow.optim.stages import compressed_average, dense_average, sparse_allgather
+from gradientflow.hooks._state import _queue_name
+from gradientflow.optim.stages import (compressed_average, dense_average, fill_flat,
+                                       sparse_allgather)
 
 __all__ = ["ReduceOp", "ReducerOptions", "GradTarget", "GradientReducer"]
 
@@ -100,6 +106,9 @@ class GradTarget:
         self._params = params
         # A dense result already sits in its partition's buffer: point the gradient at it.
         self._bucket_view = bucket_view
+        # Parameter index -> its whole gradient in a buffer where its row blocks' results lie
+        # back to back (the fused path's): a row-split parameter points there too.
+        self.homes: dict[int, torch.Tensor] = {}
         self._lock = threading.Lock()  # held only inside write: it never calls out
 
     def write(self, seg, value: torch.Tensor, used: bool) -> None:
@@ -110,6 +119,10 @@ class GradTarget:
             p = self._params[seg.index]
             if not used:
                 p.grad = None  # no rank had a gradient: leave it alone, as DDP does
+                return
+            home = self.homes.get(seg.index)
+            if home is not None and self._bucket_view:
+                p.grad = home  # this block's result is already in it, the others will be
                 return
             if seg.whole and not value.is_sparse and self._bucket_view:
                 # The result already sits in this partition's buffer: point the gradient at it
@@ -178,6 +191,14 @@ class GradientReducer:
         # point into it rather than take a copy (one pass over the model fewer per step).
         self.target: Any = GradTarget(self.params, bucket_view=True)
         self._before_first_grad = before_first_grad
+        # Compressed partitions go through the engine's fused pipeline, as DDP's compressed
+        # buckets do: the partitions queued together are one compressor op (2 collectives for
+        # all of them, plus one for the used flags), prepared ahead on the engine thread. They
+        # are queued in one fixed order (backward's: the last partition first), so that every
+        # rank queues the same ops in the same order; priority then orders dense partitions.
+        self._fused = self._sched is not None and self.compressor is not None
+        self._op_name = (f"DistributedOptimizer {_queue_name(options.compression)}"
+                         if self._fused else "")
 
         # --- internal, per step ---
         self._lock = threading.Lock()
@@ -192,6 +213,10 @@ class GradientReducer:
         # by whoever waits for its future (settle), on the waiting thread.
         self._unpack: dict[int, Any] = {}
         self.step_open = False  # compressor step not closed yet
+        self._next_fused = len(self.plan) - 1  # the fused path's next partition to queue
+        self._ready_fused: set[int] = set()  # complete partitions waiting for their turn
+        self._flat_all: torch.Tensor | None = None  # the fused path's buffer (_fused_buffer)
+        self._slices: list[torch.Tensor] = []
         ref = weakref.ref(self)
         self._hooks = [p.register_post_accumulate_grad_hook(
             functools.partial(_on_grad_hook, ref, i)) for i, p in enumerate(self.params)]
@@ -227,7 +252,13 @@ class GradientReducer:
             for k in self._parts_of[i]:
                 self._missing[k].discard(i)
                 if not self._missing[k] and k not in self.futures:
-                    self._submit(k)
+                    if self._fused:
+                        self._ready_fused.add(k)
+                    else:
+                        self._submit(k)
+            if self._fused:
+                while self._next_fused in self._ready_fused:
+                    self._submit_fused(self._next_fused)
 
     def _submit(self, k: int) -> None:
         """Submit partition k (its gradients as they are now: None means no gradient here)."""
@@ -253,6 +284,54 @@ class GradientReducer:
             fut = submit_stages(self.process_group, ("optim", id(self), k), gen, part.device,
                                 name="optim", dense_bytes=part.nbytes)
         self.futures[k] = fut
+
+    def _submit_fused(self, k: int) -> None:
+        """Queue partition k, the fused path's next, in the engine (gradients as they are now).
+
+        Its gradients are copied into its buffer here, on the submitting thread, so a
+        zero_grad() while it waits for its batch cannot take them away.
+        """
+        part = self.plan[k]
+        self.step_open = True
+        dense, _ = self._grad_inputs(part)
+        layout = self._layouts[k]
+        pre, _ = self._scales()
+        flat = fill_flat([g for g, _ in dense], layout.numels, torch.float32, part.device, 0,
+                         buffer=self._fused_buffer(k), scale=pre)
+        op = _PartitionOp(self.compressor, k, flat, layout, [g is not None for g, _ in dense])
+        self.futures[k] = submit_part(
+            self.process_group, ("optim", id(self), k), op, self._fuse, part.device,
+            self._op_name, part.nbytes, close=k == 0)
+        self._ready_fused.discard(k)
+        self._next_fused = k - 1
+
+    def _fuse(self, ops: list["_PartitionOp"]):
+        """The StageGen of a fused batch of compressed partitions (the engine's fuser): one
+        compressor op for all of them, then one stage of every partition's used flags."""
+        for op in ops:
+            op.prepare()
+        outs = yield from self.compressor.reduce_many(
+            [op.flat for op in ops], [op.layout for op in ops],
+            prepared=[op.prepared for op in ops])
+        flags = torch.tensor([u for op in ops for u in op.used], dtype=torch.float32,
+                             device=ops[0].flat.device)  # NCCL takes CUDA tensors only
+        flags = (yield flags).gt(0).tolist()
+        _, post = self._scales()
+        off = 0
+        for op, out in zip(ops, outs):
+            if post != 1.0:
+                out.mul_(post)
+            segs = [seg for seg in self.plan[op.key].segments if not self._sparse[seg.index]]
+            self._deliver(segs, out, flags[off:off + len(op.used)])
+            off += len(op.used)
+        return [op.flat for op in ops]
+
+    def _deliver(self, segs, flat: torch.Tensor, used) -> None:
+        """Hand each segment's average (back to back in `flat`) to the target."""
+        off = 0
+        for seg, u in zip(segs, used):
+            self.target.write(seg, flat[off:off + seg.numel].view(seg.shape), u)
+            off += seg.numel
 
     def _grad_inputs(self, part: Partition):
         """Split a partition's segments into dense (gradient view or None) and sparse ones.
@@ -297,6 +376,31 @@ class GradientReducer:
         sparse_grads = {seg.index: self.params[seg.index].grad for seg in sparse}
         return self._run_stages(part, dense, sparse, sparse_grads)
 
+    def _fused_buffer(self, k: int) -> torch.Tensor:
+        """Partition k's slice of one FP32 buffer holding every partition in key order, so a
+        row-split parameter's blocks lie back to back and its gradient can point at them."""
+        if self._flat_all is None:
+            sizes = [sum(layout.numels) for layout in self._layouts]
+            devices = {part.device for part in self.plan}
+            if len(devices) != 1:  # parameters on several devices: a buffer per partition
+                return self._buffer(self.plan[k], sizes[k], torch.float32)
+            self._flat_all = torch.empty(sum(sizes), dtype=torch.float32,
+                                         device=self.plan[0].device)
+            self._slices = list(self._flat_all.split(sizes))
+            off = 0
+            for part in self.plan:
+                for seg in part.segments:
+                    if not seg.whole and seg.row0 == 0:
+                        p = self.params[seg.index]
+                        self._target_homes()[seg.index] = self._flat_all[
+                            off:off + p.numel()].view(p.shape)
+                    off += seg.numel
+        return self._slices[k]
+
+    def _target_homes(self) -> dict[int, torch.Tensor]:
+        """The default target's `homes` (a throwaway dict for another target)."""
+        return getattr(self.target, "homes", {})
+
     def _buffer(self, part: Partition, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """Partition `part`'s flat buffer of `numel` elements, allocated on first use."""
         buf = self._buffers.get(part.key)
@@ -324,10 +428,7 @@ class GradientReducer:
             flat, used = yield from gen
         else:
             used = []
-        off = 0
-        for (_, seg), u in zip(dense, used):
-            self.target.write(seg, flat[off:off + seg.numel].view(seg.shape), u)
-            off += seg.numel
+        self._deliver([seg for _, seg in dense], flat, used)
         for seg in sparse:
             if self.compressor is not None:
                 raise RuntimeError(f"{_PREFIX}: parameter {seg.name!r} has a sparse gradient, "
@@ -350,6 +451,10 @@ class GradientReducer:
                     "there are no gradients to average. Call loss.backward() before step(); to "
                     "step on gradients you already averaged (e.g. clipped after synchronize()), "
                     "call step() inside `with optimizer.skip_synchronize():`")
+            if self._fused:
+                while self._next_fused >= 0:
+                    self._submit_fused(self._next_fused)
+                return
             order = sorted(range(len(self.plan)), key=lambda k: (self.priority[k], k))
             for k in order:
                 if k not in self.futures:
@@ -397,6 +502,8 @@ class GradientReducer:
         self._missing = [set(part.params) for part in self.plan]
         self._begun = False
         self.seen_grads = False
+        self._next_fused = len(self.plan) - 1
+        self._ready_fused.clear()
 
     def end_step(self) -> None:
         """Close the compressor's step once every partition of it has been reduced."""
@@ -414,6 +521,25 @@ class GradientReducer:
     def launch_log(self) -> list[int]:
         """The partition keys of the last step in launch order (gradientflow groups only)."""
         return [] if self._sched is None else list(self._sched.launch_log)
+
+
+class _PartitionOp:
+    """One compressed partition queued in the engine; `prepare()` (the engine thread, while it
+    waits for the batch to close) runs the compressor's local work ahead (CSC: v and the chunk
+    norms)."""
+
+    __slots__ = ("compressor", "key", "flat", "layout", "used", "prepared", "_done")
+
+    def __init__(self, compressor, key: int, flat: torch.Tensor, layout, used: list[bool]):
+        self.compressor, self.key, self.flat, self.layout = compressor, key, flat, layout
+        self.used = used
+        self.prepared = None
+        self._done = False
+
+    def prepare(self) -> None:
+        if not self._done:
+            self._done = True
+            self.prepared = self.compressor.prepare(self.flat, self.layout)
 
 
 def _check_same_everywhere(specs, options: ReducerOptions, group, rank: int, world: int) -> None:

@@ -19,12 +19,14 @@ import torch
 
 from gradientflow.engine.stages import StageGen
 
-__all__ = ["dense_average", "compressed_average", "sparse_allgather"]
+__all__ = ["dense_average", "compressed_average", "fill_flat", "sparse_allgather"]
 
 
-def _fill(inputs: Sequence[torch.Tensor | None], numels: Sequence[int], dtype: torch.dtype,
-          device: torch.device, extra: int, buffer: torch.Tensor | None = None,
-          scale: float = 1.0) -> torch.Tensor:
+def fill_flat(inputs: Sequence[torch.Tensor | None], numels: Sequence[int], dtype: torch.dtype,
+              device: torch.device, extra: int, buffer: torch.Tensor | None = None,
+              scale: float = 1.0) -> torch.Tensor:
+    """`inputs` back to back in one flat tensor (None: zeros), times `scale`, with `extra`
+    elements left after them; into `buffer` when it has the size and dtype."""
     size = sum(numels) + extra
     if buffer is not None and buffer.numel() == size and buffer.dtype == dtype:
         flat = buffer  # reused every step: a fresh allocation costs page faults per step
@@ -32,13 +34,21 @@ def _fill(inputs: Sequence[torch.Tensor | None], numels: Sequence[int], dtype: t
         flat = torch.empty(size, dtype=dtype, device=device)
     off = 0
     for g, n in zip(inputs, numels):
-        if g is None:
-            flat[off:off + n].zero_()
-        elif scale != 1.0:
-            torch.mul(g.reshape(-1), scale, out=flat[off:off + n])  # copy and scale in one pass
-        else:
-            flat[off:off + n].copy_(g.reshape(-1))
+        dst = flat[off:off + n]
         off += n
+        if g is None:
+            dst.zero_()
+            continue
+        src = g.reshape(-1)
+        if src.data_ptr() == dst.data_ptr() and src.dtype == dst.dtype and src.is_contiguous():
+            # The gradient already lives here (it points into last step's result, and backward
+            # accumulated into it): a copy onto itself would be one more pass for nothing.
+            if scale != 1.0:
+                dst.mul_(scale)
+        elif scale != 1.0:
+            torch.mul(src, scale, out=dst)  # copy and scale in one pass
+        else:
+            dst.copy_(src)
     return flat
 
 
@@ -52,7 +62,7 @@ def dense_average(inputs: Sequence[torch.Tensor | None], numels: Sequence[int],
     buffer when its size and dtype fit.
     """
     n = sum(numels)
-    flat = _fill(inputs, numels, dtype, device, len(numels), buffer, prescale)
+    flat = fill_flat(inputs, numels, dtype, device, len(numels), buffer, prescale)
     flat[n:] = torch.tensor([0.0 if g is None else 1.0 for g in inputs], dtype=dtype)
     flat = yield flat
     if postscale != 1.0:
@@ -70,7 +80,7 @@ def compressed_average(compressor, layout, inputs: Sequence[torch.Tensor | None]
     fill, reused every step (as dense_average's).
     """
     numels = layout.numels
-    flat = _fill(inputs, numels, torch.float32, _device_of(inputs), 0, buffer=buffer,
+    flat = fill_flat(inputs, numels, torch.float32, _device_of(inputs), 0, buffer=buffer,
                  scale=prescale)
     out = yield from compressor.reduce(flat, layout)
     flags = torch.tensor([0.0 if g is None else 1.0 for g in inputs], dtype=torch.float32,

@@ -288,6 +288,54 @@ def compressed(rank, world, method):
     return worst, logs, opt._compressor.step, rel
 
 
+def fused_csc(rank, world, steps=5):
+    """Rank body: CSC through the DistributedOptimizer over many partitions; returns (the
+    parameters, collectives per step, partitions)."""
+    import torch
+    import torch.distributed as dist
+
+    import gradientflow
+    import gradientflow.optim as gfo
+    from gradientflow.compression import CompressionConfig
+
+    model = _mlp(torch, (12, 64, 64, 1))
+    cfg = CompressionConfig(method="csc", density=0.1, chunk_size=32, warmup_densities=())
+    opt = gfo.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+                                   named_parameters=model.named_parameters(), compression=cfg,
+                                   partition_bytes=4096)
+    per_step = []
+    for step in range(steps):
+        x, y = _batch(torch, step, 0, rank, 12)
+        before = gradientflow.stats()["fused_operations"] if dist.get_backend() != "gloo" else 0
+        opt.zero_grad()
+        ((model(x) - y) ** 2).mean().backward()
+        opt.step()
+        if dist.get_backend() != "gloo":
+            per_step.append(gradientflow.stats()["fused_operations"] - before)
+    parts = len(opt._reducer.plan)
+    opt.close()
+    return [p.detach().clone() for p in model.parameters()], per_step, parts
+
+
+def test_compressed_partitions_fuse_into_three_collectives_per_step(pools):
+    """The compressed partitions of a step are one engine batch: chunk norms, chunks and used
+    flags, 3 collectives for all of them; with fusion off each partition makes its own 3. Each
+    partition keeps its own quota, so the parameters are the same fused, alone and on gloo
+    (where every partition is reduced alone, synchronously, at step())."""
+    import torch
+
+    fused = pools(2).run(fused_csc, timeout=120)
+    alone = pools(2).run(fused_csc, timeout=120, env={"GRADIENTFLOW_FUSION_THRESHOLD": "0"})
+    gloo = pools(2).run(fused_csc, backend="gloo", timeout=120)
+    for rank in range(2):
+        parts = fused[rank][2]
+        assert parts >= 4, parts
+        assert set(fused[rank][1]) == {3}, (rank, fused[rank][1])
+        assert set(alone[rank][1]) == {3 * parts}, (rank, alone[rank][1])
+        for a, b, c in zip(fused[rank][0], alone[rank][0], gloo[rank][0]):
+            assert torch.equal(a, b) and torch.equal(a, c), rank
+
+
 @pytest.mark.parametrize("method", ["fp16", "csc"])
 def test_compression_through_the_scheduler(pools, method):
     res = pools(2).run(compressed, method, timeout=60)
