@@ -7,8 +7,8 @@ communication at all.
 Two ranks, each in its own network namespace behind a tbf-shaped veth (benchmarks/netem.py),
 run in one launch, in interleaved rounds (bench_e2e's worker): the step with no communication
 (the limit), DDP with a hook that sends nothing (DDP's own cost: its autograd hooks, bucket
-copies and buffer broadcasts, on the gradientflow group), and DDP with the CSC hook at 1% in
-these forms:
+copies and buffer broadcasts, on the gradientflow group), and CSC at 1% (the DDP hook unless
+said) in these forms:
 
 - unfused: every bucket its own op with its own two collectives (fusion threshold 0), the
   engine waiting on each;
@@ -16,7 +16,8 @@ these forms:
   sending its own ceil(density x chunks);
 - fused, fusion threshold 32 MB: a step cut into batches of about 32 MB of gradient, so the
   earlier batches travel while backward still runs;
-- fused, pool selection: the top chunks chosen across the whole batch.
+- fused, pool selection: the top chunks chosen across the whole batch;
+- the DistributedOptimizer (no DDP) with CSC 1%: its partitions in the same fused batches.
 
 Every variant trains with SGD at momentum 0.9 (`--momentum`), as a user would: the limit's
 optimizer runs its momentum pass, while under CSC's momentum correction (the default recipe)
@@ -43,7 +44,8 @@ if __package__ in (None, ""):  # run by path: make benchmarks.* importable
 from benchmarks.common import fmt, machine_line, markdown_table, results_dir, write_result
 
 NAME = "pipeline"
-VARIANTS = ("nocomm", "ddp_noop", "gf_csc1_unfused", "gf_csc1", "gf_csc1_t32", "gf_csc1_pool")
+VARIANTS = ("nocomm", "ddp_noop", "gf_csc1_unfused", "gf_csc1", "gf_csc1_t32", "gf_csc1_pool",
+            "gf_opt_csc1")
 TARGETS = {1.0: 0.90, 10.0: 0.85}  # fraction of the no-communication speed
 
 
