@@ -6,7 +6,7 @@ gradientflow.engine.stages); `make_compressor(config, world_size)` builds the on
 `CompressionConfig` names, through the one table of methods (registry.py).
 """
 from .config import (DEFAULT_MOMENTUM, DENSE_FIRST_WARMUP, DGC_WARMUP, WIRE_DTYPES,
-                     CompressionConfig)
+                     CompressionConfig, queue_name)
 from .layout import Layout
 from .memory import ResidualMemory
 from .stats import CompressionStats
@@ -26,6 +26,7 @@ __all__ = [
     "DENSE_FIRST_WARMUP",
     "DGC_WARMUP",
     "WIRE_DTYPES",
+    "queue_name",
     "Layout",
     "ResidualMemory",
     "CompressionStats",

@@ -10,10 +10,11 @@ from dataclasses import dataclass
 
 import torch
 
+from ..fingerprint import text_fingerprint
 from . import registry
 
 __all__ = ["CompressionConfig", "WIRE_DTYPES", "DGC_WARMUP", "DENSE_FIRST_WARMUP",
-           "DEFAULT_MOMENTUM"]
+           "DEFAULT_MOMENTUM", "queue_name"]
 
 # Names the wire dtype is given by in configs, flags and the environment.
 WIRE_DTYPES: dict[str, torch.dtype] = {
@@ -242,3 +243,12 @@ class CompressionConfig:
         """Whether a parameter of this shape is sent dense inside a CSC bucket."""
         numel = math.prod(shape)
         return (self.dense_1d and len(shape) <= 1) or numel < self.min_numel
+
+
+def queue_name(config: CompressionConfig, what: str = "bucket") -> str:
+    """The name the engine queues a compressed op of `config` under (`what`: its kind).
+
+    The agreement round fingerprints it, so ranks whose compression settings differ (their
+    stage tensors would not pair) get a mismatch error naming both, not a transport hang.
+    """
+    return f"{config.method} {what} (config {text_fingerprint(repr(config))})"

@@ -12,11 +12,10 @@ from typing import Iterable
 import torch
 import torch.distributed as dist
 
-from ..compression import CompressionConfig, Compressor, Layout, make_compressor
+from ..compression import CompressionConfig, Compressor, Layout, make_compressor, queue_name
 from ..compression import checkpoint as _ckpt
 from ..backend.api import submit_part
 from ..compression.momentum import guard_momentum, take_momentum
-from ..fingerprint import text_fingerprint
 from ..engine.stages import StageGen
 
 __all__ = ["CompressionState", "compression_hook"]
@@ -120,7 +119,7 @@ class CompressionState:
         _share_cores(process_group, self.world_size)
         self.compressor: Compressor = make_compressor(config, self.world_size)
         self._uid = next(_uid)
-        self._op_name = _queue_name(config)
+        self._op_name = queue_name(config)
         self._names: dict[int, str] = {}  # id(parameter) -> name
         self._auto_names = 0  # first-appearance names when none were bound
         self._layouts: dict[tuple, Layout] = {}
@@ -292,7 +291,7 @@ class CompressionState:
         compressor = make_compressor(config, self.world_size)
         compressor.load_state_dict(self.compressor.state_dict())
         self.config, self.compressor = config, compressor
-        self._op_name = _queue_name(config)  # a rank left on the old size must mismatch
+        self._op_name = queue_name(config)  # a rank left on the old size must mismatch
 
     def __getstate__(self) -> dict:
         # A process group cannot be pickled, and parameter ids mean nothing in another process.
@@ -307,13 +306,6 @@ class CompressionState:
         self._names = {}
         self._layouts = {}
         self._guard_momentum()
-
-
-def _queue_name(config: CompressionConfig) -> str:
-    """The name a state's buckets are queued under. The agreement round fingerprints it, so
-    ranks whose compression settings differ (their stage tensors would not pair) get a mismatch
-    error naming both, not a transport hang."""
-    return f"{config.method} bucket (config {text_fingerprint(repr(config))})"
 
 
 class _BucketPart:

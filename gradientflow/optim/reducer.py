@@ -40,11 +40,10 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from gradientflow.compression import CompressionConfig, make_compressor
+from gradientflow.compression import CompressionConfig, make_compressor, queue_name
 from gradientflow.backend.api import scheduler_of, submit_part, submit_stages
 from gradientflow.engine.scheduler import MAX_KEYS
 from gradientflow.optim.plan import ParamSpec, Partition, build_plan, plan_fingerprint
-from gradientflow.hooks._state import _queue_name
 from gradientflow.optim.stages import (compressed_average, dense_average, fill_flat,
                                        sparse_allgather)
 
@@ -197,7 +196,7 @@ class GradientReducer:
         # are queued in one fixed order (backward's: the last partition first), so that every
         # rank queues the same ops in the same order; priority then orders dense partitions.
         self._fused = self._sched is not None and self.compressor is not None
-        self._op_name = (f"DistributedOptimizer {_queue_name(options.compression)}"
+        self._op_name = (queue_name(options.compression, "DistributedOptimizer partition")
                          if self._fused else "")
 
         # --- internal, per step ---
