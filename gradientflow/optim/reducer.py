@@ -103,7 +103,7 @@ class GradTarget:
 
     def __init__(self, params: list[torch.Tensor], bucket_view: bool) -> None:
         self._params = params
-        # A dense result already sits in its partition's buffer: point the gradient at it.
+        # A result already sits in its partition's buffer: point the gradient at it.
         self._bucket_view = bucket_view
         # Parameter index -> its whole gradient in a buffer where its row blocks' results lie
         # back to back (the fused path's): a row-split parameter points there too.
