@@ -214,8 +214,7 @@ class GradientReducer:
         self.step_open = False  # compressor step not closed yet
         self._next_fused = len(self.plan) - 1  # the fused path's next partition to queue
         self._ready_fused: set[int] = set()  # complete partitions waiting for their turn
-        self._flat_all: torch.Tensor | None = None  # the fused path's buffer (_fused_buffer)
-        self._slices: list[torch.Tensor] = []
+        self._slices: list[torch.Tensor] = []  # the fused path's buffers (_fused_buffer)
         ref = weakref.ref(self)
         self._hooks = [p.register_post_accumulate_grad_hook(
             functools.partial(_on_grad_hook, ref, i)) for i, p in enumerate(self.params)]
@@ -297,7 +296,8 @@ class GradientReducer:
         pre, _ = self._scales()
         flat = fill_flat([g for g, _ in dense], layout.numels, torch.float32, part.device, 0,
                          buffer=self._fused_buffer(k), scale=pre)
-        op = _PartitionOp(self.compressor, k, flat, layout, [g is not None for g, _ in dense])
+        op = _PartitionOp(self.compressor, flat, layout, [seg for _, seg in dense],
+                          [g is not None for g, _ in dense])
         self.futures[k] = submit_part(
             self.process_group, ("optim", id(self), k), op, self._fuse, part.device,
             self._op_name, part.nbytes, close=k == 0)
@@ -320,8 +320,7 @@ class GradientReducer:
         for op, out in zip(ops, outs):
             if post != 1.0:
                 out.mul_(post)
-            segs = [seg for seg in self.plan[op.key].segments if not self._sparse[seg.index]]
-            self._deliver(segs, out, flags[off:off + len(op.used)])
+            self._deliver(op.segs, out, flags[off:off + len(op.used)])
             off += len(op.used)
         return [op.flat for op in ops]
 
@@ -378,27 +377,24 @@ class GradientReducer:
     def _fused_buffer(self, k: int) -> torch.Tensor:
         """Partition k's slice of one FP32 buffer holding every partition in key order, so a
         row-split parameter's blocks lie back to back and its gradient can point at them."""
-        if self._flat_all is None:
+        if not self._slices:
             sizes = [sum(layout.numels) for layout in self._layouts]
-            devices = {part.device for part in self.plan}
-            if len(devices) != 1:  # parameters on several devices: a buffer per partition
-                return self._buffer(self.plan[k], sizes[k], torch.float32)
-            self._flat_all = torch.empty(sum(sizes), dtype=torch.float32,
-                                         device=self.plan[0].device)
-            self._slices = list(self._flat_all.split(sizes))
+            if len({part.device for part in self.plan}) != 1:
+                # parameters on several devices: a buffer per partition
+                self._slices = [self._buffer(part, n, torch.float32)
+                                for part, n in zip(self.plan, sizes)]
+                return self._slices[k]
+            flat = torch.empty(sum(sizes), dtype=torch.float32, device=self.plan[0].device)
+            self._slices = list(flat.split(sizes))
+            homes = getattr(self.target, "homes", None)  # only the default target has them
             off = 0
             for part in self.plan:
                 for seg in part.segments:
-                    if not seg.whole and seg.row0 == 0:
+                    if homes is not None and not seg.whole and seg.row0 == 0:
                         p = self.params[seg.index]
-                        self._target_homes()[seg.index] = self._flat_all[
-                            off:off + p.numel()].view(p.shape)
+                        homes[seg.index] = flat[off:off + p.numel()].view(p.shape)
                     off += seg.numel
         return self._slices[k]
-
-    def _target_homes(self) -> dict[int, torch.Tensor]:
-        """The default target's `homes` (a throwaway dict for another target)."""
-        return getattr(self.target, "homes", {})
 
     def _buffer(self, part: Partition, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """Partition `part`'s flat buffer of `numel` elements, allocated on first use."""
@@ -527,11 +523,11 @@ class _PartitionOp:
     waits for the batch to close) runs the compressor's local work ahead (CSC: v and the chunk
     norms)."""
 
-    __slots__ = ("compressor", "key", "flat", "layout", "used", "prepared", "_done")
+    __slots__ = ("compressor", "flat", "layout", "segs", "used", "prepared", "_done")
 
-    def __init__(self, compressor, key: int, flat: torch.Tensor, layout, used: list[bool]):
-        self.compressor, self.key, self.flat, self.layout = compressor, key, flat, layout
-        self.used = used
+    def __init__(self, compressor, flat: torch.Tensor, layout, segs: list, used: list[bool]):
+        self.compressor, self.flat, self.layout = compressor, flat, layout
+        self.segs, self.used = segs, used  # the dense segments in `flat`, and which had a grad
         self.prepared = None
         self._done = False
 
