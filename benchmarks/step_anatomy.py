@@ -62,10 +62,9 @@ def tail_phases(events: list[dict]) -> list[dict]:
                      "end_ms": statistics.median(s + d for _, s, d in got) / 1e3,
                      "dur_ms": statistics.median(d for _, _, d in got) / 1e3})
     if rows:
-        last = per_position[max(per_position)]
-        end = statistics.median(s + d for _, s, d in last) / 1e3
-        rows.append({"phase": "tail (round to last unpack)", "steps": len(last),
-                     "start_ms": 0.0, "end_ms": end, "dur_ms": end})
+        last = rows[-1]
+        rows.append({"phase": "tail (round to last unpack)", "steps": last["steps"],
+                     "start_ms": 0.0, "end_ms": last["end_ms"], "dur_ms": last["end_ms"]})
     return rows
 
 
