@@ -42,6 +42,9 @@ from gradientflow import kernels as K
 RESNET50_NUMEL = 25_557_032
 CHUNK = 1024
 DENSITY = 0.01
+# The CSC pipelines timed (with per-stage times), then the other rows, in table order.
+PIPELINES = ("numba", "torch", "numba 2-pass", "numba mc", "torch mc")
+OTHERS = ("copy", "fp16 numba", "fp16 torch", "fp16ef numba", "fp16ef torch")
 
 
 def pipeline(grad, res, spare, send, k, impl, stages=None, one_pass=True, mom=None):
@@ -113,12 +116,10 @@ def main(argv=None) -> int:
     for threads in [int(t) for t in args.threads.split(",")]:
         torch.set_num_threads(threads)
         K.set_num_threads(threads)
-        times = {"numba": [], "torch": [], "numba 2-pass": [], "numba mc": [], "torch mc": [],
-                 "copy": [], "fp16 numba": [], "fp16 torch": [], "fp16ef numba": [],
-                 "fp16ef torch": []}
-        stages = {"numba": {}, "torch": {}, "numba 2-pass": {}, "numba mc": {}, "torch mc": {}}
+        times = {key: [] for key in PIPELINES + OTHERS}
+        stages = {key: {} for key in PIPELINES}
         for rep in range(reps + 1):  # rep 0 warms up (page faults, caches)
-            for key in ("numba", "torch", "numba 2-pass", "numba mc", "torch mc"):
+            for key in PIPELINES:
                 impl = key.split()[0]
                 grad.copy_(grad0)
                 res.copy_(res0)
@@ -151,8 +152,7 @@ def main(argv=None) -> int:
                  "fp16 numba": 12 * n, "fp16 torch": 12 * n,
                  "fp16ef numba": 18 * n, "fp16ef torch": 18 * n}
         copy_gbps = moved["copy"] / med["copy"] / 1e9
-        for key in ("numba", "torch", "numba 2-pass", "numba mc", "torch mc", "copy",
-                    "fp16 numba", "fp16 torch", "fp16ef numba", "fp16ef torch"):
+        for key in PIPELINES + OTHERS:
             gbps = moved[key] / med[key] / 1e9
             label = {"numba": "CSC pipeline, numba", "torch": "CSC pipeline, torch reference",
                      "numba 2-pass": "CSC pipeline, numba, two full passes",
@@ -171,7 +171,7 @@ def main(argv=None) -> int:
                    else (med["fp16 torch"] / med[key]) if key.startswith("fp16 ")
                    else (med["fp16ef torch"] / med[key]) if key.startswith("fp16ef") else None}
             rows.append(row)
-        for impl in ("numba", "torch", "numba 2-pass", "numba mc", "torch mc"):
+        for impl in PIPELINES:
             srow = {"threads": threads, "impl": impl}
             for name, v in stages[impl].items():
                 srow[name] = median(v) * 1e3

@@ -246,9 +246,8 @@ def main(argv=None) -> int:
                     help="every variant's SGD momentum (0: plain SGD; CSC's compressor then "
                          "still applies its default momentum correction)")
     ap.add_argument("--variants", default=",".join(VARIANTS),
-                    help="comma list, the limit first (also: gf_opt_csc1, the "
-                         "DistributedOptimizer with CSC 1%%; gf_opt_csc1_nf, the same with "
-                         "next-forward overlap)")
+                    help="comma list, the limit first (also: gf_opt_csc1_nf, the "
+                         "DistributedOptimizer with CSC 1%% and next-forward overlap)")
     ap.add_argument("--table-only", action="store_true",
                     help="rebuild the markdown (floor columns included) from OUT/pipeline.json "
                          "of the latest run; runs nothing")
