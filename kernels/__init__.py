@@ -38,7 +38,8 @@ as zero-padded. A CSC step is::
 without error feedback: it writes every element of ``out`` and of the residual.)
 
 Threads (CPU kernels): the numba threading layer is TBB when ``libtbb.so.12`` can be loaded
-(the ``tbb`` wheel from PyPI): fork-safe and safe with concurrent launches. Otherwise it is
+(the ``tbb`` wheel from PyPI) and the main thread starts the pool (importing ``kernels.cpu`` or
+building a compressor there does): fork-safe and safe with concurrent launches. Otherwise it is
 ``workqueue`` and every launch is serialised by a process-wide lock (workqueue aborts on
 concurrent launches); numba's ``omp`` layer is never chosen by us, because a second OpenMP
 runtime beside torch's kills forked children. See ``kernels/_threads.py``. The thread count is
@@ -84,6 +85,7 @@ __all__ = [
     "nchunks_of",
     "set_num_threads",
     "get_num_threads",
+    "start_threads",
     "threads_per_rank",
     "threading_layer",
     "WIRE_DTYPES",
@@ -148,6 +150,18 @@ def get_num_threads() -> int:
     from . import _threads
 
     return _threads.get_num_threads()
+
+
+def start_threads() -> None:
+    """Start the CPU kernels' thread pool now if this is the main thread, else do nothing.
+
+    Compressors call it when they are built (on the user's thread): numba's TBB pool must be
+    started by the main thread, and a pool first needed on another thread is not TBB
+    (``kernels/_threads.py``).
+    """
+    from . import _threads
+
+    _threads.start_on_main_thread()
 
 
 def threads_per_rank(local_world_size: int, cores: int | None = None) -> int:

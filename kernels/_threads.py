@@ -10,10 +10,17 @@ own (no rpath there), so it is loaded here by absolute path before numba starts 
 Policy, decided once before the first parallel launch:
 
 - ``NUMBA_THREADING_LAYER`` set by the user (numba reads it into ``numba.config``): respected.
-- otherwise, if libtbb loads: ``tbb``;
+- otherwise, if libtbb loads and the pool is started by the main thread: ``tbb``;
 - otherwise ``workqueue``, and every kernel launch is serialised by a process-wide lock, so
   two threads can never be inside the pool at once (the kernels release the GIL, the lock
   keeps workqueue safe; TBB and OpenMP need no lock).
+
+numba's TBB pool belongs to the thread that starts it. Started by another thread (an engine
+thread launches most kernels) and that thread idle or gone, the interpreter's exit waits for it
+forever or aborts ("terminate called without an active exception"; numba issue 10556, seen here
+with one core). So importing ``kernels.cpu`` or building a compressor on the main thread starts
+the pool there (``start_on_main_thread``, about 0.1 s); a pool first needed on another thread is
+``workqueue``.
 
 The thread count is process-wide here (numba's own ``set_num_threads`` is per calling thread)
 and applied in whichever thread launches a kernel.
@@ -34,6 +41,7 @@ _configured = False
 _layer: str | None = None  # known after the first launch
 _serialise = True  # until the layer is known, assume the unsafe one
 _num_threads: int | None = None
+_tbb_by_default = False  # configure() chose TBB (the user did not choose a layer)
 
 
 def _load_tbb() -> bool:
@@ -59,7 +67,7 @@ def _load_tbb() -> bool:
 
 def configure() -> None:
     """Pick the threading layer (once, before numba starts its pool)."""
-    global _configured
+    global _configured, _tbb_by_default
     if _configured:
         return
     with _lock:
@@ -67,7 +75,8 @@ def configure() -> None:
             return
         chosen = str(numba.config.THREADING_LAYER).lower()
         if chosen == "default":
-            numba.config.THREADING_LAYER = "tbb" if _load_tbb() else "workqueue"
+            _tbb_by_default = _load_tbb()
+            numba.config.THREADING_LAYER = "tbb" if _tbb_by_default else "workqueue"
         elif chosen in ("tbb", "safe", "threadsafe"):
             _load_tbb()
         _configured = True
@@ -96,9 +105,17 @@ def _start() -> None:
     configure()
     with _lock:
         if _layer is None:
+            if _tbb_by_default and threading.current_thread() is not threading.main_thread():
+                numba.config.THREADING_LAYER = "workqueue"  # see the module docstring
             numba.get_num_threads()  # starts the pool on the configured layer
             _serialise = numba.threading_layer() == "workqueue"
             _layer = numba.threading_layer()
+
+
+def start_on_main_thread() -> None:
+    """Start numba's pool now if this is the main thread (a TBB pool must start there)."""
+    if _layer is None and threading.current_thread() is threading.main_thread():
+        _start()
 
 
 @contextlib.contextmanager

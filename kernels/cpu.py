@@ -50,6 +50,7 @@ __all__ = [
 ]
 
 _threads.configure()  # before the first parallel kernel starts numba's pool
+_threads.start_on_main_thread()  # a TBB pool must be started by the main thread
 
 _PAR = dict(parallel=True, nogil=True, cache=True)
 

@@ -153,6 +153,7 @@ class CSCCompressor(Compressor):
     def __init__(self, config, world_size: int) -> None:
         super().__init__(config, world_size)
         self._plans: dict[tuple[Layout, torch.device], _Plan] = {}
+        kernels.start_threads()  # on the building (main) thread
 
     def _plan(self, layout: Layout, device: torch.device) -> _Plan:
         key = (layout, device)

@@ -39,6 +39,7 @@ class HalfCompressor(Compressor):
         # One wire buffer per (layout, device), reused every step: a fresh 51 MB tensor per
         # ResNet-50 step would be fresh pages each time (page faults on first touch).
         self._wire: dict[tuple, torch.Tensor] = {}
+        kernels.start_threads()  # on the building (main) thread
 
     def _wire_buffer(self, layout: Layout, flat: torch.Tensor) -> torch.Tensor:
         key = (layout, flat.device, self.config.torch_wire_dtype)

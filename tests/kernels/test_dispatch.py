@@ -118,6 +118,47 @@ def test_threading_layer_is_tbb_on_linux():
     assert K.threading_layer() == want
 
 
+# A daemon thread (as the engine's) launches kernels with pauses between them, on one core: a
+# TBB pool started by that thread made the interpreter's exit wait forever (numba issue 10556).
+_EXIT_SCRIPT = textwrap.dedent(
+    """
+    import os, sys, threading, time
+    os.sched_setaffinity(0, {{sorted(os.sched_getaffinity(0))[0]}})
+    import torch
+    {import_cpu_on_main}
+    def work():
+        from gradientflow import kernels as K
+        x, out = torch.randn(30000), torch.empty(30000, dtype=torch.float16)
+        for _ in range(100):
+            K.cast_scaled(x, 0.5, torch.float16, out=out)
+            time.sleep(0.001)
+    t = threading.Thread(target=work, daemon=True, name="0-engine")
+    t.start()
+    t.join()
+    from gradientflow import kernels as K
+    print("layer", K.threading_layer(), flush=True)
+    """
+)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="TBB and affinity: Linux")
+@pytest.mark.parametrize("on_main, layer", [(True, "tbb"), (False, "workqueue")],
+                         ids=["kernels-imported-on-main", "first-use-on-a-thread"])
+def test_process_exits_after_kernels_ran_on_another_thread(on_main, layer):
+    """Built or imported on the main thread, the kernels' pool is TBB and started there; first
+    needed on another thread, it is workqueue. Either way the process exits."""
+    script = _EXIT_SCRIPT.format(
+        import_cpu_on_main="from gradientflow.kernels import cpu" if on_main else "")
+    env = {k: v for k, v in __import__("os").environ.items() if k != "NUMBA_THREADING_LAYER"}
+    try:
+        proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                              timeout=90, env=env)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"the process did not exit within 90 s after its work: {exc.stdout!r}")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"layer {layer}" in proc.stdout, proc.stdout
+
+
 def test_forked_child_can_run_kernels_and_torch():
     """After a parallel kernel, a forked child must still run kernels (GNU OpenMP would kill it)."""
     script = textwrap.dedent(
