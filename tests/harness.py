@@ -49,6 +49,9 @@ def _load(path: str, qualname: str) -> Callable:
 
 
 def _worker(rank: int, world_size: int, conn) -> None:
+    import faulthandler
+
+    faulthandler.enable()  # a rank that aborts or segfaults prints every thread's stack
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
 

@@ -66,7 +66,9 @@ def test_synthetic_benchmark_two_ranks(pools, fp16):
 def test_launcher_runs_mnist_fp16_end_to_end():
     cmd = [sys.executable, "-m", "gradientflow.run", "-np", "2", "--start-timeout", "120",
            "--cycle-time-ms", "2", "python", MNIST, "--epochs", "3", "--fp16-allreduce"]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    # PYTHONFAULTHANDLER: a rank that aborts (e.g. at exit) prints every thread's stack
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]),
+               PYTHONFAULTHANDLER="1")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=420, env=env, cwd=ROOT)
     assert proc.returncode == 0, f"gradientflow-run failed:\n{proc.stdout}\n{proc.stderr}"
     assert proc.stdout.count("Training on 2 process(es)") == 1, proc.stdout
