@@ -10,7 +10,7 @@ from .config import (DEFAULT_MOMENTUM, DENSE_FIRST_WARMUP, DGC_WARMUP, WIRE_DTYP
 from .layout import Layout
 from .memory import ResidualMemory
 from .stats import CompressionStats
-from .base import Compressor
+from .base import Compressor, QueuedBuffer, reduce_queued
 from .registry import (Method, attach_hook, available, compressor_class, lookup, make_compressor,
                        register_compressor)
 from . import none as _none, half as _half, csc as _csc  # noqa: F401  (they register themselves)
@@ -31,6 +31,8 @@ __all__ = [
     "ResidualMemory",
     "CompressionStats",
     "Compressor",
+    "QueuedBuffer",
+    "reduce_queued",
     "NoCompression",
     "HalfCompressor",
     "CSCCompressor",

@@ -13,7 +13,7 @@ from .layout import Layout
 from .memory import ResidualMemory
 from .stats import CompressionStats
 
-__all__ = ["Compressor"]
+__all__ = ["Compressor", "QueuedBuffer", "reduce_queued"]
 
 
 class Compressor(abc.ABC):
@@ -209,3 +209,33 @@ class Compressor(abc.ABC):
         self._epoch_told = True
         self.memory.load_state_dict(state["memory"])
         self.stats.load_state_dict(state["stats"])
+
+
+class QueuedBuffer:
+    """One buffer queued in the engine for its compressor's fused batch; `prepare()` (the
+    engine thread, while it waits for the batch to close) runs the compressor's local work
+    ahead, once (CSC: v and the chunk norms)."""
+
+    __slots__ = ("compressor", "flat", "layout", "loss_scale", "prepared", "_done")
+
+    def __init__(self, compressor: Compressor, flat: torch.Tensor, layout: Layout,
+                 loss_scale: float = 1.0) -> None:
+        self.compressor, self.flat, self.layout = compressor, flat, layout
+        self.loss_scale = loss_scale
+        self.prepared = None
+        self._done = False
+
+    def prepare(self) -> None:
+        if not self._done:
+            self._done = True
+            self.prepared = self.compressor.prepare(self.flat, self.layout, self.loss_scale)
+
+
+def reduce_queued(parts: Sequence[QueuedBuffer], **kwargs) -> StageGen:
+    """The StageGen of a fused batch of queued buffers of one compressor and loss scale: their
+    local work (if not done ahead), then one `reduce_many` for all of them."""
+    for p in parts:
+        p.prepare()
+    return (yield from parts[0].compressor.reduce_many(
+        [p.flat for p in parts], [p.layout for p in parts], loss_scale=parts[0].loss_scale,
+        prepared=[p.prepared for p in parts], **kwargs))

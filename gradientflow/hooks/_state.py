@@ -12,7 +12,8 @@ from typing import Iterable
 import torch
 import torch.distributed as dist
 
-from ..compression import CompressionConfig, Compressor, Layout, make_compressor, queue_name
+from ..compression import (CompressionConfig, Compressor, Layout, QueuedBuffer, make_compressor,
+                           queue_name, reduce_queued)
 from ..compression import checkpoint as _ckpt
 from ..backend.api import submit_part
 from ..compression.momentum import guard_momentum, take_momentum
@@ -225,11 +226,7 @@ class CompressionState:
     def _fuse(self, parts: list) -> StageGen:
         """The StageGen of a fused batch of this state's buckets (the engine's fuser): one
         compressor op for all of them; closes the step after the step's last bucket."""
-        for p in parts:
-            p.prepare()
-        results = yield from self.compressor.reduce_many(
-            [p.flat for p in parts], [p.layout for p in parts], loss_scale=parts[0].loss_scale,
-            final=True, prepared=[p.prepared for p in parts])
+        results = yield from reduce_queued(parts, final=True)
         if any(p.last for p in parts):
             self.compressor.end_step()
             self._step_open = False
@@ -308,23 +305,15 @@ class CompressionState:
         self._guard_momentum()
 
 
-class _BucketPart:
-    """One DDP bucket queued in the engine; `prepare()` (the engine thread, while it waits for
-    the batch to close) runs the compressor's local work ahead (CSC: v and the chunk norms)."""
+class _BucketPart(QueuedBuffer):
+    """One DDP bucket queued in the engine, and whether it is the step's last."""
 
-    __slots__ = ("compressor", "flat", "layout", "last", "loss_scale", "prepared", "_done")
+    __slots__ = ("last",)
 
     def __init__(self, compressor: Compressor, flat: torch.Tensor, layout: Layout, last: bool,
                  loss_scale: float) -> None:
-        self.compressor, self.flat, self.layout = compressor, flat, layout
-        self.last, self.loss_scale = last, loss_scale
-        self.prepared = None
-        self._done = False
-
-    def prepare(self) -> None:
-        if not self._done:
-            self._done = True
-            self.prepared = self.compressor.prepare(self.flat, self.layout, self.loss_scale)
+        super().__init__(compressor, flat, layout, loss_scale)
+        self.last = last
 
 
 def _only(gen: StageGen) -> StageGen:

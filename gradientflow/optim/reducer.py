@@ -40,7 +40,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from gradientflow.compression import CompressionConfig, make_compressor, queue_name
+from gradientflow.compression import (CompressionConfig, QueuedBuffer, make_compressor,
+                                      queue_name, reduce_queued)
 from gradientflow.backend.api import scheduler_of, submit_part, submit_stages
 from gradientflow.engine.scheduler import MAX_KEYS
 from gradientflow.optim.plan import ParamSpec, Partition, build_plan, plan_fingerprint
@@ -307,11 +308,7 @@ class GradientReducer:
     def _fuse(self, ops: list["_PartitionOp"]):
         """The StageGen of a fused batch of compressed partitions (the engine's fuser): one
         compressor op for all of them, then one stage of every partition's used flags."""
-        for op in ops:
-            op.prepare()
-        outs = yield from self.compressor.reduce_many(
-            [op.flat for op in ops], [op.layout for op in ops],
-            prepared=[op.prepared for op in ops])
+        outs = yield from reduce_queued(ops)
         flags = torch.tensor([u for op in ops for u in op.used], dtype=torch.float32,
                              device=ops[0].flat.device)  # NCCL takes CUDA tensors only
         flags = (yield flags).gt(0).tolist()
@@ -518,23 +515,15 @@ class GradientReducer:
         return [] if self._sched is None else list(self._sched.launch_log)
 
 
-class _PartitionOp:
-    """One compressed partition queued in the engine; `prepare()` (the engine thread, while it
-    waits for the batch to close) runs the compressor's local work ahead (CSC: v and the chunk
-    norms)."""
+class _PartitionOp(QueuedBuffer):
+    """One compressed partition queued in the engine: its dense segments in `flat`, and which
+    of them had a gradient here."""
 
-    __slots__ = ("compressor", "flat", "layout", "segs", "used", "prepared", "_done")
+    __slots__ = ("segs", "used")
 
     def __init__(self, compressor, flat: torch.Tensor, layout, segs: list, used: list[bool]):
-        self.compressor, self.flat, self.layout = compressor, flat, layout
-        self.segs, self.used = segs, used  # the dense segments in `flat`, and which had a grad
-        self.prepared = None
-        self._done = False
-
-    def prepare(self) -> None:
-        if not self._done:
-            self._done = True
-            self.prepared = self.compressor.prepare(self.flat, self.layout)
+        super().__init__(compressor, flat, layout)
+        self.segs, self.used = segs, used
 
 
 def _check_same_everywhere(specs, options: ReducerOptions, group, rank: int, world: int) -> None:

@@ -81,7 +81,7 @@ def compressed_average(compressor, layout, inputs: Sequence[torch.Tensor | None]
     """
     numels = layout.numels
     flat = fill_flat(inputs, numels, torch.float32, _device_of(inputs), 0, buffer=buffer,
-                 scale=prescale)
+                     scale=prescale)
     out = yield from compressor.reduce(flat, layout)
     flags = torch.tensor([0.0 if g is None else 1.0 for g in inputs], dtype=torch.float32,
                          device=flat.device)  # on CUDA, NCCL takes CUDA tensors only
