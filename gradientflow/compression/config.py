@@ -119,6 +119,8 @@ class CompressionConfig:
     # lost 2.04 points of top-1 without it and 0.74 with it (experiments/imagenet/results).
     # The hook registration and the DistributedOptimizer take the optimizer and move its
     # momentum here, so momentum is never applied twice (see gradientflow.hooks.register).
+    # A step at density 1 masks nothing (every chunk is sent, none is stale): the warm-up's
+    # dense stage is SGD with momentum on the average.
     momentum_correction: bool = True
     # None: the bound optimizer's momentum (DEFAULT_MOMENTUM when there is none to take).
     momentum: float | None = None

@@ -222,7 +222,7 @@ class CSCCompressor(Compressor):
             # reduced norms): no second collective.
             for it in live:
                 it.reduced2 = send
-                self._finish(it)
+                self._finish(it, mask=density < 1.0)
             return list(flats)
         reduced2 = yield from self._stage(send, final=final and not own)
         for it, part in zip(live, reduced2.split([t.numel() for t in sends])):
@@ -238,7 +238,7 @@ class CSCCompressor(Compressor):
             for it, part in zip(own, reduced3.split([t.numel() for t in thirds])):
                 it.dense_reduced = part
         for it in live:
-            self._finish(it)
+            self._finish(it, mask=density < 1.0)
         return list(flats)
 
     def _prepare(self, flat: torch.Tensor, layout: Layout, loss_scale: float) -> "_Bucket":
@@ -320,8 +320,11 @@ class CSCCompressor(Compressor):
             it.dense_local = it.local[k * c:]
         return send
 
-    def _finish(self, it: "_Bucket") -> None:
-        """Write one buffer's average in place, and commit its residual and momentum."""
+    def _finish(self, it: "_Bucket", mask: bool = True) -> None:
+        """Write one buffer's average in place, and commit its residual and momentum.
+
+        mask: apply factor masking to the sent chunks' momentum (False in a step at density 1,
+        which sends every chunk)."""
         cfg, n = self.config, self.world_size
         c, flat, plan = cfg.chunk_size, it.flat, it.plan
         if it.bad:
@@ -352,10 +355,13 @@ class CSCCompressor(Compressor):
         if d:
             kernels.dense_scatter(flat, new_residual if ef else None, plan.dense_idx,
                                   it.dense_reduced, it.dense_local, it.dense_v, 1.0, float(n))
-        if mc:
+        if mc and mask:
             u = it.mem["_momentum_spare"]
             # Factor masking (DGC): the velocity of what was sent starts again from zero; dense
             # parameters are sent every step, so they keep theirs (plain heavy-ball momentum).
+            # A step at density 1 (the warm-up's dense stage) sends every chunk, none of them
+            # stale, so it masks nothing: it is then SGD with momentum on the average (up to the
+            # wire's rounding, which stays in the residual), as dense training would be.
             dense_u = u.index_select(0, plan.dense_idx) if d else None
             _fill_chunks(u, idx, u.new_zeros(idx.numel()), c)
             if d:

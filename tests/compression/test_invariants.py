@@ -80,7 +80,8 @@ def test_momentum_correction_identity(layout, world, density, chunk, steps, nest
     momentum the rank held; then sum_ranks(applied so far) + sum_ranks(residual) == sum_ranks sum_t
     a_t.
     Factor masking: after the step, the momentum is 0 in every sent chunk (outside dense
-    parameters) and u_t elsewhere.
+    parameters) and u_t elsewhere; at density 1 (every chunk sent every step) it is u_t
+    everywhere.
     """
     m = 0.9
     cfg = CompressionConfig(
@@ -113,9 +114,9 @@ def test_momentum_correction_identity(layout, world, density, chunk, steps, nest
         sent = outs[0] != 0  # positions that received something (sent chunks / dense)
         for c, u in zip(comps, velocities):
             u_now = flat_slot(c, layout, "momentum")
-            keep = ~sent | dense_mask
+            keep = ~sent | dense_mask | (density >= 1.0)
             assert torch.allclose(u_now[keep], u[keep], atol=1e-4 * (t + 1))
-            assert torch.all(u_now[sent & ~dense_mask] == 0)
+            assert torch.all(u_now[~keep] == 0)
     held = sum(flat_slot(c, layout) for c in comps)
     err = (applied + held - increments).abs().max().item()
     assert err <= 1e-4 * steps * steps * world * 10, err
@@ -140,3 +141,31 @@ def test_density_one_fp32_is_the_plain_average(layout, world, chunk, seed):
         plain = step(ref, layout, grads)[0]
         torch.testing.assert_close(out, plain, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(plain, sum(grads) / world, rtol=1e-5, atol=1e-6)
+
+
+@SETTINGS
+@given(
+    layout=layouts(),
+    world=st.integers(1, 3),
+    chunk=st.sampled_from([1, 8, 64]),
+    nesterov=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_density_one_with_momentum_correction_is_sgd_momentum(layout, world, chunk, nesterov,
+                                                               seed):
+    """Density 1 (the warm-up's dense stage) under momentum correction on an FP32 wire sends,
+    step after step, what SGD's momentum buffer on the plain average would apply: nothing is
+    stale, so factor masking must not reset the velocity."""
+    m = 0.9
+    cfg = CompressionConfig(method="csc", density=1.0, chunk_size=chunk, wire_dtype="fp32",
+                            dense_wire_dtype="fp32", warmup_densities=(), min_numel=0,
+                            momentum_correction=True, momentum=m, nesterov=nesterov)
+    comps = make_ranks(cfg, world)
+    buf = torch.zeros(layout.numel, dtype=torch.float64)
+    for t in range(4):
+        grads = grads_for(world, layout.numel, seed + t)
+        avg = sum(g.double() for g in grads) / world
+        buf = m * buf + avg  # torch.optim.SGD's buffer (dampening 0)
+        want = avg + m * buf if nesterov else buf
+        out = step(comps, layout, grads)[0].double()
+        torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-5)
