@@ -190,6 +190,8 @@ class CSCCompressor(Compressor):
                 layout.check(flat, "CSCCompressor.reduce")
         cfg, n = self.config, self.world_size
         density = self.density_in_force()
+        # Factor masking resets the velocity of stale chunks; at density 1 none is stale.
+        mask = density < 1.0
         items = [it if it is not None else self._prepare(flat, layout, loss_scale)
                  for it, flat, layout in zip(prepared, flats, layouts)]
         live = [it for it in items if it.numel]
@@ -222,7 +224,7 @@ class CSCCompressor(Compressor):
             # reduced norms): no second collective.
             for it in live:
                 it.reduced2 = send
-                self._finish(it, mask=density < 1.0)
+                self._finish(it, mask)
             return list(flats)
         reduced2 = yield from self._stage(send, final=final and not own)
         for it, part in zip(live, reduced2.split([t.numel() for t in sends])):
@@ -238,7 +240,7 @@ class CSCCompressor(Compressor):
             for it, part in zip(own, reduced3.split([t.numel() for t in thirds])):
                 it.dense_reduced = part
         for it in live:
-            self._finish(it, mask=density < 1.0)
+            self._finish(it, mask)
         return list(flats)
 
     def _prepare(self, flat: torch.Tensor, layout: Layout, loss_scale: float) -> "_Bucket":
@@ -320,7 +322,7 @@ class CSCCompressor(Compressor):
             it.dense_local = it.local[k * c:]
         return send
 
-    def _finish(self, it: "_Bucket", mask: bool = True) -> None:
+    def _finish(self, it: "_Bucket", mask: bool) -> None:
         """Write one buffer's average in place, and commit its residual and momentum.
 
         mask: apply factor masking to the sent chunks' momentum (False in a step at density 1,
