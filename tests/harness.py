@@ -20,6 +20,13 @@ import traceback
 from typing import Any, Callable
 
 _CTX = mp.get_context("spawn")
+
+
+def autoloads_backends() -> bool:
+    """Whether this torch loads backend plugins from their entry point (2.14 on)."""
+    import torch.distributed as dist
+
+    return hasattr(dist.Backend, "_ensure_backend_registered")
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -71,6 +78,8 @@ def _worker(rank: int, world_size: int, conn) -> None:
             if backend:
                 import datetime
 
+                if "gradientflow" in backend and not autoloads_backends():
+                    import gradientflow  # noqa: F401 - torch < 2.14 has no entry-point autoload
                 dist.init_process_group(
                     backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                     world_size=world_size, timeout=datetime.timedelta(seconds=pg_timeout_s))

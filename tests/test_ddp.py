@@ -90,7 +90,11 @@ def detail_debug(rank, world, port):
         out = [torch.zeros(3) for _ in range(world)]
         dist.all_gather(out, t)
         ok = t.tolist() == [6.0] * 3 and backend_of() is not None
-        wrapped = type(dist.group.WORLD._get_backend(torch.device("cpu"))).__name__
+        from gradientflow.backend.backend import IS_PROCESS_GROUP
+
+        # Before torch 2.14 the group is ours itself: torch wraps no per-device backend.
+        pg = dist.group.WORLD
+        wrapped = type(pg if IS_PROCESS_GROUP else pg._get_backend(torch.device("cpu"))).__name__
         return ok, wrapped
     finally:
         if dist.is_initialized():

@@ -8,7 +8,7 @@ import textwrap
 
 import pytest
 
-from harness import free_port
+from harness import autoloads_backends, free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -30,6 +30,7 @@ ENTRY_POINT_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.skipif(not autoloads_backends(), reason="torch < 2.14 loads no backend entry points")
 def test_entry_point_in_a_script_that_never_imports_gradientflow(tmp_path):
     script = tmp_path / "plain.py"
     script.write_text(ENTRY_POINT_SCRIPT)

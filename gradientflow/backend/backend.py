@@ -1,6 +1,9 @@
 """The gradientflow process-group backend: argument checks over the ordered engine.
 
-A Python subclass of torch's C++ `Backend`, registered per device with extended_api=True.
+A Python subclass of torch's C++ `Backend` where torch lets Python construct one (2.14 on),
+else of `ProcessGroup` (torch 2.9-2.13: `Backend` has no Python constructor there, and
+init_process_group uses a returned ProcessGroup as the group itself). Registered for CPU and
+CUDA with extended_api=True.
 Each collective is validated here (validate.py) and handed to one engine entry point per
 kind: `engine.allreduce` (which routes it), `engine.collective`, `engine.barrier`. The
 engine numbers it in issue order and sends it on the transports (transports.py).
@@ -13,6 +16,7 @@ import threading
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch._C._distributed_c10d import AllreduceOptions, Backend as _CBackend, ReduceOp
 
 from gradientflow import agreement_check
@@ -27,8 +31,24 @@ from gradientflow.inspector import Inspector, check_world
 from gradientflow.stores import own_connection
 
 
+def _python_constructible(base: type) -> bool:
+    """Whether a Python subclass of torch's C++ class `base` can be constructed here."""
+    try:
+        type("_Probe", (base,), {})(0, 1)
+    except TypeError:  # pybind11: "No constructor defined!"
+        return False
+    return True
+
+
+# Chosen by what this torch can do, not by its version number.
+BACKEND_BASE: type = _CBackend if _python_constructible(_CBackend) else dist.ProcessGroup
+# Where the base is ProcessGroup, the object is the whole group: torch then has no per-device
+# backend to hand out (`pg._get_backend(device)` raises) and reads our `group_name`.
+IS_PROCESS_GROUP: bool = BACKEND_BASE is dist.ProcessGroup
+
+
 @layouts.conform  # strided views and sparse COO, as gloo takes them (backend/layouts.py)
-class GradientFlowBackend(_CBackend):
+class GradientFlowBackend(BACKEND_BASE):
     """A torch.distributed backend whose collectives go through one ordered engine."""
 
     def __init__(self, store, rank: int, size: int, timeout: datetime.timedelta,
@@ -37,7 +57,7 @@ class GradientFlowBackend(_CBackend):
         self._rank = rank
         self._size = size
         self.config = config
-        self.group_name = group_name
+        self._group_name = group_name
         self._timeout = timeout
         self._seq_for_group = 0
         store = attempt_store(store)
@@ -79,7 +99,15 @@ class GradientFlowBackend(_CBackend):
         self.tuner = None  # gradientflow.autotune's Tuner of this group, if any
 
     # ------------------------------------------------------------------ plumbing
+    @property
+    def group_name(self) -> str:
+        """The name torch gave this group (the key of backend/registry.py)."""
+        return self._group_name
+
     def _get_backend_name(self) -> str:
+        return "gradientflow"
+
+    def name(self) -> str:
         return "gradientflow"
 
     @property
