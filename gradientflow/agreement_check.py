@@ -29,6 +29,8 @@ AGREED = {
     "sync_fusion_limit": lambda c: c.sync_fusion_limit,
     "schedule_credit": lambda c: c.schedule_credit,
     "debug": lambda c: c.debug,
+    # Ranks on different transports would wait in different process groups.
+    "cuda_transport": lambda c: c.cuda_transport,
     "algorithm": lambda c: c.algorithm,
     "reducers": lambda c: c.reducers,
     # Only whether the inspector runs: its interval is this rank's polling period.

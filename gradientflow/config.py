@@ -75,6 +75,7 @@ def _parse_int(value: Any, name: str, lo: int, hi: int) -> int:
 
 
 ALGORITHMS = ("ring", "hierarchical", "reduction_server", "auto")
+CUDA_TRANSPORTS = ("nccl", "gloo")
 
 
 def _parse_choice(value: Any, name: str, choices: tuple[str, ...]) -> str:
@@ -149,6 +150,9 @@ class Config:
     kernel_threads: int = 0
     # Ranks on this host, from torchrun's LOCAL_WORLD_SIZE (0: unknown).
     local_world_size: int = 0
+    # The transport under CUDA tensors: "nccl", or "gloo", which takes CUDA tensors for the
+    # collectives DDP needs and, unlike NCCL, lets several ranks share one GPU.
+    cuda_transport: str = "nccl"
     # Full collective checks (every collective fingerprinted, not only fused batches).
     debug: bool = False
     # Seconds a collective may wait before a stall warning (0 disables) / an abort (0 disables).
@@ -207,6 +211,7 @@ class Config:
             "schedule_credit": lambda v, n: parse_size(v, n),
             "kernel_threads": lambda v, n: _parse_int(v, n, 0, 1024),
             "local_world_size": lambda v, n: _parse_int(v, n, 0, 1 << 20),
+            "cuda_transport": lambda v, n: _parse_choice(v, n, CUDA_TRANSPORTS),
             "debug": _parse_bool,
             "stall_warning_s": lambda v, n: _parse_float(v, n, 0.0, 86400.0),
             "stall_abort_s": lambda v, n: _parse_float(v, n, 0.0, 86400.0),

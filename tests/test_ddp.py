@@ -54,7 +54,7 @@ def test_cuda_transport_is_created_lazily_and_only_for_cuda():
         return object()
 
     saved = dict(B.Transports.factories)
-    B.Transports.factories.update(cpu=fake_gloo, cuda=fake_nccl)
+    B.Transports.factories.update(gloo=fake_gloo, nccl=fake_nccl)
     try:
         tp = B.Transports(None, 0, 2, datetime.timedelta(seconds=5))
         assert calls == [("cpu", "gradientflow/cpu/")]  # gloo eagerly, NCCL not yet
@@ -63,6 +63,12 @@ def test_cuda_transport_is_created_lazily_and_only_for_cuda():
         cuda = tp.get(torch.device("cuda", 0))
         assert calls[-1] == ("cuda", "gradientflow/cuda/")  # on first CUDA use, own prefix
         assert tp.get(torch.device("cuda", 1)) is cuda and len(calls) == 2  # created once
+        # cuda_transport="gloo": CUDA tensors on a gloo group of their own (ranks may share a GPU)
+        calls.clear()
+        tp = B.Transports(None, 0, 2, datetime.timedelta(seconds=5), cuda_transport="gloo")
+        tp.get(torch.device("cuda", 0))
+        assert calls == [("cpu", "gradientflow/cpu/"), ("cpu", "gradientflow/cuda/")], calls
+        assert B.Transports.factory("cuda", "gloo") is fake_gloo
     finally:
         B.Transports.factories.clear()
         B.Transports.factories.update(saved)

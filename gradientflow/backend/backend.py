@@ -64,11 +64,13 @@ class GradientFlowBackend(BACKEND_BASE):
         check_world(store, rank, size, timeout.total_seconds())
         # Before any transport: a setting such as debug decides which groups get connected.
         agreement_check.check(store, rank, size, config, timeout.total_seconds())
-        self.transports = Transports(store, rank, size, timeout)
+        cuda = config.cuda_transport
+        self.transports = Transports(store, rank, size, timeout, cuda_transport=cuda)
         # The solo channel (engine/issue.py): a second gloo group, connected by every rank at
         # its first solo allreduce, which is the same call on every rank.
         self.solo_transports = Transports(store, rank, size, timeout,
-                                          prefix="gradientflow/solo-", connect_cpu=False)
+                                          prefix="gradientflow/solo-", connect_cpu=False,
+                                          cuda_transport=cuda)
         # A side group for the agreement rounds, so that they never pair with data messages.
         agree = make_gloo(store, rank, size, timeout, "gradientflow/agree/")
         self._agree = agree
@@ -84,7 +86,7 @@ class GradientFlowBackend(BACKEND_BASE):
         # transports.
         self.algorithms = Algorithms(
             config, store, rank, size, timeout.total_seconds(),
-            lambda st, dev, r, n, p: Transports.factories[dev](st, r, n, timeout, p),
+            lambda st, dev, r, n, p: Transports.factory(dev, cuda)(st, r, n, timeout, p),
             group_name or "gradientflow")
         self.engine = Engine(rank, size, config, timeout.total_seconds(),
                              self.algorithms.channel("fused", self.transports.get), agree,
@@ -135,7 +137,8 @@ class GradientFlowBackend(BACKEND_BASE):
                 self._sched_agree = make_gloo(store, rank, size, timeout,
                                               "gradientflow/sched-agree/")
                 self._sched_transports = Transports(store, rank, size, timeout,
-                                                    prefix="gradientflow/sched-")
+                                                    prefix="gradientflow/sched-",
+                                                    cuda_transport=self.config.cuda_transport)
                 self._scheduler = KeyedScheduler(
                     rank, size, self._sched_agree,
                     self.algorithms.channel("sched", self._sched_transports.get),  # [algorithms]

@@ -1,7 +1,7 @@
 """The transports under the engine: torch's own process groups, one per device type.
 
-gloo for CPU tensors, NCCL for CUDA tensors (created lazily on first CUDA use, on the same
-store). gradientflow never writes sockets.
+gloo for CPU tensors, NCCL for CUDA tensors (or gloo, `cuda_transport`; created lazily on first
+CUDA use, on the same store). gradientflow never writes sockets.
 """
 from __future__ import annotations
 
@@ -48,12 +48,14 @@ class Transports:
     while other threads of the rank may be waiting in the store.
     """
 
-    # Factories are class attributes so tests can substitute fakes for the CUDA path.
-    factories: dict[str, Callable[..., Any]] = {"cpu": make_gloo, "cuda": make_nccl}
+    # Factories by transport name, class attributes so tests can substitute fakes.
+    factories: dict[str, Callable[..., Any]] = {"gloo": make_gloo, "nccl": make_nccl}
 
     def __init__(self, store, rank: int, size: int, timeout: datetime.timedelta,
-                 prefix: str = "gradientflow/", connect_cpu: bool = True) -> None:
+                 prefix: str = "gradientflow/", connect_cpu: bool = True,
+                 cuda_transport: str = "nccl") -> None:
         self._store = store
+        self._names = {"cpu": "gloo", "cuda": cuda_transport}
         self._peers = (rank, size, timeout)  # the factories' arguments after the store
         self._prefix = prefix
         self._by_type: dict[str, Any] = {}
@@ -76,10 +78,19 @@ class Transports:
                     pg = self._create(device.type, own_connection(self._store))
         return pg
 
+    @classmethod
+    def factory(cls, device_type: str, cuda_transport: str = "nccl") -> Callable[..., Any]:
+        """The factory of `device_type`'s transport: gloo on CPU, `cuda_transport` on CUDA."""
+        name = {"cpu": "gloo", "cuda": cuda_transport}.get(device_type)
+        if name is None:
+            raise RuntimeError(f"gradientflow has no transport for {device_type} tensors")
+        return cls.factories[name]
+
     def _create(self, device_type: str, store) -> Any:
-        factory = self.factories.get(device_type)
-        if factory is None:
-            raise RuntimeError(f"gradientflow has no transport for {device_type}")
+        name = self._names.get(device_type)
+        if name is None:
+            raise RuntimeError(f"gradientflow has no transport for {device_type} tensors")
+        factory = self.factories[name]
         pg = self._by_type[device_type] = factory(store, *self._peers,
                                                   f"{self._prefix}{device_type}/")
         return pg

@@ -14,6 +14,7 @@ MUST_AGREE = {
     "sync_fusion_limit": ("256", "4096"),
     "schedule_credit": ("1MB", "4MB"),
     "debug": ("1", "0"),
+    "cuda_transport": ("gloo", "nccl"),
     "inspect_interval_s": ("0", "1"),
 }
 MAY_DIFFER = {

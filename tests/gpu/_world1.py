@@ -515,8 +515,11 @@ def ddp_fp16_hook():
 def ddp_csc_hook_density_1():
     from gradientflow.compression import CompressionConfig
 
+    # No momentum correction: the reference is plain SGD, and at density 1 the compressor's
+    # momentum is kept (it would then be SGD with momentum).
     return _ddp_hook(CompressionConfig(method="csc", density=1.0, chunk_size=256,
-                                       warmup_densities=(), min_numel=1), 5e-3)
+                                       warmup_densities=(), min_numel=1,
+                                       momentum_correction=False), 5e-3)
 
 
 @check
@@ -524,8 +527,8 @@ def ddp_csc_hook_density_1_fp32_exact():
     from gradientflow.compression import CompressionConfig
 
     return _ddp_hook(CompressionConfig(method="csc", density=1.0, chunk_size=256, wire_dtype="fp32",
-                                       dense_wire_dtype="fp32", warmup_densities=(), min_numel=1),
-                     1e-4)
+                                       dense_wire_dtype="fp32", warmup_densities=(), min_numel=1,
+                                       momentum_correction=False), 1e-4)
 
 
 @check
@@ -536,7 +539,8 @@ def ddp_hooks_on_a_side_stream():
     return {"fp16": _ddp_hook(CompressionConfig(method="fp16"), 5e-3, side=True),
             "csc_fp32": _ddp_hook(CompressionConfig(method="csc", density=1.0, chunk_size=256,
                                                     wire_dtype="fp32", dense_wire_dtype="fp32",
-                                                    warmup_densities=(), min_numel=1),
+                                                    warmup_densities=(), min_numel=1,
+                                                    momentum_correction=False),
                                   1e-4, side=True)}
 
 
