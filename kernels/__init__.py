@@ -10,14 +10,18 @@ This package is a LEAF: it imports nothing of gradientflow (it is installed as
 - ``cpu`` (``cpu.py``): numba ``@njit(parallel=True, nogil=True, cache=True)`` kernels that
   fuse the passes (every op has one);
 - ``cuda`` (``cuda.py``, imported lazily): numba CUDA kernels, zero-copy on torch CUDA tensors,
-  launched on torch's current stream (five ops; the others run the reference on the GPU).
+  launched on torch's current stream (five ops; the others run the reference on the GPU);
+- ``triton`` (``triton_kernels.py``, imported lazily): Triton kernels for CUDA tensors, one
+  fused launch per CSC pass, selection on the device without a sort (seven ops), preferred
+  over numba's where Triton loads (that module's docstring says why).
 
 Each public function (``chunk_norms``, ...) is the op's validator followed by ``implementation``,
 the one dispatcher.
 
-``impl="auto"`` picks numba for CPU and CUDA tensors (torch when the numba CUDA target cannot
-load), the torch reference otherwise; ``impl="numba"`` insists on numba; ``impl="torch"`` uses the
-reference.
+``impl="auto"`` picks numba for CPU tensors; for CUDA tensors Triton, else numba, else the
+torch reference (whichever first loads and has the op); the reference for other devices.
+``impl="numba"`` and ``impl="triton"`` insist on that one (the reference for an op it lacks);
+``impl="torch"`` uses the reference.
 
 Conventions: gradients are 1-D contiguous float32 tensors of N elements, cut into chunks of
 C = ``chunk_size`` elements, ``nchunks = ceil(N / C)``; the last chunk may be partial and counts
@@ -57,6 +61,7 @@ every CPU kernel up front: about 30 s the first time on this machine, 1-2 s afte
 from __future__ import annotations
 
 import functools
+import importlib
 import inspect
 import os
 import threading
@@ -99,32 +104,31 @@ class Op(NamedTuple):
     validate: Callable[..., checks.Call]  # the public signature; returns the implementations' call
     reference: Callable  # pure torch, any device: the ground truth
     cpu: bool  # kernels.cpu has a numba kernel of this name
-    cuda: bool  # kernels.cuda has one; without it CUDA tensors take the reference
+    cuda: bool  # kernels.cuda (numba) has one; without it CUDA tensors take the reference
+    triton: bool  # kernels.triton_kernels has one
 
 
-def _op(name: str, cpu: bool = True, cuda: bool = False) -> Op:
-    return Op(getattr(checks, name), getattr(reference, name), cpu, cuda)
+def _op(name: str, cpu: bool = True, cuda: bool = False, triton: bool = False) -> Op:
+    return Op(getattr(checks, name), getattr(reference, name), cpu, cuda, triton)
 
 
 OPS: dict[str, Op] = {
-    "chunk_norms": _op("chunk_norms", cuda=True),
-    "select_chunks": _op("select_chunks"),
-    "pack_chunks": _op("pack_chunks", cuda=True),
-    "unpack_update": _op("unpack_update", cuda=True),
-    "unpack_sent": _op("unpack_sent"),
+    "chunk_norms": _op("chunk_norms", cuda=True, triton=True),
+    "select_chunks": _op("select_chunks", triton=True),
+    "pack_chunks": _op("pack_chunks", cuda=True, triton=True),
+    "unpack_update": _op("unpack_update", cuda=True, triton=True),
+    "unpack_sent": _op("unpack_sent", triton=True),
     "masked_chunk_norms": _op("masked_chunk_norms"),
     "dense_scatter": _op("dense_scatter"),
     "all_finite": _op("all_finite"),
-    "cast_scaled": _op("cast_scaled", cuda=True),
-    "upcast_scaled": _op("upcast_scaled", cuda=True),
+    "cast_scaled": _op("cast_scaled", cuda=True, triton=True),
+    "upcast_scaled": _op("upcast_scaled", cuda=True, triton=True),
     "cast_feedback": _op("cast_feedback"),
     "upcast_finite": _op("upcast_finite"),
 }
 
-_IMPLS = ("auto", "numba", "torch")
+_IMPLS = ("auto", "numba", "triton", "torch")
 
-_cuda_module = None
-_cuda_error: BaseException | None = None
 _cuda_lock = threading.Lock()
 _warned_cuda = False
 
@@ -191,20 +195,50 @@ def threading_layer() -> str:
 # Dispatch
 
 
-def _cuda():
-    """Import the numba CUDA kernels once; remember why when they cannot load."""
-    global _cuda_module, _cuda_error
-    if _cuda_module is None and _cuda_error is None:
-        with _cuda_lock:
-            if _cuda_module is None and _cuda_error is None:
-                try:
-                    from . import cuda as mod
+class _Lazy:
+    """A kernel module imported on first use, with its availability probe run once; the error
+    is kept when it cannot load (the dispatch then falls back and says why)."""
 
-                    mod.check_available()
-                    _cuda_module = mod
-                except Exception as exc:  # noqa: BLE001 - any failure means "no numba CUDA"
-                    _cuda_error = exc
-    return _cuda_module
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.module = None
+        self.error: BaseException | None = None
+
+    def get(self):
+        if self.module is None and self.error is None:
+            with _cuda_lock:
+                if self.module is None and self.error is None:
+                    try:
+                        mod = importlib.import_module(f".{self.name}", __name__)
+                        mod.check_available()
+                        self.module = mod
+                    except Exception as exc:  # noqa: BLE001 - any failure means "cannot load"
+                        self.error = exc
+        return self.module
+
+
+_NUMBA_CUDA = _Lazy("cuda")
+_TRITON = _Lazy("triton_kernels")
+
+
+def _cuda():
+    """The numba CUDA kernels, or None when they cannot load (``cuda_error()`` says why)."""
+    return _NUMBA_CUDA.get()
+
+
+def _triton():
+    """The Triton kernels, or None when they cannot load (``triton_error()`` says why)."""
+    return _TRITON.get()
+
+
+def cuda_error() -> BaseException | None:
+    """Why the numba CUDA kernels cannot load (None if they can, or were not tried)."""
+    return _NUMBA_CUDA.error
+
+
+def triton_error() -> BaseException | None:
+    """Why the Triton kernels cannot load (None if they can, or were not tried)."""
+    return _TRITON.error
 
 
 def _device_module(op: str, impl: str, device: torch.device):
@@ -225,12 +259,13 @@ def _device_module(op: str, impl: str, device: torch.device):
         if impl == "numba":
             raise RuntimeError(
                 f"{op}: impl='numba' was asked for a CUDA tensor but numba's CUDA target cannot "
-                f"load ({_cuda_error}); install the 'gpu' extra (numba-cuda) or pass impl='auto'"
+                f"load ({_NUMBA_CUDA.error}); install the 'gpu' extra (numba-cuda) or pass "
+                "impl='auto'"
             )
         if not _warned_cuda:
             _warned_cuda = True
             warnings.warn(
-                f"gradientflow.kernels: numba CUDA kernels unavailable ({_cuda_error}); "
+                f"gradientflow.kernels: numba CUDA kernels unavailable ({_NUMBA_CUDA.error}); "
                 "using the torch reference on CUDA tensors",
                 RuntimeWarning,
                 stacklevel=4,
@@ -247,10 +282,26 @@ def _device_module(op: str, impl: str, device: torch.device):
 def implementation(op: str, impl: str, device: torch.device) -> Callable:
     """Return the function that runs ``op`` under ``impl`` on ``device`` (the one dispatcher).
 
-    ``impl="auto"`` and ``"numba"`` take the numba kernel of the device's module when ``OPS``
-    says it has one, and the torch reference when it has none (e.g. ``unpack_sent`` on CUDA).
+    A module without a kernel for ``op`` (``OPS``) leaves it to the torch reference: e.g.
+    ``all_finite`` on CUDA, ``unpack_sent`` under ``impl="numba"`` on CUDA.
     """
     spec = OPS[op]
+    if impl not in _IMPLS:
+        raise ValueError(f"{op}: impl must be one of {_IMPLS}, got {impl!r}")
+    if impl == "triton":
+        if device.type != "cuda":
+            raise ValueError(f"{op}: impl='triton' supports CUDA tensors, got a {device.type} "
+                             "tensor; pass impl='auto' or impl='torch'")
+        mod = _triton()
+        if mod is None:
+            raise RuntimeError(f"{op}: impl='triton' was asked for but Triton's kernels cannot "
+                               f"run here ({_TRITON.error}); pass impl='auto'")
+        return getattr(mod, op) if spec.triton else spec.reference
+    if device.type == "cuda" and impl == "auto":
+        if spec.triton and _triton() is not None:
+            return getattr(_TRITON.module, op)
+        if not spec.cuda:
+            return spec.reference
     mod = _device_module(op, impl, device)
     if mod is reference or not getattr(spec, device.type):
         return spec.reference

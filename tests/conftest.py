@@ -11,6 +11,21 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from harness import RankPool  # noqa: E402
 
+
+def _triton_interprets() -> None:
+    """Without a GPU, Triton's kernels run in its interpreter (tests/kernels/test_triton.py).
+
+    Triton decides when it is first imported, its own library's kernels included, so this
+    is set before any test imports it; a machine with a GPU compiles them as users do.
+    """
+    import torch
+
+    if "triton" not in sys.modules and not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+_triton_interprets()
+
 # HYPOTHESIS_PROFILE=ci: random (not derandomized) examples from one seed per run, printed in
 # the header and under every failure (`--hypothesis-seed=N` replays the run), with the
 # @reproduce_failure blob. Tests that set their own settings keep them.
