@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 # torch would download a multi-GB build.
 TORCH_PINS := torch==2.14.1 torchvision==0.29.1
 
-.PHONY: install test lint demo bench bench-quick experiment sweep simulate bench-algorithms bench-algorithms-e2e bench-pipeline step-anatomy bench-autotune bench-autotune-matrix autotune-matrix-table autotune-e2e test-ray clean
+.PHONY: install test lint demo bench bench-quick experiment sweep simulate bench-algorithms bench-algorithms-e2e bench-pipeline step-anatomy gpu-check bench-autotune bench-autotune-matrix autotune-matrix-table autotune-e2e test-ray clean
 
 install: $(STAMP)
 
@@ -91,6 +91,13 @@ autotune-e2e: install
 # the scale model's tables, plots and calibration (benchmarks/results/simulate/)
 simulate: install
 	$(PY) benchmarks/bench_simulate.py
+
+# The GPU acceptance check (benchmarks/gpu_check.py): on a machine with a CUDA device, with that
+# machine's own python3, torch, Triton and numba (no venv, nothing installed); refuses at once
+# without a GPU. Results in GPU_CHECK_OUT.
+GPU_CHECK_OUT ?= benchmarks/results/gpu_check
+gpu-check:
+	python3 benchmarks/gpu_check.py --out $(GPU_CHECK_OUT)
 
 # Ray is large and optional: its test skips unless ray[train] is installed
 test-ray: install

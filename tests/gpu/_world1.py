@@ -498,8 +498,8 @@ def _ddp_hook(cfg, tol, side=False):
     assert all(bool(torch.isfinite(p).all()) for p in got)
     if tol is not None:
         assert d < tol, d
-    return {"max_abs_diff_vs_local": d, "numba_cuda_loaded": K._cuda_module is not None,
-            "numba_cuda_error": repr(K._cuda_error), "steps": st.get("steps"),
+    return {"max_abs_diff_vs_local": d, "numba_cuda_loaded": K._cuda() is not None,
+            "numba_cuda_error": repr(K.cuda_error()), "steps": st.get("steps"),
             "ratio": (st["steady"].get("ratio") if isinstance(st.get("steady"), dict)
                       else None)}
 
