@@ -1,6 +1,6 @@
 """Model tables for the cost model: per-layer gradient sizes and compute shares, GPU defaults.
 
-The per-layer numbers come from gradientflow/simulate/tables.py, measured by
+The per-layer numbers come from gradientflow/simulate/profiles.json, measured by
 gradientflow.simulate.profile on torchvision's AlexNet and ResNet-50 and on a BERT-base built
 from the standard layer table (12 layers, hidden 768, FFN 3072, vocabulary 30522, 512
 positions). What is measured is a *shape* (which share of the step each layer takes, when each
@@ -13,7 +13,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from gradientflow.simulate.tables import PROFILES
+# The measured profiles: data, written by `python -m gradientflow.simulate.profile`.
+PROFILES = json.loads(Path(__file__).with_name("profiles.json").read_text())["profiles"]
 
 IMAGENET = 1_281_167  # training images in ImageNet-1k (ILSVRC 2012)
 MNLI = 392_702  # training pairs in GLUE MNLI (Reduction Server's BERT fine-tuning task)
