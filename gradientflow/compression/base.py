@@ -11,6 +11,7 @@ from ..engine.stages import Final, StageGen, fuse
 from .config import CompressionConfig
 from .layout import Layout
 from .memory import ResidualMemory
+from .sgd import SGDTerms
 from .stats import CompressionStats
 
 __all__ = ["Compressor", "QueuedBuffer", "reduce_queued"]
@@ -77,9 +78,13 @@ class Compressor(abc.ABC):
                 across steps is rescaled when it changes. The result is in the same units.
         """
 
-    def prepare(self, flat: torch.Tensor, layout: Layout, loss_scale: float = 1.0) -> Any:
+    def prepare(self, flat: torch.Tensor, layout: Layout, loss_scale: float = 1.0,
+                terms: SGDTerms | None = None) -> Any:
         """Do one buffer's local work ahead of its batch (before any collective) and return it
         for `reduce_many(prepared=...)`; None: nothing to do ahead (the default).
+
+        `terms`: the optimizer's momentum and weight decay for this step, for a method that
+        applies momentum (see applies_momentum and compression/momentum.py); others get None.
 
         The engine runs it while it waits for the batch to close. It must not change state
         kept across steps (only spare buffers), since the batch may still fail.
@@ -216,19 +221,24 @@ class QueuedBuffer:
     engine thread, while it waits for the batch to close) runs the compressor's local work
     ahead, once (CSC: v and the chunk norms)."""
 
-    __slots__ = ("compressor", "flat", "layout", "loss_scale", "prepared", "_done")
+    __slots__ = ("compressor", "flat", "layout", "loss_scale", "terms", "prepared", "_done")
 
     def __init__(self, compressor: Compressor, flat: torch.Tensor, layout: Layout,
-                 loss_scale: float = 1.0) -> None:
+                 loss_scale: float = 1.0, terms: SGDTerms | None = None) -> None:
         self.compressor, self.flat, self.layout = compressor, flat, layout
         self.loss_scale = loss_scale
+        self.terms = terms  # the optimizer's settings of this step (momentum correction only)
         self.prepared = None
         self._done = False
 
     def prepare(self) -> None:
         if not self._done:
             self._done = True
-            self.prepared = self.compressor.prepare(self.flat, self.layout, self.loss_scale)
+            if self.terms is None:
+                self.prepared = self.compressor.prepare(self.flat, self.layout, self.loss_scale)
+            else:
+                self.prepared = self.compressor.prepare(self.flat, self.layout, self.loss_scale,
+                                                        self.terms)
 
 
 def reduce_queued(parts: Sequence[QueuedBuffer], **kwargs) -> StageGen:

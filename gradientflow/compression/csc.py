@@ -3,7 +3,9 @@
 Per flat buffer (one bucket), on every rank::
 
     grad = grad scaled to norm <= clip_norm / sqrt(n) per parameter   (only with clip_norm set)
-    v = grad + residual                     (momentum correction: u = m*u + grad; v = residual + u)
+    grad += wd * param                      (momentum correction: the optimizer's weight decay)
+    v = grad + residual                     (momentum correction: u = m*u + grad; v = residual + u,
+                                            m and Nesterov the optimizer's at this step, sgd.py)
                                             into the spare residual buffer; grad zeroed, same pass
     norms = per-chunk L1 (or squared L2) of v, with the dense parameters' elements left out
     stage 1: SUM-allreduce [norms | dense part if its wire dtype is fp32 | FP16: bound of |v|]
@@ -46,6 +48,7 @@ from .base import Compressor
 from .layout import Layout
 from .registry import register_compressor
 from .selection import select_pool
+from .sgd import SGDTerms
 
 __all__ = ["CSCCompressor"]
 
@@ -153,6 +156,10 @@ class CSCCompressor(Compressor):
     def __init__(self, config, world_size: int) -> None:
         super().__init__(config, world_size)
         self._plans: dict[tuple[Layout, torch.device], _Plan] = {}
+        # The momentum the config gives, for buffers reduced without an optimizer's settings.
+        self._own_terms = SGDTerms(config.momentum_value, config.nesterov)
+        # The stored velocity is SGD's momentum buffer times this (sgd.SGDTerms.velocity_factor).
+        self._velocity_factor = self._own_terms.velocity_factor
         kernels.start_threads()  # on the building (main) thread
 
     def _plan(self, layout: Layout, device: torch.device) -> _Plan:
@@ -169,11 +176,13 @@ class CSCCompressor(Compressor):
                                               final=final)
         return results[0]
 
-    def prepare(self, flat: torch.Tensor, layout: Layout, loss_scale: float = 1.0) -> "_Bucket":
+    def prepare(self, flat: torch.Tensor, layout: Layout, loss_scale: float = 1.0,
+                terms: SGDTerms | None = None) -> "_Bucket":
         """v = grad + residual (+ momentum) and the chunk norms of one buffer, ahead of its
-        batch (only spare buffers are written; see reduce_many)."""
+        batch (only spare buffers are written; see reduce_many). `terms`: the optimizer's
+        momentum and weight decay for this step (None: the config's momentum, no decay)."""
         layout.check(flat, "CSCCompressor.prepare")
-        return self._prepare(flat, layout, loss_scale)
+        return self._prepare(flat, layout, loss_scale, terms)
 
     def reduce_many(self, flats: Sequence[torch.Tensor], layouts: Sequence[Layout], *,
                     loss_scale: float = 1.0, final: bool = False,
@@ -192,7 +201,7 @@ class CSCCompressor(Compressor):
         density = self.density_in_force()
         # Factor masking resets the velocity of stale chunks; at density 1 none is stale.
         mask = density < 1.0
-        items = [it if it is not None else self._prepare(flat, layout, loss_scale)
+        items = [it if it is not None else self._prepare(flat, layout, loss_scale, None)
                  for it, flat, layout in zip(prepared, flats, layouts)]
         live = [it for it in items if it.numel]
         if not live:
@@ -243,9 +252,10 @@ class CSCCompressor(Compressor):
             self._finish(it, mask)
         return list(flats)
 
-    def _prepare(self, flat: torch.Tensor, layout: Layout, loss_scale: float) -> "_Bucket":
+    def _prepare(self, flat: torch.Tensor, layout: Layout, loss_scale: float,
+                 terms: SGDTerms | None) -> "_Bucket":
         """v = grad + residual (+ momentum) and the chunk norms of one buffer, and its stage-1
-        tensor; nothing persistent is modified yet."""
+        tensor; nothing persistent is modified yet (but a velocity rescaled for Nesterov)."""
         cfg, n = self.config, self.world_size
         c, numel = cfg.chunk_size, flat.numel()
         it = _Bucket(flat, layout, numel, kernels.nchunks_of(numel, c))
@@ -258,18 +268,23 @@ class CSCCompressor(Compressor):
         wire_dtype, dense_dtype = cfg.torch_wire_dtype, cfg.torch_dense_wire_dtype
         if cfg.clip_norm is not None:
             self.clip_local(flat, layout, loss_scale)
+        terms = self._own_terms if terms is None else terms
+        # Weight decay enters after clipping and before the momentum, as in SGD (and DGC).
+        terms.add_decay(flat)
         # Each state slot has a spare: the new values are written there and committed by a swap,
         # so a step found non-finite later (even in another bucket) can be undone.
         ef, mc = cfg.error_feedback, cfg.momentum_correction
         slots = it.slots = (("residual", "_residual_spare") if ef else ()) + (
             ("momentum", "_momentum_spare") if mc else ()
         )
+        if mc:
+            self._align_velocity(terms)
         mem = it.mem = self.memory.get(layout, slots, flat, loss_scale) if slots else {}
         residual = mem.get("residual")
         mom_kw = {}
         if mc:
             mom_kw = dict(momentum=mem["momentum"], momentum_out=mem["_momentum_spare"],
-                          m=cfg.momentum_value, nesterov=cfg.nesterov)
+                          m=terms.momentum, nesterov=terms.nesterov)
         if ef:
             # v goes straight into the spare residual (the new residual wherever nothing is sent)
             # and the bucket is zeroed while it is in cache: after the collectives only the k sent
@@ -300,6 +315,36 @@ class CSCCompressor(Compressor):
             stage1 = torch.cat([stage1, wire_scale.norms_bound(norms, cfg.norm, it.dense_v)])
         it.stage1 = stage1
         return it
+
+    def _align_velocity(self, terms: SGDTerms) -> None:
+        """Keep the stored velocity in the form this step's kernel call expects.
+
+        Nesterov's velocity is stored as m * SGD's buffer: when the momentum changes (a
+        schedule) or Nesterov is switched, every layout's velocity is rescaled once, so the
+        next step is SGD's with the new momentum (the first buffer of a step does it for all:
+        no commit of the step has happened yet).
+        """
+        want, have = terms.velocity_factor, self._velocity_factor
+        if want != have:
+            if have:
+                self.memory.scale_slot("momentum", want / have)
+            self._velocity_factor = want
+
+    def import_velocity(self, buffers: dict[str, torch.Tensor]) -> None:
+        """Take SGD momentum buffers (by parameter name, e.g. from a dense run's checkpoint) as
+        this rank's velocity; between steps. At density 1 every rank holding the buffer is the
+        dense run's buffer on average."""
+        self.memory.put("momentum", {n: b * self._velocity_factor for n, b in buffers.items()})
+
+    def state_dict(self) -> dict:
+        """The base state, and what the stored velocity is SGD's buffer times."""
+        return {**super().state_dict(), "velocity_factor": self._velocity_factor}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore a state saved by `state_dict` (one without a velocity factor: the config's)."""
+        super().load_state_dict(state)
+        self._velocity_factor = float(state.get("velocity_factor",
+                                                self._own_terms.velocity_factor))
 
     def _pack(self, it: "_Bucket") -> torch.Tensor:
         """One buffer's stage-2 tensor: its chosen chunks, then its dense part in the wire dtype.

@@ -89,6 +89,34 @@ class ResidualMemory:
                     entry.slots[live], entry.slots[spare] = entry.slots[spare], entry.slots[live]
         self._journal.clear()
 
+    def scale_slot(self, slot: str, factor: float) -> None:
+        """Multiply one slot of every parameter by `factor` (between steps)."""
+        for entry in self._entries.values():
+            t = entry.slots.get(slot)
+            if t is not None:
+                t.mul_(factor)
+        for t in self._pending.get(slot, {}).values():
+            t.mul_(factor)
+
+    def put(self, slot: str, per_name: dict[str, torch.Tensor]) -> None:
+        """Set one slot of the named parameters to unscaled values (between steps): into the
+        layout that holds a parameter now, or kept until one claims it."""
+        for name, value in per_name.items():
+            layout = self._owner.get(name)
+            entry = self._entries.get(layout) if layout is not None else None
+            if entry is None or name not in entry.live:
+                self._pending.setdefault(slot, {})[name] = value.detach().clone().float()
+                continue
+            i = layout.names.index(name)
+            start, n = layout.offsets[i], layout.numels[i]
+            if value.numel() != n:
+                raise ValueError(f"ResidualMemory: the {slot} given for parameter {name!r} has "
+                                 f"{value.numel()} elements but the parameter has {n}")
+            if slot not in entry.slots:
+                entry.slots[slot] = torch.zeros(layout.numel, dtype=torch.float32,
+                                                device=entry.slots[next(iter(entry.slots))].device)
+            entry.slots[slot][start:start + n].copy_(value.reshape(-1)).mul_(entry.scale)
+
     def _build(
         self, layout: Layout, slots: tuple[str, ...], like: torch.Tensor, scale: float
     ) -> _Entry:

@@ -169,3 +169,42 @@ def test_density_one_with_momentum_correction_is_sgd_momentum(layout, world, chu
         want = avg + m * buf if nesterov else buf
         out = step(comps, layout, grads)[0].double()
         torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-5)
+
+
+@SETTINGS
+@given(
+    layout=layouts(),
+    world=st.integers(1, 3),
+    chunk=st.sampled_from([1, 8, 64]),
+    momenta=st.lists(st.sampled_from([0.0, 0.5, 0.9, 0.99]), min_size=4, max_size=4),
+    nesterov=st.lists(st.booleans(), min_size=4, max_size=4),
+    wd=st.sampled_from([0.0, 1e-3, 0.1]),
+    seed=st.integers(0, 2**16),
+)
+def test_density_one_follows_the_terms_of_every_step(layout, world, chunk, momenta, nesterov, wd,
+                                                      seed):
+    """Given each step's SGDTerms (a momentum schedule, Nesterov switched on and off, weight
+    decay times the parameters), density 1 on an FP32 wire sends what torch.optim.SGD's buffer
+    on the plain average would apply (d = g + wd*p, buf = m*buf + d, Nesterov: d + m*buf)."""
+    from gradientflow.compression.sgd import SGDTerms
+    from gradientflow.engine.stages import drive_lockstep
+
+    cfg = CompressionConfig(method="csc", density=1.0, chunk_size=chunk, wire_dtype="fp32",
+                            warmup_densities=(), min_numel=0, momentum_correction=True)
+    comps = make_ranks(cfg, world)
+    param = torch.randn(layout.numel, generator=torch.Generator().manual_seed(seed))
+    buf = torch.zeros(layout.numel, dtype=torch.float64)
+    for t, (m, nest) in enumerate(zip(momenta, nesterov)):
+        nest = nest and m > 0  # SGD refuses Nesterov without momentum
+        terms = SGDTerms(m, nest, ((0, layout.numel, param, wd),) if wd else ())
+        grads = grads_for(world, layout.numel, seed + t)
+        d = sum(g.double() for g in grads) / world + wd * param.double()
+        buf = m * buf + d
+        want = d + m * buf if nest else buf
+        flats = [g.clone() for g in grads]
+        prepared = [c.prepare(f, layout, 1.0, terms) for c, f in zip(comps, flats)]
+        outs = drive_lockstep([c.reduce_many([f], [layout], prepared=[p])
+                               for c, f, p in zip(comps, flats, prepared)])
+        for c in comps:
+            c.end_step()
+        torch.testing.assert_close(outs[0][0].double(), want, rtol=1e-4, atol=1e-5)

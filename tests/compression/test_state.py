@@ -187,3 +187,24 @@ def test_loaded_state_with_a_changed_parameter_is_refused():
     lay = Layout.from_shapes([("l1.weight", (16, 13))])
     with pytest.raises(ValueError, match="l1.weight"):
         drive_lockstep([c.reduce(torch.zeros(16 * 13), lay)])
+
+
+def test_put_and_scale_reach_live_layouts_and_pending_names():
+    """put() sets a slot where a parameter lives now (in that layout's loss-scaled units) or
+    keeps it until a layout claims the name; scale_slot() multiplies both."""
+    from gradientflow.compression.memory import ResidualMemory
+
+    mem = ResidualMemory()
+    live = Layout.from_shapes([("a", (2, 3)), ("b", (4,))])
+    slots = mem.get(live, ("residual", "momentum"), torch.zeros(10), scale=8.0)
+    slots["residual"].fill_(1.0)
+    mem.put("momentum", {"b": torch.full((4,), 2.0), "c": torch.full((3,), 5.0)})
+    assert torch.equal(slots["momentum"], torch.tensor([0.0] * 6 + [16.0] * 4))  # 2 x scale 8
+    mem.scale_slot("momentum", 0.5)
+    later = mem.get(Layout.from_shapes([("c", (3,))]), ("residual", "momentum"), torch.zeros(3))
+    assert torch.equal(later["momentum"], torch.full((3,), 2.5))
+    sd = mem.state_dict()
+    assert torch.equal(sd["momentum"]["b"], torch.full((4,), 1.0))  # stored unscaled
+    assert torch.equal(sd["residual"]["a"], torch.full((2, 3), 1.0 / 8))  # untouched
+    with pytest.raises(ValueError, match="'b' has 3 elements but the parameter has 4"):
+        mem.put("momentum", {"b": torch.zeros(3)})
