@@ -16,7 +16,7 @@ from ..compression import (CompressionConfig, Compressor, Layout, QueuedBuffer, 
                            queue_name, reduce_queued)
 from ..compression import checkpoint as _ckpt
 from ..backend.api import submit_part
-from ..compression.momentum import guard_momentum, take_momentum
+from ..compression.momentum import follow_optimizer, guard_momentum
 from ..engine.stages import StageGen
 
 __all__ = ["CompressionState", "compression_hook"]
@@ -54,9 +54,11 @@ class CompressionState:
         config: a CompressionConfig; or leave it None and pass its fields as keyword arguments.
         grad_scaler: a GradScaler whose current scale the gradients carry (optional; see
             `set_loss_scale` for the alternative). Residuals are rescaled when it changes.
-        optimizer: the optimizer that steps these parameters. Under momentum correction (the
-            default for CSC) its momentum moves into the compressor and its own is set to 0.
-            Without it, an optimizer step that would apply momentum again raises.
+        optimizer: the torch.optim.SGD that steps these parameters. Under momentum correction
+            (the default for CSC) the compressor applies its momentum and weight decay, read
+            from its parameter groups at every step (schedulers and load_state_dict keep
+            working); its own step runs with them at 0. Without it, an optimizer step that
+            would apply momentum or weight decay after the compressor raises.
         world_size, rank: override the group's (to simulate ranks in one process; default: the
         group's).
         **kwargs: CompressionConfig fields (only without `config`).
@@ -100,14 +102,6 @@ class CompressionState:
                 f"{type(self).__name__}: config.method={config.method!r} but this state is for "
                 f"{self._method!r}"
             )
-        where = type(self).__name__
-        if optimizer is not None:
-            config = take_momentum(config, optimizer, where)
-        # --- tuned by the user ---
-        self.process_group = process_group
-        self.config = config
-        self.grad_scaler = grad_scaler
-        # --- internal ---
         initialized = dist.is_available() and dist.is_initialized()
         self.world_size = (
             world_size
@@ -117,6 +111,17 @@ class CompressionState:
         self.rank = (
             rank if rank is not None else (dist.get_rank(process_group) if initialized else 0)
         )
+        # The optimizer's SGD settings, followed at every step (momentum correction only).
+        self._follower = None
+        if optimizer is not None:
+            config, self._follower = follow_optimizer(
+                config, optimizer, f"{type(self).__name__} (rank {self.rank})",
+                self._take_velocity)
+        # --- tuned by the user ---
+        self.process_group = process_group
+        self.config = config
+        self.grad_scaler = grad_scaler
+        # --- internal ---
         _share_cores(process_group, self.world_size)
         self.compressor: Compressor = make_compressor(config, self.world_size)
         self._uid = next(_uid)
@@ -134,6 +139,22 @@ class CompressionState:
         """Without the optimizer, refuse its first step if it would apply momentum a second time."""
         self._guard = None if self._took_momentum else guard_momentum(
             self, _compressed_ids, self.config, type(self).__name__)
+
+    def _take_velocity(self, buffers: dict) -> None:
+        """Put SGD momentum buffers ({parameter: buffer}, a dense checkpoint's) into the
+        compressor's velocity, by parameter name."""
+        named = {}
+        for p, buf in buffers.items():
+            name = self._names.get(id(p))
+            if name is None:
+                raise ValueError(
+                    f"{type(self).__name__} (rank {self.rank}): the optimizer holds a momentum "
+                    f"buffer for a parameter of shape {tuple(p.shape)} that has no name here; "
+                    "the compressor keeps velocity by parameter name: call "
+                    "state.bind_parameter_names(model) (gradientflow.hooks.register does) "
+                    "before the first step")
+            named[name] = buf
+        self.compressor.import_velocity(named)
 
     # --- parameter names --------------------------------------------------------------------------
     def bind_parameter_names(
@@ -215,13 +236,20 @@ class CompressionState:
         """
         if not self._step_open:
             self.compressor.check_schedule()
+            if self._follower is not None:
+                self._follower.begin_step()
             self._step_open = True
             # one read per step: get_scale() syncs on CUDA
             self._step_scale = self._current_loss_scale()
         layout = self.layout_of(bucket)
         layout.check(bucket.buffer(), f"{type(self).__name__} (bucket {bucket.index()})")
+        terms = None
+        if self._follower is not None:
+            # The buffer is in loss-scaled units: so is the weight decay added to it.
+            params = bucket.parameters()
+            terms = self._follower.terms(zip(params, params), self._step_scale)
         return _BucketPart(self.compressor, bucket.buffer(), layout, bucket.is_last(),
-                           self._step_scale)
+                           self._step_scale, terms)
 
     def _fuse(self, parts: list) -> StageGen:
         """The StageGen of a fused batch of this state's buckets (the engine's fuser): one
@@ -293,7 +321,8 @@ class CompressionState:
     def __getstate__(self) -> dict:
         # A process group cannot be pickled, and parameter ids mean nothing in another process.
         state = {k: v for k, v in self.__dict__.items()
-                 if k not in ("process_group", "grad_scaler", "_names", "_layouts", "_guard")}
+                 if k not in ("process_group", "grad_scaler", "_names", "_layouts", "_guard",
+                              "_follower")}
         return state
 
     def __setstate__(self, state: dict) -> None:
@@ -302,6 +331,7 @@ class CompressionState:
         self.grad_scaler = None
         self._names = {}
         self._layouts = {}
+        self._follower = None  # the optimizer stays in the process that bound it
         self._guard_momentum()
 
 
@@ -311,8 +341,8 @@ class _BucketPart(QueuedBuffer):
     __slots__ = ("last",)
 
     def __init__(self, compressor: Compressor, flat: torch.Tensor, layout: Layout, last: bool,
-                 loss_scale: float) -> None:
-        super().__init__(compressor, flat, layout, loss_scale)
+                 loss_scale: float, terms=None) -> None:
+        super().__init__(compressor, flat, layout, loss_scale, terms)
         self.last = last
 
 

@@ -85,7 +85,10 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
         named_parameters: model.named_parameters(); names must be unique and cover every
             parameter the optimizer updates.
         compression: hvd.Compression.none (default), .fp16, or .csc (GradientFlow's
-            coarse-grained sparse communication, with error feedback).
+            coarse-grained sparse communication, with error feedback). CSC's momentum
+            correction applies a torch.optim.SGD's momentum and weight decay in the compressor,
+            read at every step; another optimizer needs
+            hvd.Compression.csc.configure(momentum_correction=False).
         backward_passes_per_step: backward passes accumulated locally before each step.
         op: hvd.Average (default) or hvd.Sum.
         gradient_predivide_factor: Average only: scale by 1/f before the sum, f/size after.
@@ -126,12 +129,22 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
                          "build the optimizer only on the set's ranks")
     if named_parameters is not None:
         named_parameters = _check_named(named_parameters, optimizer)
+    comp = _compression_arg(compression)
+    if comp is not None and comp != "fp16":
+        # CSC's momentum correction applies the optimizer's SGD settings in the compressor:
+        # refuse what it cannot reproduce here, in Horovod's own spelling of the fix.
+        from gradientflow.compression import CompressionConfig
+        from gradientflow.compression.momentum import check_optimizer
+
+        check_optimizer(CompressionConfig(method="csc") if comp == "csc" else comp, optimizer,
+                        "hvd.DistributedOptimizer",
+                        off="compression=hvd.Compression.csc.configure(momentum_correction=False)")
     kwargs = {}
     partition = _partition_bytes(groups, optimizer)
     if partition is not None:
         kwargs["partition_bytes"] = partition
     return _GFOptimizer(optimizer, named_parameters=named_parameters,
-                        compression=_compression_arg(compression),
+                        compression=comp,
                         backward_passes_per_step=backward_passes_per_step,
                         op=_GFAverage if op == Average else _GFSum,
                         gradient_predivide_factor=gradient_predivide_factor,

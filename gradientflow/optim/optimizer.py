@@ -14,8 +14,9 @@ optimizer's step. With overlap_next_forward=True it does not wait at all: the Ne
 strategy (overlap.py) updates each partition's parameters just before the next forward uses them.
 
 With a compressor that applies momentum (CSC's momentum correction, the default), the wrapped
-optimizer's momentum moves into the compressor at construction (see compression/momentum.py),
-and state_dict() carries this rank's residuals and momentum, so a resume continues exactly.
+SGD's momentum and weight decay are applied by the compressor, read from the parameter groups
+at every step (see compression/momentum.py); the wrapped step runs with them at 0. state_dict()
+carries this rank's residuals and velocity, so a resume continues exactly.
 """
 from __future__ import annotations
 
@@ -26,10 +27,11 @@ from dataclasses import dataclass
 from typing import Iterable
 
 import torch
+import torch.distributed as dist
 
 from gradientflow.compression import CompressionConfig, available, lookup
 from gradientflow.compression import checkpoint as _ckpt
-from gradientflow.compression.momentum import take_momentum
+from gradientflow.compression.momentum import follow_optimizer
 from gradientflow.optim.overlap import NextForwardOverlap
 from gradientflow.optim.plan import Partition
 from gradientflow.optim.reducer import GradientReducer, ReduceOp, ReducerOptions
@@ -38,6 +40,9 @@ __all__ = ["ReduceOp", "Average", "Sum", "DistributedOptimizer", "OptimizerOptio
 
 _PREFIX = "gradientflow.DistributedOptimizer"
 _STATE_KEY = "gradientflow"  # where state_dict() keeps this rank's compression state
+# How a refused optimizer is kept as it is, in both APIs that reach this class.
+_OFF = ("compression=CompressionConfig(method='csc', ..., momentum_correction=False) (with "
+        "Horovod's API: compression=hvd.Compression.csc.configure(momentum_correction=False))")
 
 Average = ReduceOp.Average
 Sum = ReduceOp.Sum
@@ -70,6 +75,9 @@ class _DistributedOptimizer:
     """Mixed into the wrapped optimizer's class (as Horovod does), so isinstance and LR
     schedulers keep working; see DistributedOptimizer for the arguments."""
 
+    # Its step only wraps the wrapped class's (compression/momentum.py looks past it).
+    _delegates_step = True
+
     def __init__(self, params, named_parameters, options: OptimizerOptions,
                  process_group) -> None:
         super().__init__(params)
@@ -79,16 +87,22 @@ class _DistributedOptimizer:
         else:
             named = [(f"allreduce.noname.{i}", p) for i, p in enumerate(all_params)]
         self._check_names(named, all_params)
+        self._follower = None
         if options.compression is not None:
-            # The compressor applies momentum (momentum correction): it moves over from here.
-            options = dataclasses.replace(
-                options, compression=take_momentum(options.compression, self, _PREFIX))
+            # The compressor applies momentum (momentum correction): it follows this SGD's.
+            initialized = dist.is_available() and dist.is_initialized()
+            rank = dist.get_rank(process_group) if initialized else 0
+            config, self._follower = follow_optimizer(
+                options.compression, self, f"{_PREFIX} (rank {rank})", self._take_velocity,
+                off=_OFF, step_hooks=False)
+            options = dataclasses.replace(options, compression=config)
         self._opts = options
         # Frozen parameters never get a gradient: they are not part of the plan at all.
         in_opt = {id(p) for p in all_params}
         named = [(n, p) for n, p in named if p.requires_grad and id(p) in in_opt]
-        self._reducer = GradientReducer(named, options, process_group,
-                                        before_first_grad=self._before_first_grad)
+        self._reducer = GradientReducer(
+            named, options, process_group, before_first_grad=self._before_first_grad,
+            sgd_terms=None if self._follower is None else self._follower.terms)
         self._overlap = None
         if options.overlap_next_forward:
             self._overlap = NextForwardOverlap(self._reducer, self._step_groups,
@@ -121,6 +135,18 @@ class _DistributedOptimizer:
     def _before_first_grad(self) -> None:
         self._finish_updates()  # a previous overlapped step's leftovers come first
         self._synchronized = False
+        if self._follower is not None:
+            self._follower.begin_step()  # the settings this step's gradients are reduced with
+
+    def _take_velocity(self, buffers: dict) -> None:
+        """Put SGD momentum buffers ({parameter: buffer}, a dense run's) into the compressor's
+        velocity, by segment name."""
+        reducer = self._reducer
+        by_id = {id(p): buf for p, buf in buffers.items()}
+        named = {seg.name: seg.view(by_id[id(reducer.params[seg.index])])
+                 for part in reducer.plan for seg in part.segments
+                 if id(reducer.params[seg.index]) in by_id}
+        reducer.compressor.import_velocity(named)
 
     def _step_groups(self, groups: list[dict]) -> None:
         full = self.param_groups
@@ -164,6 +190,9 @@ class _DistributedOptimizer:
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self._follower is not None:
+            # Every trainable parameter is in the plan: only the settings need checking.
+            self._follower.check_step(strict=False)
         if not self._should_synchronize or self._synchronized:
             if self._should_synchronize:
                 warnings.warn(f"{_PREFIX}: step() after synchronize() without "
@@ -189,9 +218,13 @@ class _DistributedOptimizer:
         # class's step already runs the step hooks once).
         base = super().step
         fn = getattr(base, "__func__", None)
-        if fn is not None and getattr(fn, "hooked", False) and hasattr(fn, "__wrapped__"):
-            return fn.__wrapped__(self, closure)
-        return base(closure)
+        with contextlib.ExitStack() as stack:
+            if self._follower is not None:
+                # The compressor applied the momentum and weight decay: 0 for this step.
+                stack.enter_context(self._follower.stepping(self.param_groups))
+            if fn is not None and getattr(fn, "hooked", False) and hasattr(fn, "__wrapped__"):
+                return fn.__wrapped__(self, closure)
+            return base(closure)
 
     def _finish_updates(self) -> None:
         if self._overlap is not None:
@@ -253,9 +286,8 @@ class _DistributedOptimizer:
         compressor = self._reducer.compressor
         if compressor is None:
             return
-        if compressor.applies_momentum(compressor.config):
-            for g in self.param_groups:  # the momentum lives in the compressor
-                g["momentum"] = 0.0
+        if self._follower is not None:
+            self._follower.take_buffers()  # a dense run's momentum (a shard, if any, wins)
         if shard is None:
             return
         me, world = self._reducer.rank, self._reducer.world_size
@@ -317,8 +349,10 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
             subclass of it), with the same parameter groups and state.
         named_parameters: model.named_parameters(); names key compression state and errors.
         compression: None/"none" (dense), a registered method's name ("fp16", "csc", ...),
-            or a CompressionConfig. CSC's default recipe moves the optimizer's momentum into
-            the compressor (momentum correction): the wrapped optimizer then has momentum 0.
+            or a CompressionConfig. CSC's default recipe (momentum correction) applies the
+            wrapped SGD's momentum and weight decay in the compressor, read from its groups at
+            every step, so schedulers keep working; other optimizers are refused unless
+            momentum_correction=False.
         backward_passes_per_step: backward passes accumulated locally per step (summed, as
             Horovod and DDP's no_sync do; scale the loss yourself for a mean).
         op: gradientflow.Average (default) or gradientflow.Sum.
@@ -355,7 +389,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
         partition_bytes=partition_bytes, sparse_as_dense=bool(sparse_as_dense),
         overlap_next_forward=bool(overlap_next_forward))
     base = optimizer.__class__
-    cls = type(base.__name__, (_DistributedOptimizer, base), {"__module__": __name__})
+    cls = type(base.__name__, (_DistributedOptimizer, base),
+               {"__module__": __name__, "_delegates_step": True})
     groups = [dict(g) for g in optimizer.param_groups]
     opt = cls(groups, named_parameters, options, process_group)
     opt.defaults = dict(optimizer.defaults)

@@ -149,10 +149,14 @@ class GradientReducer:
         process_group: the group (None: the world group, or one process without a group).
         before_first_grad: called (under the reducer's lock) when a step's first gradient
             arrives, before anything is submitted (next-forward overlap applies leftovers).
+        sgd_terms: for a compressor with momentum correction, returns one partition's
+            SGDTerms from its (parameter, segment view) pairs and the scale of its buffer
+            (gradient units to buffer units); called on the submitting thread.
     """
 
     def __init__(self, named: list[tuple[str, torch.Tensor]], options: ReducerOptions,
-                 process_group=None, before_first_grad: Callable[[], None] | None = None) -> None:
+                 process_group=None, before_first_grad: Callable[[], None] | None = None,
+                 sgd_terms: Callable[..., Any] | None = None) -> None:
         self.options = options
         self.process_group = process_group
         initialized = dist.is_available() and dist.is_initialized()
@@ -191,6 +195,7 @@ class GradientReducer:
         # point into it rather than take a copy (one pass over the model fewer per step).
         self.target: Any = GradTarget(self.params, bucket_view=True)
         self._before_first_grad = before_first_grad
+        self._sgd_terms = sgd_terms
         # Compressed partitions go through the engine's fused pipeline, as DDP's compressed
         # buckets do: the partitions queued together are one compressor op (2 collectives for
         # all of them, plus one for the used flags), prepared ahead on the engine thread. They
@@ -298,7 +303,7 @@ class GradientReducer:
         flat = fill_flat([g for g, _ in dense], layout.numels, torch.float32, part.device, 0,
                          buffer=self._fused_buffer(k), scale=pre)
         op = _PartitionOp(self.compressor, flat, layout, [seg for _, seg in dense],
-                          [g is not None for g, _ in dense])
+                          [g is not None for g, _ in dense], self._terms(part))
         self.futures[k] = submit_part(
             self.process_group, ("optim", id(self), k), op, self._fuse, part.device,
             self._op_name, part.nbytes, close=k == 0)
@@ -349,6 +354,18 @@ class GradientReducer:
                 dense.append((None if g is None else seg.view(g), seg))
         return dense, sparse
 
+    def _terms(self, part: Partition):
+        """The optimizer's SGD settings for partition `part`'s buffer (None without them).
+
+        The buffer holds gradients times prescale and its average is multiplied by postscale:
+        weight decay enters it divided by postscale, so the delivered average gains it once."""
+        if self._sgd_terms is None:
+            return None
+        _, post = self._scales()
+        with torch.no_grad():
+            pairs = [(self.params[s.index], s.view(self.params[s.index])) for s in part.segments]
+        return self._sgd_terms(pairs, 1.0 / post)
+
     def _scales(self) -> tuple[float, float]:
         f, n = float(self.options.gradient_predivide_factor), self.world_size
         if self.compressor is not None:  # the compressor already divides by n
@@ -369,7 +386,8 @@ class GradientReducer:
         zeroed p.grad (next-forward overlap lets zero_grad() run while partitions are in flight).
         """
         sparse_grads = {seg.index: self.params[seg.index].grad for seg in sparse}
-        return self._run_stages(part, dense, sparse, sparse_grads)
+        terms = self._terms(part) if self.compressor is not None and dense else None
+        return self._run_stages(part, dense, sparse, sparse_grads, terms)
 
     def _fused_buffer(self, k: int) -> torch.Tensor:
         """Partition k's slice of one FP32 buffer holding every partition in key order, so a
@@ -400,7 +418,7 @@ class GradientReducer:
             buf = self._buffers[part.key] = torch.empty(numel, dtype=dtype, device=part.device)
         return buf
 
-    def _run_stages(self, part: Partition, dense, sparse, sparse_grads):
+    def _run_stages(self, part: Partition, dense, sparse, sparse_grads, terms=None):
         pre, post = self._scales()
         flat = None
         # One buffer per partition, reused every step (a fresh one costs a page fault per 4 kB
@@ -409,7 +427,8 @@ class GradientReducer:
         if self.compressor is not None and dense:
             layout = self._layouts[part.key]
             gen = compressed_average(self.compressor, layout, [g for g, _ in dense], pre, post,
-                                     buffer=self._buffer(part, sum(layout.numels), torch.float32))
+                                     buffer=self._buffer(part, sum(layout.numels), torch.float32),
+                                     terms=terms)
         elif dense:
             numels = [seg.numel for _, seg in dense]
             gen = dense_average([g for g, _ in dense], numels, part.dtype, part.device, pre, post,
@@ -521,8 +540,9 @@ class _PartitionOp(QueuedBuffer):
 
     __slots__ = ("segs", "used")
 
-    def __init__(self, compressor, flat: torch.Tensor, layout, segs: list, used: list[bool]):
-        super().__init__(compressor, flat, layout)
+    def __init__(self, compressor, flat: torch.Tensor, layout, segs: list, used: list[bool],
+                 terms=None):
+        super().__init__(compressor, flat, layout, terms=terms)
         self.segs, self.used = segs, used
 
 

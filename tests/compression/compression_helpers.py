@@ -106,3 +106,31 @@ def recording():
 
 def nchunks(numel: int, c: int) -> int:
     return math.ceil(numel / c)
+
+
+class FakeBucket:
+    """The part of DDP's GradBucket a hook uses: `grads` back to back (default: the parameters'
+    .grad), copied."""
+
+    def __init__(self, index, params, last, grads=None):
+        self._index, self._params, self._last = index, params, last
+        grads = [p.grad for p in params] if grads is None else grads
+        self._buffer = torch.cat([g.reshape(-1) for g in grads])
+
+    def index(self):
+        return self._index
+
+    def buffer(self):
+        return self._buffer
+
+    def parameters(self):
+        return self._params
+
+    def is_last(self):
+        return self._last
+
+    def write_back(self, result):
+        off = 0
+        for p in self._params:
+            p.grad.copy_(result[off:off + p.numel()].view_as(p))
+            off += p.numel()

@@ -8,29 +8,10 @@ import pickle
 import pytest
 import torch
 
+from compression_helpers import FakeBucket
 from gradientflow.compression import CompressionConfig
 from gradientflow.engine.stages import drive_lockstep
 from gradientflow.hooks import CompressionState, CSCState, FP16State, csc_hook, fp16_hook, register
-
-
-class Bucket:
-    """The part of DDP's GradBucket a hook uses."""
-
-    def __init__(self, index, params, last, grads):
-        self._index, self._params, self._last = index, params, last
-        self._buffer = torch.cat([g.reshape(-1) for g in grads])
-
-    def index(self):
-        return self._index
-
-    def buffer(self):
-        return self._buffer
-
-    def parameters(self):
-        return self._params
-
-    def is_last(self):
-        return self._last
 
 
 def _model():
@@ -46,9 +27,8 @@ def _step(states, models, seed):
     for m in models:
         params = list(m.parameters())
         grads = [torch.randn(p.shape, generator=gen) for p in params]
-        per_rank.append(
-            [Bucket(0, params[4:], False, grads[4:]), Bucket(1, params[:4], True, grads[:4])]
-        )
+        per_rank.append([FakeBucket(0, params[4:], False, grads[4:]),
+                         FakeBucket(1, params[:4], True, grads[:4])])
     outs = []
     for b in range(2):
         outs.append(drive_lockstep([s._stages(per_rank[r][b]) for r, s in enumerate(states)]))
@@ -99,7 +79,7 @@ def test_unbound_names_are_first_appearance_and_stable():
 def test_bucket_that_its_parameters_do_not_describe_is_refused():
     m = _model()
     s = CSCState(None)
-    bad = Bucket(0, list(m.parameters())[:1], True, [torch.zeros(7)])
+    bad = FakeBucket(0, list(m.parameters())[:1], True, [torch.zeros(7)])
     with pytest.raises(ValueError, match="add up to"):
         s._stages(bad)
 
@@ -176,27 +156,101 @@ def _sgd_step(model, opt):
     opt.step()
 
 
-def test_momentum_moves_from_the_optimizer_into_the_compressor():
-    """register(..., optimizer=opt) / optimizer=: momentum is applied once, by the compressor."""
+def _hook_step(state, model, seed=0):
+    """One backward's gradients through `state` (one rank, two buckets) into p.grad."""
+    (out0, out1) = _step([state], [model], seed)
+    params = list(model.parameters())
+    for bucket_params, out in ((params[4:], out0[0]), (params[:4], out1[0])):
+        off = 0
+        for p in bucket_params:
+            p.grad = out[off:off + p.numel()].view_as(p).clone()
+            off += p.numel()
+
+
+def test_the_compressor_follows_the_optimizers_momentum():
+    """register(..., optimizer=opt) / optimizer=: momentum and weight decay are applied once,
+    by the compressor, with the values the optimizer's groups hold at each step."""
     model = _model()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.95, nesterov=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.95, nesterov=True,
+                          weight_decay=1e-3)
     s = CSCState(None, density=0.05, optimizer=opt)
+    s.bind_parameter_names(model)
     assert s.config.momentum == 0.95 and s.config.nesterov and s.config.momentum_correction
-    assert all(g["momentum"] == 0.0 and not g["nesterov"] for g in opt.param_groups)
-    _sgd_step(model, opt)  # no guard: the optimizer was bound
-    again = CSCState(None, density=0.05, optimizer=opt)  # a second binding finds the value
-    assert again.config.momentum == 0.95
-    plain = torch.optim.SGD(model.parameters(), lr=0.1)  # no momentum to move: plain EF
+    # The groups keep the user's settings (schedulers and checkpoints see them) ...
+    assert all(g["momentum"] == 0.95 and g["nesterov"] and g["weight_decay"] == 1e-3
+               for g in opt.param_groups)
+    seen = []
+    opt.register_step_pre_hook(
+        lambda o, a, k: seen.append([(g["momentum"], g["weight_decay"]) for g in o.param_groups]))
+    _hook_step(s, model)
+    opt.step()
+    # ... and hold 0 only while the optimizer's own step runs.
+    assert seen == [[(0.0, 0.0)]] and opt.param_groups[0]["momentum"] == 0.95
+    assert not opt.state or all("momentum_buffer" not in st for st in opt.state.values())
+    with pytest.raises(RuntimeError, match="did not reduce"):
+        _sgd_step(model, opt)  # no backward through the compressor since the last step
+    _hook_step(s, model, seed=1)
+    opt.param_groups[0]["momentum"] = 0.9  # a scheduler stepped before the optimizer
+    with pytest.raises(RuntimeError, match=r"changed between backward\(\) and step\(\).*0.95 -> "
+                                           r"0.9.*scheduler.step\(\) after optimizer.step\(\)"):
+        opt.step()
+    assert opt.param_groups[0]["momentum"] == 0.9  # a refused step leaves the groups alone
+    plain = torch.optim.SGD(model.parameters(), lr=0.1)  # no momentum to follow: plain EF
     assert not CSCState(None, optimizer=plain).config.momentum_correction
+    assert FP16State(None, optimizer=torch.optim.Adam(model.parameters())).config.method == "fp16"
+
+
+def test_what_the_compressor_cannot_follow_is_refused_naming_the_fix():
+    model = _model()
+    params = list(model.parameters())
+
+    class LARSLike(torch.optim.SGD):  # its own step: the compressor cannot reproduce it
+        def step(self, closure=None):
+            return super().step(closure)
+
+    class Renamed(torch.optim.SGD):  # SGD's own step under another name: followed
+        pass
+
+    fix = r"momentum_correction=False"
+    refused = {
+        "does not step as torch.optim.SGD": torch.optim.Adam(params),
+        "does not step as torch.optim.SGD.*own step": LARSLike(params, lr=0.1, momentum=0.9),
+        "dampening=0.1": torch.optim.SGD(params, lr=0.1, momentum=0.9, dampening=0.1),
+        r"different \(momentum, nesterov\) settings": torch.optim.SGD(
+            [{"params": params[:2], "momentum": 0.5}, {"params": params[2:]}], lr=0.1,
+            momentum=0.9),
+    }
+    for what, opt in refused.items():
+        with pytest.raises(ValueError, match=f"{what}.*{fix}"):
+            CSCState(None, density=0.05, optimizer=opt)
     with pytest.raises(ValueError, match=r"momentum=0.9\) but SGD has momentum=0.8"):
         CSCState(None, CompressionConfig(momentum=0.9),
-                 optimizer=torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.8))
-    with pytest.raises(ValueError, match="no 'momentum' setting"):
-        CSCState(None, optimizer=torch.optim.Adam(model.parameters()))
+                 optimizer=torch.optim.SGD(params, lr=0.1, momentum=0.8))
+    assert CSCState(None, optimizer=Renamed(params, lr=0.1, momentum=0.9)).config.momentum == 0.9
     adam = CSCState(None, CompressionConfig(momentum_correction=False),
-                    optimizer=torch.optim.Adam(model.parameters()))
+                    optimizer=torch.optim.Adam(params))
     assert not adam.config.momentum_correction
-    assert FP16State(None, optimizer=torch.optim.Adam(model.parameters())).config.method == "fp16"
+    # Per-group momenta that a scheduler makes differ are refused at the step that sees them.
+    opt = torch.optim.SGD([{"params": params[:4]}, {"params": params[4:]}], lr=0.1, momentum=0.9)
+    s = CSCState(None, density=0.05, optimizer=opt)
+    s.bind_parameter_names(model)
+    opt.param_groups[1]["momentum"] = 0.8
+    with pytest.raises(ValueError, match="different.*settings"):
+        _hook_step(s, model)
+
+
+def test_a_newer_binding_replaces_the_older_one():
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    old = CSCState(None, density=0.05, optimizer=opt)
+    old.bind_parameter_names(model)
+    new = CSCState(None, density=0.05, optimizer=opt)
+    new.bind_parameter_names(model)
+    assert new.config.momentum == 0.9  # the groups still say 0.9
+    _hook_step(new, model)
+    opt.step()
+    with pytest.raises(RuntimeError, match="bound to another compression state"):
+        _hook_step(old, model)
 
 
 def test_unbound_momentum_optimizer_step_raises_saying_what_to_change():
@@ -204,8 +258,12 @@ def test_unbound_momentum_optimizer_step_raises_saying_what_to_change():
     s = CSCState(None, density=0.05)
     s.bind_parameter_names(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    with pytest.raises(RuntimeError, match=r"optimizer=opt"):
+    with pytest.raises(RuntimeError, match=r"momentum=0.9 again.*optimizer=opt"):
         _sgd_step(model, opt)
+    with pytest.raises(RuntimeError, match=r"weight_decay=0.01 after the velocity.*optimizer=opt"):
+        _sgd_step(model, torch.optim.SGD(model.parameters(), lr=0.1, weight_decay=0.01))
+    with pytest.raises(RuntimeError, match=r"Adam would step on the velocity.*optimizer=opt"):
+        _sgd_step(model, torch.optim.Adam(model.parameters()))
     _sgd_step(model, torch.optim.SGD(model.parameters(), lr=0.1))  # momentum-free: fine
     _sgd_step(_model(), torch.optim.SGD(_model().parameters(), lr=0.1, momentum=0.9))  # not ours
     off = CSCState(None, density=0.05, momentum_correction=False)

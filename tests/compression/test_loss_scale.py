@@ -4,7 +4,8 @@ from __future__ import annotations
 import torch
 from hypothesis import given, strategies as st
 
-from compression_helpers import SETTINGS, flat_slot, grads_for, layouts, make_ranks, step
+from compression_helpers import (SETTINGS, FakeBucket, flat_slot, grads_for, layouts, make_ranks,
+                                 step)
 from gradientflow.compression import CompressionConfig, Layout
 from gradientflow.engine.stages import drive_lockstep
 from gradientflow.hooks import CSCState, FP16State
@@ -60,32 +61,6 @@ def test_untold_scale_change_would_weight_the_residual_wrongly():
         c = step(plain, layout, g)[0]
         torch.testing.assert_close(a, c)
     assert not torch.allclose(b, c, rtol=1e-2, atol=1e-3)
-
-
-class FakeBucket:
-    """The part of DDP's GradBucket a hook uses."""
-
-    def __init__(self, index, params, last):
-        self._index, self._params, self._last = index, params, last
-        self._buffer = torch.cat([p.grad.reshape(-1) for p in params])
-
-    def index(self):
-        return self._index
-
-    def buffer(self):
-        return self._buffer
-
-    def parameters(self):
-        return self._params
-
-    def is_last(self):
-        return self._last
-
-    def write_back(self, result):
-        off = 0
-        for p in self._params:
-            p.grad.copy_(result[off:off + p.numel()].view_as(p))
-            off += p.numel()
 
 
 def _train(world, use_scaler, inject_inf_at, state_cls, cfg_kwargs, steps=6):

@@ -52,6 +52,9 @@ def train_vs_reference(rank, world):
             "groups": dict(groups=2),
             "group_lists": dict(groups="lists"),
             "bpps2": dict(backward_passes_per_step=2),
+            # Momentum correction follows SGD's momentum: at density 1 it is SGD itself.
+            "csc_density1": dict(compression=hvd.Compression.csc.configure(
+                density=1.0, wire_dtype="fp32", warmup_densities=())),
         }
         worst = {}
         for name, kw in cases.items():
@@ -130,6 +133,15 @@ def errors_body(rank, world):
                 named_parameters=[("a", p) for p in model.parameters()])
         _raises(ValueError, "one or more model parameters were not named", make,
                 named_parameters=list(model.named_parameters())[:1])
+
+        # CSC's momentum correction cannot apply another optimizer's update: refused, with
+        # Horovod's spelling of the fix.
+        _raises(ValueError, "hvd.Compression.csc.configure(momentum_correction=False)",
+                hvd.DistributedOptimizer, torch.optim.Adam(model.parameters()),
+                compression=hvd.Compression.csc)
+        hvd.DistributedOptimizer(torch.optim.Adam(model.parameters()),
+                                 compression=hvd.Compression.csc.configure(
+                                     momentum_correction=False)).close()
 
         class Mine(hvd.Compression.none.__base__):
             pass
