@@ -117,12 +117,14 @@ class CompressionConfig:
     # DGC momentum correction + factor masking: the compressor accumulates velocity, not
     # gradient, and the optimizer then runs without momentum. On by default: on digits, CSC 1%
     # lost 2.04 points of top-1 without it and 0.74 with it (experiments/imagenet/results).
-    # The hook registration and the DistributedOptimizer take the optimizer and move its
-    # momentum here, so momentum is never applied twice (see gradientflow.hooks.register).
+    # The hook registration and the DistributedOptimizer bind the SGD: the compressor applies
+    # its momentum, Nesterov and weight decay, read from its groups at every step, and its own
+    # step runs with them at 0, so nothing is applied twice (compression/momentum.py).
     # A step at density 1 masks nothing (every chunk is sent, none is stale): the warm-up's
     # dense stage is SGD with momentum on the average.
     momentum_correction: bool = True
-    # None: the bound optimizer's momentum (DEFAULT_MOMENTUM when there is none to take).
+    # None: the bound optimizer's momentum, followed at every step (DEFAULT_MOMENTUM without
+    # one). With an optimizer bound, a value here must be its momentum at registration.
     momentum: float | None = None
     nesterov: bool = False
     # DGC's local gradient clipping: before accumulating, each rank scales every parameter's

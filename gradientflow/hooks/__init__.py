@@ -7,8 +7,9 @@ The one-line common case::
     ...
     state.stats(); torch.save(state.gather_state_dict(), path)
 
-The default recipe is the paper's: momentum correction (the optimizer's momentum moves into
-the compressor), a dense first warm-up stage counted in steps; see CompressionConfig.
+The default recipe is the paper's: momentum correction (the compressor applies the bound SGD's
+momentum and weight decay, read at every step), a dense first warm-up stage counted in steps;
+see CompressionConfig.
 """
 from __future__ import annotations
 
@@ -42,9 +43,10 @@ def register(ddp_model, config: CompressionConfig | None = None, process_group=N
         ddp_model: the DistributedDataParallel model.
         config: a CompressionConfig (default: CSC at 1% with the paper's recipe).
         process_group: the group (default: the DDP model's).
-        optimizer: the optimizer stepping the model. With momentum correction (CSC's default)
-            its momentum moves into the compressor; pass it, or a step of a momentum
-            optimizer raises rather than apply momentum twice.
+        optimizer: the torch.optim.SGD stepping the model. With momentum correction (CSC's
+            default) the compressor applies its momentum and weight decay, read from its groups
+            at every step; pass it, or a step that would apply either after the compressor
+            raises.
         grad_scaler: the GradScaler producing the gradients, if any.
 
     Example::

@@ -27,14 +27,15 @@ class CSCState(CompressionState):
     Raises:
         ValueError: a field out of range (density outside (0, 1], chunk_size < 1, ...).
 
-    The default is the paper's recipe: momentum correction (pass ``optimizer=`` so the
-    optimizer's momentum moves here), a dense first warm-up stage counted in steps. With
+    The default is the paper's recipe: momentum correction (pass ``optimizer=``: the state
+    applies that SGD's momentum and weight decay, read at every step), a dense first warm-up
+    stage counted in steps. With
     ``warmup_unit="epoch"``, call ``state.set_epoch(epoch)`` at the start of every epoch.
 
     Example::
 
         >>> opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-        >>> state = CSCState(None, density=0.01, optimizer=opt)   # opt's momentum is now 0
+        >>> state = CSCState(None, density=0.01, optimizer=opt)   # applies opt's momentum
         >>> state.bind_parameter_names(model)
         >>> ddp.register_comm_hook(state, csc_hook)
     """
