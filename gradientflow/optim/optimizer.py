@@ -140,10 +140,12 @@ class _DistributedOptimizer:
 
     def _take_velocity(self, buffers: dict) -> None:
         """Put SGD momentum buffers ({parameter: buffer}, a dense run's) into the compressor's
-        velocity, by segment name."""
+        velocity, by segment name, in its buffers' units (the average is multiplied by the
+        op's postscale)."""
         reducer = self._reducer
+        post = reducer.postscale
         by_id = {id(p): buf for p, buf in buffers.items()}
-        named = {seg.name: seg.view(by_id[id(reducer.params[seg.index])])
+        named = {seg.name: seg.view(by_id[id(reducer.params[seg.index])]) / post
                  for part in reducer.plan for seg in part.segments
                  if id(reducer.params[seg.index]) in by_id}
         reducer.compressor.import_velocity(named)

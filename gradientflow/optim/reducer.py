@@ -354,17 +354,22 @@ class GradientReducer:
                 dense.append((None if g is None else seg.view(g), seg))
         return dense, sparse
 
+    @property
+    def postscale(self) -> float:
+        """What a compressed average is multiplied by to give the op's result: state kept in
+        a compressor's buffers (weight decay, velocity) is in gradient units / postscale."""
+        return self._scales()[1]
+
     def _terms(self, part: Partition):
         """The optimizer's SGD settings for partition `part`'s buffer (None without them).
 
-        The buffer holds gradients times prescale and its average is multiplied by postscale:
-        weight decay enters it divided by postscale, so the delivered average gains it once."""
+        Weight decay enters the buffer divided by postscale, so the delivered average gains it
+        once."""
         if self._sgd_terms is None:
             return None
-        _, post = self._scales()
         with torch.no_grad():
             pairs = [(self.params[s.index], s.view(self.params[s.index])) for s in part.segments]
-        return self._sgd_terms(pairs, 1.0 / post)
+        return self._sgd_terms(pairs, 1.0 / self.postscale)
 
     def _scales(self) -> tuple[float, float]:
         f, n = float(self.options.gradient_predivide_factor), self.world_size
