@@ -61,8 +61,10 @@ class Compressor(abc.ABC):
         self.epoch = 0
         self.step = 0
         self._epoch_told = False
-        # a bucket of this step reduced to inf/NaN: undo the step's commits
-        self._step_non_finite = False
+        # Whether each batch of this step reduced to finite values: bools, or 0-dim bool
+        # tensors left on the device until end_step reads them all at once. Any False: undo
+        # the step's commits.
+        self._step_finite: list = []
         # --- statistics ---
         self.stats = CompressionStats()
 
@@ -134,10 +136,27 @@ class Compressor(abc.ABC):
         is decided from reduced tensors), every bucket's residual/momentum update of this step is
         undone: GradScaler skips the whole step, so none of it may stay half-applied.
         """
-        self.memory.end_step(revert=self._step_non_finite)
-        self.stats.end_step(skipped=self._step_non_finite)
-        self._step_non_finite = False
+        non_finite = self._step_was_non_finite()
+        self.memory.end_step(revert=non_finite)
+        self.stats.end_step(skipped=non_finite)
+        self._step_finite = []
         self.step += 1
+
+    def _note_finite(self, ok) -> None:
+        """Record whether a batch of this step reduced to finite values (a bool, or a 0-dim
+        bool tensor that stays on its device until end_step)."""
+        self._step_finite.append(ok)
+
+    def _step_was_non_finite(self) -> bool:
+        """Whether a batch of this step was not finite: one host read of the device flags."""
+        flags = self._step_finite
+        if not all(f for f in flags if isinstance(f, bool)):
+            return True
+        tensors = [f.reshape(()) for f in flags if not isinstance(f, bool)]
+        if not tensors:
+            return False
+        dev = tensors[0].device
+        return not bool(torch.stack([t.to(dev) for t in tensors]).all())
 
     def check_schedule(self) -> None:
         """Refuse to run an epoch-counted warm-up whose epoch nobody sets (it would never advance).

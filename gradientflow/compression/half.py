@@ -82,7 +82,7 @@ class HalfCompressor(Compressor):
         reduced = yield from self._stage(wire, final)
         # Decided from the reduced result, so the same on every rank.
         if not kernels.upcast_finite(reduced, ws.post, out=flat):
-            self._step_non_finite = True
+            self._note_finite(False)
         elif cfg.error_feedback:
             self.memory.commit(layout, (("residual", "_residual_spare"),))
         return flat
