@@ -3,7 +3,8 @@
 Each function here has the signature of the public op of the same name (without ``impl``, which
 the dispatcher takes), refuses bad arguments with a sentence that names the op, the argument and
 what to pass instead, and returns the call every implementation (reference, cpu, cuda) takes:
-``(args, kwargs)``, with optional outputs allocated and scalars made plain Python numbers. The
+``(args, kwargs)``, with optional outputs allocated and scalars made plain Python numbers, except
+a scale factor given as a one-element tensor for CUDA data, which stays one (``_scale``). The
 first positional argument of that call is the tensor whose device picks the implementation.
 
 Why here: the implementations then trust their arguments (except chunk indices, which the numba
@@ -60,6 +61,22 @@ def _out(op: str, out, wire_dtype, n: int, device):
         return torch.empty(n, dtype=wire_dtype, device=device)
     _flat(op, "out", out, dtype=wire_dtype, numel=n, device=device)
     return out
+
+
+def _scale(op: str, name: str, value, device: torch.device):
+    """A scale factor: a number, or a one-element float32 tensor on the data's device.
+
+    On CUDA a tensor is passed on as a 0-dim tensor, so that the kernels read it from device
+    memory and the host never waits for whatever computed it (an agreed wire scale); elsewhere
+    it is read at once (no wait to speak of).
+    """
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.dtype != torch.float32 or value.device != device:
+            raise ValueError(
+                f"{op}: {name} must be a number or a one-element float32 tensor on {device}, "
+                f"got a {value.dtype} tensor of {value.numel()} elements on {value.device}")
+        return value.reshape(()) if device.type == "cuda" else float(value)
+    return float(value)
 
 
 def _chunk(op: str, chunk_size) -> None:
@@ -206,7 +223,9 @@ def pack_chunks(
     """Gather the chosen chunks of v, scaled and cast to the wire type, into one flat buffer.
 
     ``packed[j*C:(j+1)*C] = cast(v[idx_j*C : idx_j*C+C] * scale)``, zero past N; the multiply is
-    in float32 and the cast rounds to nearest even (overflow gives inf, NaN stays NaN).
+    in float32 and the cast rounds to nearest even (overflow gives inf, NaN stays NaN). Every
+    scale factor of these ops is a number or a one-element float32 tensor on the data's device
+    (``_scale``).
 
     Returns:
         ``out`` (or a new tensor): ``len(indices) * C`` elements of ``wire_dtype``.
@@ -217,7 +236,8 @@ def pack_chunks(
     _wire_dtype(op, wire_dtype)
     _indices(op, indices, nchunks_of(v.numel(), chunk_size), v.device)
     out = _out(op, out, wire_dtype, indices.numel() * chunk_size, v.device)
-    return (v, indices, chunk_size, float(scale), wire_dtype), dict(out=out)
+    return (v, indices, chunk_size, _scale(op, "scale", scale, v.device), wire_dtype), dict(
+        out=out)
 
 
 def unpack_update(
@@ -248,7 +268,8 @@ def unpack_update(
     _unpack(op, v, "v", residual, packed_reduced, packed_local, indices, chunk_size)
     _flat(op, "out", out, numel=v.numel(), device=v.device)
     return (v, residual, packed_reduced, packed_local, indices, chunk_size,
-            float(unscale), float(err_scale)), dict(out=out)
+            _scale(op, "unscale", unscale, v.device),
+            _scale(op, "err_scale", err_scale, v.device)), dict(out=out)
 
 
 def unpack_sent(
@@ -277,7 +298,8 @@ def unpack_sent(
     op = "unpack_sent"
     _unpack(op, out, "out", residual, packed_reduced, packed_local, indices, chunk_size)
     return (out, residual, packed_reduced, packed_local, indices, chunk_size,
-            float(unscale), float(err_scale)), {}
+            _scale(op, "unscale", unscale, out.device),
+            _scale(op, "err_scale", err_scale, out.device)), {}
 
 
 def masked_chunk_norms(
@@ -378,14 +400,14 @@ def cast_scaled(
     _flat(op, "x", x)
     _wire_dtype(op, wire_dtype)
     out = _out(op, out, wire_dtype, x.numel(), x.device)
-    return (x, float(scale), wire_dtype), dict(out=out)
+    return (x, _scale(op, "scale", scale, x.device), wire_dtype), dict(out=out)
 
 
 def upcast_scaled(x: torch.Tensor, scale: float, *, out: torch.Tensor) -> Call:
     """Write ``float32(x) * scale`` into ``out`` (float32); x is float32, float16 or bfloat16."""
     _wire("upcast_scaled", "x", x)
     _flat("upcast_scaled", "out", out, numel=x.numel(), device=x.device)
-    return (x, float(scale)), dict(out=out)
+    return (x, _scale("upcast_scaled", "scale", scale, x.device)), dict(out=out)
 
 
 def cast_feedback(
@@ -418,9 +440,8 @@ def cast_feedback(
     if residual_out is not None:
         _flat(op, "residual_out", residual_out, numel=n, device=dev)
     out = _out(op, out, wire_dtype, n, dev)
-    return (x, residual, float(scale), wire_dtype, float(err_scale)), dict(
-        out=out, residual_out=residual_out
-    )
+    return (x, residual, _scale(op, "scale", scale, dev), wire_dtype,
+            _scale(op, "err_scale", err_scale, dev)), dict(out=out, residual_out=residual_out)
 
 
 def upcast_finite(x: torch.Tensor, scale: float, *, out: torch.Tensor) -> Call:
@@ -431,4 +452,4 @@ def upcast_finite(x: torch.Tensor, scale: float, *, out: torch.Tensor) -> Call:
     """
     _wire("upcast_finite", "x", x)
     _flat("upcast_finite", "out", out, numel=x.numel(), device=x.device)
-    return (x, float(scale)), dict(out=out)
+    return (x, _scale("upcast_finite", "scale", scale, x.device)), dict(out=out)

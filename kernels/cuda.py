@@ -14,6 +14,9 @@ Two layers:
 kernels (``half.py``), so CPU and GPU produce identical bits. Note numba 0.68's built-in CUDA
 target knows CUDA toolkits up to 12.x; a CUDA 13 machine needs the ``numba-cuda`` package.
 
+A scale factor given as a one-element device tensor (an agreed wire scale) is read back by the
+host here, which waits for whatever computed it; the Triton kernels read it on the device.
+
 Chunk norms reduce each chunk in one block with a fixed tree order: deterministic run to run
 (but not bit-identical to torch's sum, like the CPU kernel).
 

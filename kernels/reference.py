@@ -31,6 +31,13 @@ __all__ = [
 WIRE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
+def _f32(scale) -> torch.Tensor:
+    """A scale factor (a number, or a one-element float32 tensor) as a 0-dim float32 tensor."""
+    if isinstance(scale, torch.Tensor):
+        return scale.reshape(()).to(torch.float32)
+    return torch.tensor(scale, dtype=torch.float32)
+
+
 def nchunks_of(numel: int, chunk_size: int) -> int:
     """Return ceil(numel / chunk_size), the number of chunks of a flat buffer."""
     return -(-numel // chunk_size)
@@ -128,7 +135,7 @@ def pack_chunks(
         return out
     rows = _gather_rows(v, indices.to(device=v.device, dtype=torch.int64), chunk_size)
     # Multiply in float32 first, then one rounding to the wire type (as the kernels do).
-    rows.mul_(torch.tensor(scale, dtype=torch.float32))
+    rows.mul_(_f32(scale))
     out.view(k, chunk_size).copy_(rows)
     return out
 
@@ -180,11 +187,11 @@ def unpack_sent(
             mat = torch.zeros(k, chunk_size, dtype=torch.float32, device=out.device)
         else:
             loc = packed_local.view(k, chunk_size).to(torch.float32)
-            err = loc * torch.tensor(err_scale, dtype=torch.float32)
+            err = loc * _f32(err_scale)
             mat = _gather_rows(residual, idx, chunk_size) - err
         _scatter_rows(residual, idx, mat, chunk_size)
     red = (packed_reduced.view(k, chunk_size).to(torch.float32)
-           * torch.tensor(unscale, dtype=torch.float32))
+           * _f32(unscale))
     _scatter_rows(out, idx, red, chunk_size)
     return out
 
@@ -220,9 +227,9 @@ def dense_scatter(
     """out[idx] = upcast(reduced) * unscale; residual[idx] = v - upcast(local) * err_scale."""
     if idx.numel() == 0:
         return out
-    out.index_copy_(0, idx, reduced.to(torch.float32) * torch.tensor(unscale, dtype=torch.float32))
+    out.index_copy_(0, idx, reduced.to(torch.float32) * _f32(unscale))
     if residual is not None:
-        err = v - local.to(torch.float32) * torch.tensor(err_scale, dtype=torch.float32)
+        err = v - local.to(torch.float32) * _f32(err_scale)
         residual.index_copy_(0, idx, err)
     return out
 
@@ -267,13 +274,13 @@ def cast_scaled(
     """Return cast(x * scale) in ``wire_dtype`` (one float32 multiply, one rounding)."""
     if out is None:
         out = torch.empty(x.numel(), dtype=wire_dtype, device=x.device)
-    out.copy_(x * torch.tensor(scale, dtype=torch.float32))
+    out.copy_(x * _f32(scale))
     return out
 
 
 def upcast_scaled(x: torch.Tensor, scale: float, *, out: torch.Tensor) -> torch.Tensor:
     """Write float32(x) * scale into ``out`` (float32)."""
-    torch.mul(x.to(torch.float32), torch.tensor(scale, dtype=torch.float32), out=out)
+    torch.mul(x.to(torch.float32), _f32(scale), out=out)
     return out
 
 
@@ -289,9 +296,9 @@ def cast_feedback(
 ) -> torch.Tensor:
     """``v = x + residual``; ``out = cast(v * scale)``; ``residual_out = v - out * err_scale``."""
     v = x if residual is None else x + residual
-    out.copy_(v * torch.tensor(scale, dtype=torch.float32))
+    out.copy_(v * _f32(scale))
     if residual_out is not None:
-        torch.sub(v, out.to(torch.float32) * torch.tensor(err_scale, dtype=torch.float32),
+        torch.sub(v, out.to(torch.float32) * _f32(err_scale),
                   out=residual_out)
     return out
 

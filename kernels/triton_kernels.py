@@ -116,6 +116,24 @@ def _load_wire(ptr, mask, WIRE: tl.constexpr):
         return tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
 
 
+def _factor(scale) -> tuple:
+    """A scale factor as a kernel argument and its flag: a 0-dim device tensor is passed as a
+    pointer and read by the kernel (so the host never waits for what computed it), a number as
+    a float32 value."""
+    if isinstance(scale, torch.Tensor):
+        return scale, True
+    return float(scale), False
+
+
+@triton.jit
+def _read(x, IS_PTR: tl.constexpr):
+    """A scale factor passed by `_factor`: loaded where it is a pointer."""
+    if IS_PTR:
+        return tl.load(x)
+    else:
+        return x
+
+
 def _device(t: torch.Tensor):
     """Launch on t's device (Triton launches on the current device's current stream)."""
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
@@ -253,12 +271,13 @@ def select_chunks(norms, k, *, forced=None):
 
 
 @triton.jit
-def _pack_kernel(v, idx, out, n, C, scale, WIRE: tl.constexpr, BLOCK: tl.constexpr):
+def _pack_kernel(v, idx, out, n, C, scale, SCALE_PTR: tl.constexpr, WIRE: tl.constexpr,
+                 BLOCK: tl.constexpr):
     j = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     col_ok = cols < C
     src = tl.load(idx + j).to(tl.int64) * C + cols
-    x = tl.load(v + src, mask=col_ok & (src < n), other=0.0) * scale
+    x = tl.load(v + src, mask=col_ok & (src < n), other=0.0) * _read(scale, SCALE_PTR)
     _store_wire(out + j.to(tl.int64) * C + cols, x, col_ok, WIRE)
 
 
@@ -268,15 +287,17 @@ def pack_chunks(v, indices, chunk_size, scale, wire_dtype, *, out):
     if k:
         block = min(_next_pow2(chunk_size), 1024)
         bits, code = _wire(out)
+        scale, scale_ptr = _factor(scale)
         with _device(v):
             _pack_kernel[(k, triton.cdiv(chunk_size, block))](
-                v, indices, bits, v.numel(), chunk_size, float(scale), WIRE=code, BLOCK=block,
-                **_LAUNCH)
+                v, indices, bits, v.numel(), chunk_size, scale, SCALE_PTR=scale_ptr, WIRE=code,
+                BLOCK=block, **_LAUNCH)
     return out
 
 
 @triton.jit
 def _unpack_sent_kernel(out, r, red, loc, idx, n, C, unscale, err_scale,
+                        UNSCALE_PTR: tl.constexpr, ERR_PTR: tl.constexpr,
                         HAS_R: tl.constexpr, HAS_LOC: tl.constexpr, RED: tl.constexpr,
                         LOC: tl.constexpr, BLOCK: tl.constexpr):
     j = tl.program_id(0)
@@ -286,11 +307,11 @@ def _unpack_sent_kernel(out, r, red, loc, idx, n, C, unscale, err_scale,
     src = j.to(tl.int64) * C + cols
     if HAS_R:
         if HAS_LOC:
-            err = _load_wire(loc + src, mask, LOC) * err_scale
+            err = _load_wire(loc + src, mask, LOC) * _read(err_scale, ERR_PTR)
             tl.store(r + dst, tl.load(r + dst, mask=mask, other=0.0) - err, mask=mask)
         else:
             tl.store(r + dst, tl.zeros([BLOCK], dtype=tl.float32), mask=mask)
-    red_v = _load_wire(red + src, mask, RED) * unscale
+    red_v = _load_wire(red + src, mask, RED) * _read(unscale, UNSCALE_PTR)
     tl.store(out + dst, red_v, mask=mask)
 
 
@@ -302,17 +323,19 @@ def unpack_sent(out, residual, packed_reduced, packed_local, indices, chunk_size
         block = min(_next_pow2(chunk_size), 1024)
         red, red_code = _wire(packed_reduced)
         loc, loc_code = _wire(packed_reduced if packed_local is None else packed_local)
+        (unscale, unscale_ptr), (err_scale, err_ptr) = _factor(unscale), _factor(err_scale)
         with _device(out):
             _unpack_sent_kernel[(k, triton.cdiv(chunk_size, block))](
                 out, out if residual is None else residual, red, loc, indices,
-                out.numel(), chunk_size, float(unscale), float(err_scale),
-                HAS_R=residual is not None, HAS_LOC=packed_local is not None, RED=red_code,
-                LOC=loc_code, BLOCK=block, **_LAUNCH)
+                out.numel(), chunk_size, unscale, err_scale, UNSCALE_PTR=unscale_ptr,
+                ERR_PTR=err_ptr, HAS_R=residual is not None, HAS_LOC=packed_local is not None,
+                RED=red_code, LOC=loc_code, BLOCK=block, **_LAUNCH)
     return out
 
 
 @triton.jit
 def _unpack_update_kernel(v, r, red, loc, cmap, out, unscale, err_scale, n, row0, row_end, C,
+                          UNSCALE_PTR: tl.constexpr, ERR_PTR: tl.constexpr,
                           HAS_R: tl.constexpr, HAS_LOC: tl.constexpr, RED: tl.constexpr,
                           LOC: tl.constexpr, EXACT: tl.constexpr, EVEN_C: tl.constexpr,
                           ROWS: tl.constexpr, BLOCK_C: tl.constexpr):
@@ -321,6 +344,8 @@ def _unpack_update_kernel(v, r, red, loc, cmap, out, unscale, err_scale, n, row0
     pos = tl.load(cmap + rows, mask=row_ok, other=-1)
     sent = (pos >= 0)[:, None]
     base = rows.to(tl.int64) * C
+    us = _read(unscale, UNSCALE_PTR)
+    es = _read(err_scale, ERR_PTR)
     for c0 in range(0, C, BLOCK_C):
         cols = c0 + tl.arange(0, BLOCK_C)
         off = base[:, None] + cols[None, :]
@@ -328,10 +353,10 @@ def _unpack_update_kernel(v, r, red, loc, cmap, out, unscale, err_scale, n, row0
         src = pos[:, None] * C + cols[None, :]
         smask = mask & sent
         x = tl.load(v + off, mask=mask, other=0.0)
-        red_v = _load_wire(red + src, smask, RED) * unscale
+        red_v = _load_wire(red + src, smask, RED) * us
         if HAS_R:
             if HAS_LOC:
-                err = _load_wire(loc + src, smask, LOC) * err_scale
+                err = _load_wire(loc + src, smask, LOC) * es
                 kept = x - err
             else:
                 kept = tl.zeros_like(x)
@@ -351,10 +376,11 @@ def unpack_update(v, residual, packed_reduced, packed_local, indices, chunk_size
     cmap[indices] = torch.arange(indices.numel(), device=v.device)
     red, red_code = _wire(packed_reduced)
     loc, loc_code = _wire(packed_reduced if packed_local is None else packed_local)
-    args = (v, v if residual is None else residual, red, loc, cmap, out, float(unscale),
-            float(err_scale))
+    (unscale, unscale_ptr), (err_scale, err_ptr) = _factor(unscale), _factor(err_scale)
+    args = (v, v if residual is None else residual, red, loc, cmap, out, unscale, err_scale)
     with _device(v):
-        _launch_rows(_unpack_update_kernel, n, chunk_size, args, HAS_R=residual is not None,
+        _launch_rows(_unpack_update_kernel, n, chunk_size, args, UNSCALE_PTR=unscale_ptr,
+                     ERR_PTR=err_ptr, HAS_R=residual is not None,
                      HAS_LOC=packed_local is not None, RED=red_code, LOC=loc_code)
     return out
 
@@ -363,10 +389,10 @@ def unpack_update(v, residual, packed_reduced, packed_local, indices, chunk_size
 
 
 @triton.jit
-def _scale_cast_kernel(x, out, n, scale, IN: tl.constexpr, OUT: tl.constexpr,
-                       BLOCK: tl.constexpr):
+def _scale_cast_kernel(x, out, n, scale, SCALE_PTR: tl.constexpr, IN: tl.constexpr,
+                       OUT: tl.constexpr, BLOCK: tl.constexpr):
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    y = _load_wire(x + i, i < n, IN) * scale
+    y = _load_wire(x + i, i < n, IN) * _read(scale, SCALE_PTR)
     _store_wire(out + i, y, i < n, OUT)
 
 
@@ -376,10 +402,11 @@ def _scale_cast(x, scale, out):
     if n:
         src, in_code = _wire(x)
         dst, out_code = _wire(out)
+        scale, scale_ptr = _factor(scale)
         with _device(x):
             _scale_cast_kernel[(triton.cdiv(n, _ELEMWISE_BLOCK),)](
-                src, dst, n, float(scale), IN=in_code, OUT=out_code, BLOCK=_ELEMWISE_BLOCK,
-                **_LAUNCH)
+                src, dst, n, scale, SCALE_PTR=scale_ptr, IN=in_code, OUT=out_code,
+                BLOCK=_ELEMWISE_BLOCK, **_LAUNCH)
     return out
 
 

@@ -31,8 +31,9 @@ decides alike, and on the device: the batch's finiteness is a device flag, the s
 usual (a non-finite chunk ranks first, so it is sent and every rank receives it), each output
 of a non-finite batch is made to show it (GradScaler then skips the step on every rank), and the
 flags are read once, at end_step, which undoes the step's commits of residual and velocity
-(new values go to spare buffers, committed by a swap). No host read per stage, then, but one:
-the FP16 wire's power of two is read back after stage 1 (`wire_scale.split_bound`).
+(new values go to spare buffers, committed by a swap). On a GPU the FP16 wire's power of two
+stays on the device too (`wire_scale.TensorScale`, read by the kernels), so a step has no host
+read per stage ("pool" selection still reads each bucket's share of the chunks).
 
 Rule: `prepare` (which the engine may run before the batch is agreed) changes no value that
 outlives the step. It writes the layout's spare slots only; the values kept (residual,

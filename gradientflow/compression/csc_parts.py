@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from .layout import Layout
-from .wire_scale import WireScale
+from .wire_scale import TensorScale, WireScale
 
 __all__ = ["Plan", "build_plan", "DenseRoute", "Prepared", "Chosen", "Payload"]
 
@@ -112,7 +112,7 @@ class Chosen:
     """One buffer after stage 1: its reduced norms and dense part, the scale, the chunks."""
 
     reduced_norms: torch.Tensor
-    ws: WireScale
+    ws: WireScale | TensorScale  # on a GPU the agreed scale stays there
     idx: torch.Tensor  # chunks to send, int64, ascending (the same on every rank)
     dense_reduced: torch.Tensor | None  # WITH_NORMS: the reduced dense part
 

@@ -80,9 +80,14 @@ class HalfCompressor(Compressor):
         else:
             kernels.cast_scaled(flat, ws.pre, cfg.torch_wire_dtype, out=wire)
         reduced = yield from self._stage(wire, final)
-        # Decided from the reduced result, so the same on every rank.
-        if not kernels.upcast_finite(reduced, ws.post, out=flat):
-            self._note_finite(False)
-        elif cfg.error_feedback:
+        # Decided from the reduced result, so the same on every rank; a non-finite step's
+        # commit is undone by end_step.
+        if flat.is_cuda:
+            # A flag left on the device (end_step reads the step's flags once): no host wait.
+            kernels.upcast_scaled(reduced, ws.post, out=flat)
+            self._note_finite(torch.isfinite(flat).all())
+        else:
+            self._note_finite(kernels.upcast_finite(reduced, ws.post, out=flat))
+        if cfg.error_feedback:
             self.memory.commit(layout, (("residual", "_residual_spare"),))
         return flat

@@ -17,7 +17,10 @@ n / 2^e are normal FP32 numbers. BF16 has FP32's range: its messages keep e = 0 
 is sent.
 
 How the bound travels: the FP16 compressor sends it as one more FP32 element before its
-message (`agree`); CSC sends it inside its norms message, which it allreduces anyway.
+message (`agree`); CSC sends it inside its norms message, which it allreduces anyway. On a GPU
+the agreed scale stays there (`TensorScale`: the kernels read it from device memory), so the
+host never waits for the bound's allreduce; on the CPU it is read at once (`WireScale`). Both
+come from one computation (`_exponent`), so CPU and GPU scale alike.
 """
 from __future__ import annotations
 
@@ -27,8 +30,9 @@ from typing import Generator
 
 import torch
 
-__all__ = ["WireScale", "unscaled", "needs_scale", "exponent_for", "scale_for", "local_bound",
-           "norms_bound", "agree", "split_bound", "reference_average"]
+__all__ = ["WireScale", "TensorScale", "unscaled", "needs_scale", "exponent_for", "scale_for",
+           "scale_of", "tensor_scale", "local_bound", "norms_bound", "agree", "split_bound",
+           "reference_average"]
 
 # The largest wire value as a fraction of the dtype's maximum: the sum of n values each at most
 # S / n in magnitude is at most S; the half left over absorbs FP16's rounding up of each.
@@ -62,6 +66,15 @@ class WireScale:
         return self.world_size * math.ldexp(1.0, -self.exponent)
 
 
+@dataclass(frozen=True, eq=False)
+class TensorScale:
+    """A message's scales (as WireScale's) as 0-dim float32 tensors on the message's device."""
+
+    pre: torch.Tensor
+    post: torch.Tensor
+    err: torch.Tensor
+
+
 def unscaled(world_size: int) -> WireScale:
     """The scale of a message sent without a power of two (grad / n, as before)."""
     return WireScale(0, world_size)
@@ -72,25 +85,66 @@ def needs_scale(wire_dtype: torch.dtype) -> bool:
     return wire_dtype == torch.float16
 
 
+def _exponent(bound: torch.Tensor, world_size: int, wire_dtype: torch.dtype) -> torch.Tensor:
+    """The largest e in [MIN_EXPONENT, MAX_EXPONENT] with bound * 2^e <= HEADROOM *
+    max(wire_dtype) * n, as a float64 tensor on bound's device (0 for a bound that is 0 or not
+    finite: nothing to scale, or a step the loss scaler skips anyway). Every product below is
+    exact in float64 (a power of two times a float32), so every device finds the same e."""
+    b = bound.detach().reshape(()).to(torch.float64)
+    limit = HEADROOM * torch.finfo(wire_dtype).max * world_size
+    ok = torch.isfinite(b) & (b > 0)
+    b_safe = torch.where(ok, b, torch.ones_like(b))
+    e = torch.floor(torch.log2(limit / b_safe)).clamp(MIN_EXPONENT - 2, MAX_EXPONENT + 2)
+    # log2 rounds either way: one step up where it still fits, one down where it does not.
+    e = torch.where(b_safe * _pow2(e + 1) <= limit, e + 1, e)
+    e = torch.where(b_safe * _pow2(e) > limit, e - 1, e)
+    e = e.clamp(MIN_EXPONENT, MAX_EXPONENT)
+    return torch.where(ok, e, torch.zeros_like(e))
+
+
+def _pow2(e: torch.Tensor) -> torch.Tensor:
+    """2^e for integral float64 e (well inside float64's normal range), exactly: built from its
+    exponent bits, where a library's exp2 or pow may be off by an ulp on some device."""
+    return ((e.to(torch.int64) + 1023) << 52).view(torch.float64)
+
+
 def exponent_for(bound: float, world_size: int, wire_dtype: torch.dtype) -> int:
     """The exponent e with bound * 2^e / n <= HEADROOM * max(wire_dtype), as large as allowed.
 
     `bound` must be the same on every rank (the sum of the ranks' local bounds); 0 or a
     non-finite bound gives e = 0 (nothing to scale, or a step the loss scaler skips anyway).
     """
-    if not needs_scale(wire_dtype) or not math.isfinite(bound) or bound <= 0.0:
+    if not needs_scale(wire_dtype):
         return 0
-    limit = HEADROOM * torch.finfo(wire_dtype).max * world_size
-    e = math.floor(math.log2(limit / bound))
-    # log2 rounds: step down until the bound really fits.
-    while e > MIN_EXPONENT and bound * math.ldexp(1.0, e) > limit:
-        e -= 1
-    return max(MIN_EXPONENT, min(MAX_EXPONENT, e))
+    return int(_exponent(torch.tensor(float(bound), dtype=torch.float64), world_size,
+                         wire_dtype))
 
 
 def scale_for(bound: float, world_size: int, wire_dtype: torch.dtype) -> WireScale:
     """The WireScale of a message whose agreed bound is `bound`."""
     return WireScale(exponent_for(bound, world_size, wire_dtype), world_size)
+
+
+def scale_of(bound: torch.Tensor, world_size: int,
+             wire_dtype: torch.dtype) -> WireScale | TensorScale:
+    """The scale agreed by a reduced bound (a one-element tensor): kept on a GPU (TensorScale,
+    no host read), read at once elsewhere (WireScale)."""
+    if not bound.is_cuda:
+        return scale_for(float(bound.reshape(())), world_size, wire_dtype)
+    return tensor_scale(bound, world_size, wire_dtype)
+
+
+def tensor_scale(bound: torch.Tensor, world_size: int, wire_dtype: torch.dtype) -> TensorScale:
+    """The TensorScale a reduced bound agrees, computed on its device (any device): the same
+    float32 values as scale_for's WireScale."""
+    if not needs_scale(wire_dtype):
+        e = torch.zeros((), dtype=torch.float64, device=bound.device)
+    else:
+        e = _exponent(bound, world_size, wire_dtype)
+    two_e = _pow2(e)
+    f32 = torch.float32
+    return TensorScale((two_e / world_size).to(f32), (1.0 / two_e).to(f32),
+                       (world_size / two_e).to(f32))
 
 
 def local_bound(*tensors: torch.Tensor | None) -> torch.Tensor:
@@ -116,16 +170,16 @@ def norms_bound(norms: torch.Tensor, norm: str, dense: torch.Tensor | None) -> t
     return (top + local_bound(dense).to(top.device)).reshape(1)
 
 
-def split_bound(reduced: torch.Tensor, scaled: bool, world_size: int,
-                wire_dtype: torch.dtype) -> tuple[torch.Tensor, WireScale]:
+def split_bound(reduced: torch.Tensor, scaled: bool, world_size: int, wire_dtype: torch.dtype
+                ) -> tuple[torch.Tensor, WireScale | TensorScale]:
     """(reduced without its last element, the scale that element agrees) if `scaled`."""
     if not scaled:
         return reduced, unscaled(world_size)
-    return reduced[:-1], scale_for(float(reduced[-1]), world_size, wire_dtype)
+    return reduced[:-1], scale_of(reduced[-1:], world_size, wire_dtype)
 
 
-def agree(world_size: int, wire_dtype: torch.dtype, stage,
-          *tensors: torch.Tensor | None) -> Generator[torch.Tensor, torch.Tensor, WireScale]:
+def agree(world_size: int, wire_dtype: torch.dtype, stage, *tensors: torch.Tensor | None
+          ) -> Generator[torch.Tensor, torch.Tensor, WireScale | TensorScale]:
     """StageGen: SUM-allreduce this rank's bound of sum(tensors) (one FP32 element); return
     the message's scale.
 
@@ -135,7 +189,7 @@ def agree(world_size: int, wire_dtype: torch.dtype, stage,
     if not needs_scale(wire_dtype):
         return unscaled(world_size)
     reduced = yield from stage(local_bound(*tensors).reshape(1).clone())
-    return scale_for(float(reduced[0]), world_size, wire_dtype)
+    return scale_of(reduced, world_size, wire_dtype)
 
 
 def reference_average(xs: list[torch.Tensor], wire_dtype: torch.dtype = torch.float16,

@@ -33,6 +33,21 @@ def test_exponent_keeps_the_sum_in_range(log_bound, n):
         assert torch.finfo(torch.float32).tiny <= v <= torch.finfo(torch.float32).max
 
 
+@settings(deadline=None, max_examples=200)
+@given(log_bound=st.floats(-140, 128), special=st.sampled_from([None, 0.0, math.inf, math.nan]),
+       n=st.integers(1, 64), dtype=st.sampled_from([F16, torch.bfloat16]))
+def test_the_scale_kept_on_the_device_is_the_host_scale(log_bound, special, n, dtype):
+    """On a GPU the agreed scale stays a tensor (TensorScale); its float32 values are the ones
+    the host computes (WireScale), so CPU and GPU ranks scale alike."""
+    bound = float(torch.tensor(2.0 ** log_bound if special is None else special,
+                               dtype=torch.float32))
+    host = W.scale_for(bound, n, dtype)
+    dev = W.tensor_scale(torch.tensor([bound], dtype=torch.float32), n, dtype)
+    for name in ("pre", "post", "err"):
+        want = torch.tensor(getattr(host, name), dtype=torch.float32)
+        assert torch.equal(getattr(dev, name), want), (name, getattr(dev, name), want)
+
+
 def test_no_scale_where_none_is_needed():
     assert W.exponent_for(0.0, 4, F16) == 0
     assert W.exponent_for(float("inf"), 4, F16) == 0

@@ -262,3 +262,21 @@ def test_forced_chunks_and_all_finite_agree_with_the_reference():
         assert K.select_chunks(norms, 2, forced=forced, impl=impl).tolist() == [1, 2, 3]
         assert K.all_finite(norms, impl=impl) is False
         assert K.all_finite(torch.ones(3, dtype=torch.float16), impl=impl) is True
+
+
+def test_a_scale_may_be_a_one_element_tensor():
+    """A scale factor given as a one-element float32 tensor (a wire scale agreed on the device)
+    computes what the number does; any other tensor is refused with the op and the argument."""
+    from bits import assert_same_bits
+
+    x = torch.randn(1000) * 100
+    for impl in ("numba", "torch"):
+        got = K.cast_scaled(x, torch.tensor([0.25]), torch.float16, impl=impl)
+        assert_same_bits(got, K.cast_scaled(x, 0.25, torch.float16, impl="torch"))
+    idx = torch.tensor([1, 3])
+    packed = K.pack_chunks(x, idx, 100, torch.tensor([0.5]), torch.float32)
+    assert_same_bits(packed, K.pack_chunks(x, idx, 100, 0.5, torch.float32, impl="torch"))
+    for bad in (torch.tensor([0.5, 0.5]), torch.tensor([1], dtype=torch.int64),
+                torch.tensor([0.5], dtype=torch.float64)):
+        with pytest.raises(ValueError, match="cast_scaled: scale must be a number or a one-elem"):
+            K.cast_scaled(x, bad, torch.float16)

@@ -91,17 +91,24 @@ def test_select_chunks(nch, data, seed):
     assert torch.equal(T.select_chunks(norms, k), R.select_chunks(norms, k))
 
 
+def _factor(x: float, as_tensor: bool):
+    """A scale factor as a number or as a one-element float32 tensor (read by the kernel)."""
+    return torch.tensor([x], dtype=torch.float32) if as_tensor else x
+
+
 @SETTINGS
 @given(lay=layouts(), wire=st.sampled_from(WIRES), seed=st.integers(0, 2**16),
-       has_r=st.booleans(), has_loc=st.booleans(), alias=st.booleans(), data=st.data())
-def test_pack_unpack(lay, wire, seed, has_r, has_loc, alias, data):
+       has_r=st.booleans(), has_loc=st.booleans(), alias=st.booleans(), tensors=st.booleans(),
+       data=st.data())
+def test_pack_unpack(lay, wire, seed, has_r, has_loc, alias, tensors, data):
     n, c = lay
     v = _vec(seed, n, specials=True) * 100
     nch = R.nchunks_of(n, c)
     k = data.draw(st.sampled_from(sorted({0, 1, nch // 3, nch} & set(range(nch + 1)))))
     perm = torch.randperm(nch, generator=torch.Generator().manual_seed(seed))
     idx = torch.sort(perm[:k]).values
-    packed = T.pack_chunks(v, idx, c, 0.5, wire, out=torch.empty(k * c, dtype=wire))
+    packed = T.pack_chunks(v, idx, c, _factor(0.5, tensors), wire,
+                           out=torch.empty(k * c, dtype=wire))
     ref = R.pack_chunks(v, idx, c, 0.5, wire)
     assert_same_bits(packed, ref)
     red = (ref.float() * 2).to(wire)  # stands in for the reduced buffer
@@ -111,7 +118,8 @@ def test_pack_unpack(lay, wire, seed, has_r, has_loc, alias, data):
     for fn in (T.unpack_sent, R.unpack_sent):
         out = torch.full((n,), 3.0)
         r = _vec(seed + 5, n) if has_r else None
-        fn(out, r, red, local, idx, c, 0.25, 2.0)
+        mine = fn is T.unpack_sent and tensors
+        fn(out, r, red, local, idx, c, _factor(0.25, mine), _factor(2.0, mine))
         res.append((out, r))
     assert_same_bits(res[0][0], res[1][0])
     if has_r:
@@ -122,7 +130,8 @@ def test_pack_unpack(lay, wire, seed, has_r, has_loc, alias, data):
         vi = v.clone()
         r = torch.full((n,), 7.0) if has_r else None
         out = vi if alias else torch.empty(n)
-        fn(vi, r, red, local, idx, c, 0.25, 2.0, out=out)
+        mine = fn is T.unpack_update and tensors
+        fn(vi, r, red, local, idx, c, _factor(0.25, mine), _factor(2.0, mine), out=out)
         res.append((out, r))
     assert_same_bits(res[0][0], res[1][0])
     if has_r:
@@ -130,10 +139,11 @@ def test_pack_unpack(lay, wire, seed, has_r, has_loc, alias, data):
 
 
 @SETTINGS
-@given(n=st.integers(0, 10_000), wire=st.sampled_from(WIRES), seed=st.integers(0, 2**16))
-def test_cast_and_upcast(n, wire, seed):
+@given(n=st.integers(0, 10_000), wire=st.sampled_from(WIRES), seed=st.integers(0, 2**16),
+       tensors=st.booleans())
+def test_cast_and_upcast(n, wire, seed, tensors):
     x = _vec(seed, n, specials=True)
-    cast = T.cast_scaled(x, 0.25, wire, out=torch.empty(n, dtype=wire))
+    cast = T.cast_scaled(x, _factor(0.25, tensors), wire, out=torch.empty(n, dtype=wire))
     assert_same_bits(cast, R.cast_scaled(x, 0.25, wire))
-    up = T.upcast_scaled(cast, 4.0, out=torch.empty(n))
+    up = T.upcast_scaled(cast, _factor(4.0, tensors), out=torch.empty(n))
     assert_same_bits(up, R.upcast_scaled(cast, 4.0, out=torch.empty(n)))
