@@ -64,8 +64,8 @@ _EMPTY = np.zeros(0, dtype=np.float32)
 
 
 # Inner loops run over per-chunk slices from index 0: numba then needs no negative-index
-# wraparound check and LLVM vectorises them (indexing with a computed signed offset made these
-# loops 30x slower, measured).
+# wraparound check and LLVM vectorises them (indexing with a computed signed offset did not:
+# docs/DECISIONS.md, "CPU kernels").
 
 
 @njit(inline="never", cache=True, nogil=True, fastmath={"reassoc"})
@@ -85,10 +85,10 @@ def _chunk_sum(g, l2):
 def _add_zero_sum(g, r, v, l2):
     """v = g + r, g = 0 and the sum of |v| (or v*v), in one loop over one chunk.
 
-    The error-feedback case of CSC in a single vectorised loop: writing v, zeroing g and then
-    summing v in separate loops over the (L1-resident) chunk measured 6-7.3 ms per 7.5 M
-    elements against 4.3-4.6 ms for this one. Only the reduction is reassociated, as in
-    ``_chunk_sum``; v itself is the exact float32 sum.
+    The error-feedback case of CSC in a single vectorised loop, faster than writing v, zeroing
+    g and summing v in separate loops over the (L1-resident) chunk (docs/DECISIONS.md, "CPU
+    kernels"). Only the reduction is reassociated, as in ``_chunk_sum``; v itself is the exact
+    float32 sum.
     """
     acc = np.float32(0.0)
     if l2:
@@ -113,9 +113,8 @@ def _momentum_combine(g, r, has_r, mm, mo, nesterov, mf, v, zero_g):
     Plain: u = m*mm + g, v = r + u; Nesterov: u = (mm + g)*m, v = r + u + g (r left out without
     a residual). No fast-math here: u and v must be bit-identical to the reference, so the norm
     is summed by ``_chunk_sum`` after this loop, over the chunk still in L1. One loop instead of
-    one for u and v and another to zero g: on one thread 44 -> 40 ms for AlexNet's 61 M
-    elements (19 -> 17 ms for ResNet-50's 25.6 M), and 64-74 -> 57-61 ms with two ranks' kernels
-    at once. The flags are loop invariants that LLVM unswitches, so the loop still vectorises.
+    one for u and v and another to zero g: one read of the chunk fewer (docs/DECISIONS.md, "CPU
+    kernels"). The flags are loop invariants that LLVM unswitches, so the loop still vectorises.
     """
     for i in range(g.size):
         x = g[i]
@@ -286,8 +285,8 @@ def _unpack_sent_kernel(out, r, has_r, red, red_code, loc, loc_code, has_loc, id
 def _masked_norms_kernel(v, chunks, keep, chunk, l2, norms):
     """norms[chunks[m]] = _chunk_sum of chunk chunks[m] with the elements not in keep[m] zeroed.
 
-    Serial: a bucket has a few dozen such chunks, and a parallel launch cost more than the work
-    (180 us per call against 24 us hot, measured between the norms passes of a ResNet-50 step).
+    Serial: a bucket has a few dozen such chunks, and a parallel launch costs more than the
+    work (docs/DECISIONS.md, "CPU kernels").
     """
     n = v.size
     buf = np.zeros(chunk, dtype=np.float32)
@@ -407,7 +406,7 @@ def _cast_feedback_u16_kernel(x, r, has_r, scale, code, err_scale, out, r_out, h
     """v = x + r; out = bits of round(v * scale); r_out = v - float32(out) * err_scale, one pass.
 
     The common case (residual in and out) and each wire code get their own inner loop: with
-    the flags and the code tested inside one loop, LLVM did not vectorise it (4x slower).
+    the flags and the code tested inside one loop, LLVM did not vectorise it.
     """
     n = x.size
     s = np.float32(scale)

@@ -208,8 +208,8 @@ def bf16_bits_to_f32(h):
 #
 # x86 CPUs with F16C (every x86-64 CPU since 2012-2013) and every AArch64 CPU convert between
 # binary16 and float32 in hardware, vectorised: LLVM's fptrunc/fpext to `half` compile to
-# vcvtps2ph/vcvtph2ps. Measured on this machine (1 thread, 25.6 M elements): the fused FP16
-# error-feedback pass took 40 ms with the integer conversions above and 14 ms with these.
+# vcvtps2ph/vcvtph2ps, several times faster than the integer conversions above in the fused
+# FP16 error-feedback pass (docs/DECISIONS.md, "CPU kernels").
 # Both round to nearest even with the default MXCSR, as torch does; the tests hold them to
 # torch's casts on every class. Elsewhere (or with NUMBA_CPU_NAME set: a cache meant for
 # other CPUs) the integer versions are used, since LLVM would emit a library call numba's JIT

@@ -68,9 +68,9 @@ class CompressionConfig:
     method: str = "csc"
 
     # --- CSC selection -----------------------------------------------------------------------
-    # 1% of the chunks: with FP16 payload this is >= 100x fewer wire bytes for ResNet-50 (see
-    # benchmarks/bench_compression.py), while DGC trains ResNet-50 to full accuracy at 0.1%:
-    # 1% leaves a 10x margin because our selection is per chunk, coarser than DGC's per element.
+    # 1% of the chunks: with an FP16 payload, two orders of magnitude fewer wire bytes
+    # (benchmarks/results/compression), while DGC trains ResNet-50 to full accuracy at 0.1%: 1%
+    # leaves a 10x margin because our selection is per chunk, coarser than DGC's per element.
     density: float = 0.01
     # 1024 elements = 4 KiB of FP32: the norm vector costs 4 bytes per chunk, i.e. 1/1024 of the
     # dense bytes (about a fifth of a 1%-FP16 payload); halving C doubles that overhead, doubling
@@ -83,10 +83,10 @@ class CompressionConfig:
     # Which chunks compete. "bucket" (the default) gives each bucket its own quota of
     # ceil(density x chunks), fused or not; "pool" ranks the chunks of every bucket of one fused
     # batch together (the engine fuses the buckets queued together, up to the fusion threshold
-    # in dense bytes), so what travels no longer depends on DDP's bucket_cap_mb. Measured on
-    # digits at 1 Gbps (ResNet-18, 8 epochs, 3 seeds, experiments/imagenet/results/1gbps):
-    # bucket 97.96 top-1, as dense; pool 95.09, never reaching 97%: a whole-model ranking
-    # starves the layers whose gradients are small, as DGC's per-layer top-k does not.
+    # in dense bytes), so what travels no longer depends on DDP's bucket_cap_mb. "bucket" is
+    # the default because "pool" lost accuracy against it in the digits experiment (the
+    # numbers: docs/DESIGN.md's defaults table): a whole-model ranking starves the layers whose
+    # gradients are small, as DGC's per-layer top-k does not.
     selection: str = "bucket"
 
     # --- wire format ---------------------------------------------------------------------------
@@ -94,7 +94,8 @@ class CompressionConfig:
     # cannot overflow where the inputs do not. bf16 trades mantissa for FP32's range.
     wire_dtype: str = "fp16"
     # Dtype for the tensors sent dense inside a CSC bucket (BN/bias); None = wire_dtype. FP16
-    # here is what moves ResNet-50 from ~123x to ~142x; the rounding error stays in the residual.
+    # here halves the dense tail's bytes, a visible share of a 1% message; the rounding error
+    # stays in the residual.
     dense_wire_dtype: str | None = None
 
     # --- dense warm-up ------------------------------------------------------------------------
@@ -115,8 +116,8 @@ class CompressionConfig:
     # sparsification biases the update and accuracy drops (DGC, GRACE's ablations).
     error_feedback: bool = True
     # DGC momentum correction + factor masking: the compressor accumulates velocity, not
-    # gradient, and the optimizer then runs without momentum. On by default: on digits, CSC 1%
-    # lost 2.04 points of top-1 without it and 0.74 with it (experiments/imagenet/results).
+    # gradient, and the optimizer then runs without momentum. On by default: on digits CSC 1%
+    # lost less top-1 with it than without (docs/DESIGN.md's defaults table).
     # The hook registration and the DistributedOptimizer bind the SGD: the compressor applies
     # its momentum, Nesterov and weight decay, read from its groups at every step, and its own
     # step runs with them at 0, so nothing is applied twice (compression/momentum.py).

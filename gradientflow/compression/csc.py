@@ -17,12 +17,12 @@ Per flat buffer (one bucket), on every rank::
 
 Cost: with error feedback the bucket is read and written once per step (v goes to the spare
 residual while the bucket is zeroed, and after the collectives only the k sent chunks are
-written: `kernels.unpack_sent`), not twice (v back into the bucket, then a full scatter pass);
-ResNet-50 on one thread: 38 -> 22 ms of CPU per step (`bench_compression --budget-only`).
+written: `kernels.unpack_sent`), not twice (v back into the bucket, then a full scatter pass)
+(docs/DECISIONS.md, "one pass over the bucket").
 
 Dense parameters inside a mixed bucket (dim <= 1 or numel < min_numel: biases, BN) are gathered
 by one precomputed index into a small tail appended to a stage that already runs: no extra
-collective and no copy of the bucket, only of the D dense elements (54,120 for ResNet-50). Their
+collective and no copy of the bucket, only of the D dense elements (a few per thousand). Their
 elements are masked out of the chunk norms (the norms of the few chunks that hold any are
 recomputed over their sparse elements only) so selection ranks only what is sparsified.
 

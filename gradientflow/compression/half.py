@@ -60,7 +60,7 @@ class HalfCompressor(Compressor):
 
         Two passes over the buffer in all: one fused kernel before the allreduce (add, cast,
         rounding error into the spare residual) and one after (upcast into ``flat`` and the
-        finiteness test), where the eager chain took six (measured in benchmarks/bench_kernels).
+        finiteness test), where the eager chain took six (benchmarks/bench_kernels.py).
         """
         layout.check(flat, "HalfCompressor.reduce")
         cfg, n = self.config, self.world_size

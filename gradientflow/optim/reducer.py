@@ -71,12 +71,10 @@ class ReducerOptions:
     gradient_predivide_factor: float = 1.0
     priority: bool = True  # TicTac order; False: FIFO (the order backward makes them ready)
     # 25 MiB, DDP's bucket size. Each partition costs a message and up to one agreement round
-    # (the scheduler batches what becomes ready while a round is in flight; a round costs each
-    # rank 0.3-0.7 ms of CPU on two busy cores), so many small partitions cost more than ordering
-    # buys: ResNet-50 on 2 ranks at an emulated 10 Gbps stepped in 1089 ms with 1 MiB partitions
-    # (136 of them), 639 ms with 8 MiB (18), 571 ms with 25 MiB (5), DDP 489-541 ms (bench_e2e,
-    # gf_opt, same runs). A model with few large layers wants smaller partitions for priority
-    # to reorder anything (the overlap benchmark uses one per layer).
+    # (the scheduler batches what becomes ready while a round is in flight), so many small
+    # partitions cost more than ordering buys (docs/DECISIONS.md, "partition size"). A model
+    # with few large layers wants smaller partitions for priority to reorder anything (the
+    # overlap benchmark uses one per layer).
     partition_bytes: int = 25 << 20
     sparse_as_dense: bool = False
 
