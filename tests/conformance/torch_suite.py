@@ -7,14 +7,15 @@ same tests run and skip as on gloo), and every process group its ranks create wi
 created with the backend under test instead. Each test spawns WORLD_SIZE rank processes.
 
     python tests/conformance/torch_suite.py --backend gradientflow [--tests a,b] [--out DIR]
-    python tests/conformance/torch_suite.py --compare            # gloo and gradientflow
-    python tests/conformance/torch_suite.py --compare --gloo-result DIR/torch_suite_gloo.json
+    python tests/conformance/torch_suite.py --compare [--resume]   # gloo, then gradientflow
+    python tests/conformance/torch_suite.py --table                 # DIR/torch_suite.md only
 
-Writes DIR/torch_suite_<backend>.json (outcome per test) and prints the counts; --compare
-runs gradientflow only on the tests that passed on gloo (each test spawns its ranks, skipped
-ones too: about two thirds of the suite skips on gloo) and prints those that do not pass
-there. --gloo-result takes gloo's outcomes from an earlier run instead of running it again.
-A run stopped with Ctrl-C still writes the outcomes of the tests it finished.
+Runs the tests ten at a time, each batch in a child pytest, and after each batch writes
+DIR/torch_suite_<backend>.json (outcome, seconds and first message line per test), so a run
+that is stopped keeps what it finished and --resume goes on from there. --compare runs the
+whole list on both backends (each test spawns its ranks, skipped ones too: most of the suite
+skips itself on CPU) and writes DIR/torch_suite.md, one row per test with the reason where the
+backends differ.
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ import xml.etree.ElementTree as ET
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _ROOT = os.path.dirname(os.path.dirname(_HERE))
+_SELF = os.path.abspath(__file__)
 _STANDIN = "GF_TORCH_SUITE_BACKEND"  # read by this module in the spawned ranks too
 
 # The tests the issue found failing on gradientflow, and a few that must keep passing: the
@@ -93,80 +95,178 @@ if __name__ != "__main__" and os.environ.get(_STANDIN):
             self._spawn_processes()
 
 
-def _outcomes(junit: str) -> dict[str, str]:
-    out: dict[str, str] = {}
+def _outcomes(junit: str) -> dict[str, dict]:
+    """Outcome, seconds and first message line of each test case in a junit file."""
+    out: dict[str, dict] = {}
     if not os.path.exists(junit):
         return out
     for case in ET.parse(junit).getroot().iter("testcase"):
         name = case.get("name")
         if name is None:  # the placeholder an interrupted run (Ctrl-C) leaves: no outcome
             continue
-        kinds = {child.tag for child in case}
-        out[name] = ("failed" if kinds & {"failure", "error"} else
-                     "skipped" if "skipped" in kinds else "passed")
+        found = {child.tag: child for child in case}
+        kind = ("failed" if found.keys() & {"failure", "error"} else
+                "skipped" if "skipped" in found else "passed")
+        detail = next((found[k] for k in ("failure", "error", "skipped") if k in found), None)
+        message = (detail.get("message") or "") if detail is not None else ""
+        out[name] = {"outcome": kind, "seconds": round(float(case.get("time") or 0), 1),
+                     "message": message.strip().splitlines()[0][:300] if message.strip() else ""}
     return out
 
 
-def run(backend: str, tests: list[str] | None, timeout_s: float, out_dir: str) -> dict:
-    """Run the suite (or `tests`) on `backend` in a child pytest; return outcome per test."""
-    os.makedirs(out_dir, exist_ok=True)
-    junit = os.path.join(out_dir, f"torch_suite_{backend}.xml")
+def collect() -> list[str]:
+    """Every test name of the suite, in its order (pytest --collect-only)."""
+    proc = subprocess.run(_pytest_cmd(None) + ["--collect-only", _SELF], env=_env("gloo"),
+                          cwd=_HERE, capture_output=True, text=True)
+    names = [line.rsplit("::", 1)[1] for line in proc.stdout.splitlines() if "::" in line]
+    if not names:
+        raise RuntimeError(f"collecting the suite failed:\n{proc.stdout[-2000:]}"
+                           f"{proc.stderr[-2000:]}")
+    return names
+
+
+def _env(backend: str) -> dict:
     env = dict(os.environ, **{_STANDIN: backend, "BACKEND": "gloo", "WORLD_SIZE": "3"})
     env["PYTHONPATH"] = os.pathsep.join([_ROOT, env.get("PYTHONPATH", "")])
+    return env
+
+
+def _pytest_cmd(junit: str | None, timeout_s: float = 0) -> list[str]:
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-           f"--rootdir={_HERE}", "-o", "addopts=", f"--junitxml={junit}",
-           f"--timeout={int(timeout_s)}", os.path.abspath(__file__)]
-    if tests:  # exact node ids (-k would match test_x_cuda too)
-        cmd = cmd[:-1] + [f"{os.path.abspath(__file__)}::TestDistBackendWithSpawn::{t}"
-                          for t in tests]
-    t0 = time.monotonic()
-    proc = subprocess.run(cmd, env=env, cwd=_HERE, capture_output=True, text=True)
-    outcomes = _outcomes(junit)
-    result = {"backend": backend, "seconds": round(time.monotonic() - t0, 1),
-              "returncode": proc.returncode, "outcomes": outcomes,
-              "counts": {k: sum(v == k for v in outcomes.values())
-                         for k in ("passed", "failed", "skipped")},
-              "tail": proc.stdout[-4000:]}
-    with open(os.path.join(out_dir, f"torch_suite_{backend}.json"), "w") as f:
-        json.dump(result, f, indent=1, sort_keys=True)
+           f"--rootdir={_HERE}", "-o", "addopts="]
+    if junit:
+        cmd.append(f"--junitxml={junit}")
+    if timeout_s:
+        cmd.append(f"--timeout={int(timeout_s)}")
+    return cmd
+
+
+def run(backend: str, tests: list[str] | None, timeout_s: float, out_dir: str,
+        resume: bool = False, chunk: int = 10) -> dict:
+    """Run the suite (or `tests`) on `backend`, `chunk` tests per child pytest; return the
+    result (outcome, seconds and message per test), saved after every chunk.
+
+    With `resume`, tests that already have an outcome in out_dir's JSON are not run again.
+    """
+    import torch
+
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, f"torch_suite_{backend}.json")
+    result = {"backend": backend, "torch": torch.__version__, "world_size": 3,
+              "timeout_s": timeout_s, "seconds": 0.0, "tests": {}}
+    if resume and os.path.exists(path):
+        with open(path) as f:
+            result = json.load(f)
+    todo = [t for t in (tests or collect()) if t not in result["tests"]]
+    junit = os.path.join(out_dir, f"torch_suite_{backend}.xml")
+    for i in range(0, len(todo), chunk):
+        batch = todo[i:i + chunk]
+        cmd = _pytest_cmd(junit, timeout_s) + [f"{_SELF}::TestDistBackendWithSpawn::{t}"
+                                               for t in batch]  # exact ids: -k matches more
+        t0 = time.monotonic()
+        try:
+            proc = subprocess.run(cmd, env=_env(backend), cwd=_HERE, capture_output=True,
+                                  text=True, timeout=len(batch) * (timeout_s + 60))
+            tail = proc.stdout[-4000:]
+        except subprocess.TimeoutExpired as exc:  # pytest-timeout did not end it
+            tail = f"chunk killed after {exc.timeout:.0f} s"
+        result["seconds"] = round(result["seconds"] + time.monotonic() - t0, 1)
+        got = _outcomes(junit)
+        for t in batch:
+            result["tests"][t] = got.get(t, {"outcome": "failed", "seconds": 0.0,
+                                             "message": tail.strip()[-300:]})
+        result["counts"] = {k: sum(v["outcome"] == k for v in result["tests"].values())
+                            for k in ("passed", "failed", "skipped")}
+        with open(path, "w") as f:
+            json.dump(result, f, indent=1, sort_keys=True)
+        print(f"{backend}: {len(result['tests'])} tests, {result['counts']}", flush=True)
     return result
 
 
+def _reasons() -> dict[str, str]:
+    """Why each test that passes on gloo cannot pass here (tests/conformance/
+    test_torch_suite.py keeps the list, beside the checks of what a user gets instead)."""
+    sys.path.insert(0, _HERE)
+    from test_torch_suite import CANNOT_PASS
+
+    return CANNOT_PASS
+
+
+def write_table(out_dir: str) -> str:
+    """torch_suite.md in `out_dir`: each test's outcome on gloo and on gradientflow, with the
+    reason where they differ; returns its path."""
+    res = {}
+    for b in ("gloo", "gradientflow"):
+        with open(os.path.join(out_dir, f"torch_suite_{b}.json")) as f:
+            res[b] = json.load(f)
+    gloo, gf = res["gloo"]["tests"], res["gradientflow"]["tests"]
+    reasons = _reasons()
+    both = [t for t in gloo if gloo[t]["outcome"] == "passed" and
+            gf.get(t, {}).get("outcome") == "passed"]
+    lines = [
+        "# PyTorch's DistributedTest on gloo and on gradientflow",
+        "",
+        "Written by `python tests/conformance/torch_suite.py --table` from the JSON files "
+        "beside it",
+        f"(torch {res['gloo']['torch']}, CPU, WORLD_SIZE 3, {res['gloo']['timeout_s']:.0f} s "
+        "per test).",
+        "",
+        "| | passed | skipped | failed | not run | wall time |",
+        "|---|---|---|---|---|---|",
+    ]
+    names = list(gloo) + [t for t in gf if t not in gloo]
+    for b, r in res.items():
+        c = r["counts"]
+        lines.append(f"| {b} | {c['passed']} | {c['skipped']} | {c['failed']} | "
+                     f"{len(names) - len(r['tests'])} | {r['seconds'] / 60:.0f} min |")
+    lines += ["", f"Pass on both: {len(both)}.", "",
+              "| test | gloo | gradientflow | s (gloo) | s (gradientflow) | where they differ |",
+              "|---|---|---|---|---|---|"]
+    for t in names:
+        a, b = gloo.get(t, {}), gf.get(t, {})
+        oa, ob = a.get("outcome", "not run"), b.get("outcome", "not run")
+        why = ""
+        if oa != ob:
+            why = reasons.get(t) or (b.get("message") or a.get("message") or "").replace(
+                "|", "/")[:160]
+        lines.append(f"| {t} | {oa} | {ob} | {a.get('seconds', '')} | {b.get('seconds', '')} "
+                     f"| {why} |")
+    path = os.path.join(out_dir, "torch_suite.md")
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    return path
+
+
 def main(argv=None) -> int:
-    """Command line: run one backend, or both and compare."""
+    """Command line: run one backend, or both and compare; or write the table."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--backend", default="gradientflow")
     ap.add_argument("--compare", action="store_true", help="run gloo and gradientflow")
     ap.add_argument("--tests", default="", help="comma-separated test names (default: all)")
     ap.add_argument("--subset", action="store_true", help="the bounded subset CI runs")
-    ap.add_argument("--gloo-result", default="", help="with --compare: gloo's JSON from an "
-                    "earlier run (not run again)")
+    ap.add_argument("--resume", action="store_true",
+                    help="keep the outcomes already in DIR's JSON; run only the other tests")
+    ap.add_argument("--table", action="store_true", help="only write DIR/torch_suite.md")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per test")
     ap.add_argument("--out", default=os.path.join(_ROOT, "benchmarks", "results",
                                                   "torch_suite"))
     args = ap.parse_args(argv)
+    if args.table:
+        print(write_table(args.out))
+        return 0
     tests = list(SUBSET) if args.subset else [t for t in args.tests.split(",") if t] or None
-    if not args.compare:
-        results = {args.backend: run(args.backend, tests, args.timeout, args.out)}
-    elif args.gloo_result:
-        with open(args.gloo_result) as f:
-            results = {"gloo": json.load(f)}
-    else:
-        results = {"gloo": run("gloo", tests, args.timeout, args.out)}
-    if args.compare:
-        on_gloo = sorted(t for t, v in results["gloo"]["outcomes"].items() if v == "passed")
-        if not on_gloo:  # run() with no tests would run the whole suite
-            print("no test passed on gloo: nothing to compare")
-            return 1
-        results["gradientflow"] = run("gradientflow", on_gloo, args.timeout, args.out)
+    backends = ["gloo", "gradientflow"] if args.compare else [args.backend]
+    results = {b: run(b, tests, args.timeout, args.out, args.resume) for b in backends}
     for b, r in results.items():
         print(f"{b}: {r['counts']} in {r['seconds']} s")
     if args.compare:
-        gf = results["gradientflow"]["outcomes"]
-        lost = [t for t in on_gloo if gf.get(t) != "passed"]
+        print(write_table(args.out))
+        gloo, gf = results["gloo"]["tests"], results["gradientflow"]["tests"]
+        on_gloo = [t for t, v in gloo.items() if v["outcome"] == "passed"]
+        lost = [t for t in on_gloo if gf.get(t, {}).get("outcome") != "passed"]
         print(f"pass on gloo: {len(on_gloo)}; also on gradientflow: {len(on_gloo) - len(lost)}")
         for t in lost:
-            print(f"  not on gradientflow: {t} ({gf.get(t)})")
+            print(f"  not on gradientflow: {t} ({gf.get(t, {}).get('outcome')})")
     return 0
 
 
