@@ -371,7 +371,11 @@ class GradientFlowBackend(BACKEND_BASE):
         return self.transports.get(t.device).recv(tensors, src_rank, tag)
 
     def recv_anysource(self, tensors, tag):
-        raise p2p.recv_anysource_error(self._rank)  # why: backend/p2p.py
+        if not IS_PROCESS_GROUP:  # torch's Work wrapper hides the sender (backend/p2p.py)
+            raise p2p.recv_anysource_error(self._rank)
+        # As the whole group, our Work reaches the user unwrapped: gloo's reports its sender.
+        t = V.check_single(self._rank, "recv", tensors)
+        return self.transports.get(t.device).recv_anysource(tensors, tag)
 
     def gather_single(self, output, input, opts):
         raise V.fail(self._rank, "gather_single", "not available on a Python backend in torch 2.14",

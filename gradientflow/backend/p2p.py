@@ -4,9 +4,10 @@ monitored_barrier runs gloo's own, on the group's CPU transport: gloo implements
 send/recv on a tag of its own, so it never pairs with a collective, and its errors are gloo's
 ("Rank 1 failed to pass monitoredBarrier ...", "Rank 0 timed out in monitoredBarrier").
 
-What torch 2.14 does not let a Python backend do (torch/csrc/distributed/c10d/py/
-PyBackend.hpp wraps every Work a Python backend returns in a PyWorkHolder, which forwards
-wait() and get_future() only):
+What torch 2.14 does not let a Python subclass of its `Backend` do (torch/csrc/distributed/
+c10d/py/PyBackend.hpp wraps every Work such a backend returns in a PyWorkHolder, which
+forwards wait() and get_future() only). Before 2.14 the backend is a `ProcessGroup` subclass
+(backend.py), whose Works reach the user as gloo made them, so neither limit applies there:
 - `Work.is_completed()` of isend/irecv (and of every Work) stays False: the holder's own
   completed flag is never set. wait() and get_future().done() are right.
 - A receive from any source: `dist.recv(t)` without src reads `work._source_rank()`, which the

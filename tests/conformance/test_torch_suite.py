@@ -50,26 +50,38 @@ def _p2p_limits(rank, ws):
     import torch
     import torch.distributed as dist
 
+    from gradientflow.backend.backend import IS_PROCESS_GROUP
+
     t = torch.full((3,), float(rank))
     if rank == 0:
         work = dist.isend(t, 1)
     else:
         work = dist.irecv(t, 0)
     done = work.wait()  # blocks until done: the way to complete an isend/irecv here
-    # torch's wrapper of a Python backend's Work: False even now (p2p.py). gloo's p2p Works
-    # have no future, so wait() is the only completion a user can observe.
-    limited = work.is_completed() is False
-    error = None
+    # torch's wrapper of a Backend subclass's Work: False even now (p2p.py). gloo's p2p Works
+    # have no future, so wait() is the only completion a user can observe. A ProcessGroup
+    # subclass (torch before 2.14) hands gloo's Work to the user unwrapped: True.
+    as_expected = work.is_completed() is IS_PROCESS_GROUP
+    answer = None
+    if rank == 0 and IS_PROCESS_GROUP:
+        dist.send(torch.full((3,), 7.0), 1)
     if rank == 1:
         try:
-            dist.recv(torch.zeros(3))  # any source
+            buf = torch.zeros(3)
+            answer = (dist.recv(buf), buf.tolist())  # any source
         except Exception as exc:  # noqa: BLE001 - returned to the test
-            error = f"{type(exc).__name__}: {exc}"
+            answer = f"{type(exc).__name__}: {exc}"
     dist.barrier()
-    return done and limited, t.tolist(), error
+    return done and as_expected, t.tolist(), answer, IS_PROCESS_GROUP
 
 
 def test_p2p_limits_give_a_clear_answer(pools):
-    (ok0, _, _), (ok1, got, error) = pools(2).run(_p2p_limits, timeout=240)
+    """Backend subclass: a clear error for a receive from any source; ProcessGroup subclass:
+    the receive works and names its sender."""
+    (ok0, _, _, _), (ok1, got, answer, whole_group) = pools(2).run(_p2p_limits, timeout=240)
     assert ok0 and ok1 and got == [0.0, 0.0, 0.0]
-    assert error and "CollectiveError" in error and "rank 1" in error and "src=" in error, error
+    if whole_group:
+        assert answer == (0, [7.0, 7.0, 7.0]), answer
+    else:
+        assert (isinstance(answer, str) and "CollectiveError" in answer and "rank 1" in answer
+                and "src=" in answer), answer
