@@ -31,7 +31,7 @@ from gradientflow.engine import completion, streams
 from gradientflow.engine.fusion import FusableOp, solo_cut
 from gradientflow.engine.jobs import EagerOp
 from gradientflow.engine.stages import Fuser, StagesOp, fuse
-from gradientflow.engine.work import BothWork, FusedWork, FutureWork
+from gradientflow.engine.work import AllWork, FusedWork, FutureWork
 from gradientflow.fingerprint import DEFERRED
 from gradientflow.observability.timeline import TIMELINE, now_us
 
@@ -135,8 +135,8 @@ class Issue:
 
         def submit(seq: int) -> Any:
             first = solo.barrier(opts)
-            return BothWork(first, self._eager(seq, "barrier", lambda: main(cpu).barrier(opts),
-                                               [], cpu))
+            return AllWork([first, self._eager(seq, "barrier",
+                                               lambda: main(cpu).barrier(opts), [], cpu)])
 
         return self._issue("barrier", submit, None, opts, cpu)
 

@@ -106,7 +106,25 @@ class EagerOp:
             except BaseException as exc:  # noqa: BLE001 - a transport failure: the group is broken
                 completion.complete(op.fut, error=engine.fail(exc))
 
-        work.get_future().then(done)
+        try:
+            fut = work.get_future()
+        except RuntimeError:  # "getFuture not implemented": gloo's reduce_scatter_tensor Work
+            engine.messages.later(lambda: done(_Waited(work)))
+            return
+        fut.then(done)
+
+
+class _Waited:
+    """A Work without a future, seen as a done future: value() waits for it (the reaper's
+    thread, in launch order) and raises its error."""
+
+    __slots__ = ("_work",)
+
+    def __init__(self, work: Any) -> None:
+        self._work = work
+
+    def value(self) -> Any:
+        self._work.wait()
 
 
 @dataclass

@@ -174,18 +174,19 @@ class FusedWork(FutureWork):
         return self._public
 
 
-class BothWork(Work):
-    """Two Works as one, for an operation that runs on two transports (a barrier on the main
-    transport and the solo channel): wait() waits on both; the future is the second's value."""
+class AllWork(Work):
+    """Several Works as one, for an operation made of several transport calls (a barrier on the
+    main transport and the solo channel; a coalesced collective built from per-tensor ones):
+    wait() waits on each in order; the future's value is `value`, or the last Work's value."""
 
-    def __init__(self, first: Any, second: Any) -> None:
+    def __init__(self, works: list, value: Any = None) -> None:
         super().__init__()
-        self._first = first
-        self._second = second
+        self._works = works
+        self._value = value
 
     def wait(self, timeout: datetime.timedelta | None = None) -> bool:  # noqa: D401
-        """Block until both finished; raise the first error."""
-        for work in (self._first, self._second):
+        """Block until every Work finished; raise the first error."""
+        for work in self._works:
             if timeout is None:
                 work.wait()
             else:
@@ -193,16 +194,16 @@ class BothWork(Work):
         return True
 
     def get_future(self) -> torch.futures.Future:
-        """Completes with the second Work's value once both completed (errors re-raised)."""
-        both = torch.futures.collect_all([self._first.get_future(),
-                                          self._second.get_future()])
-        return both.then(_second_value)
+        """Completes once every Work completed (the first error re-raised), with the value."""
+        every = torch.futures.collect_all([w.get_future() for w in self._works])
+        return every.then(self._settle)
+
+    def _settle(self, fut: torch.futures.Future) -> Any:
+        last = None
+        for f in fut.value():
+            last = f.value()  # re-raises its error
+        return last if self._value is None else self._value
 
     def is_completed(self) -> bool:
-        return all(w.is_completed() for w in (self._first, self._second))
+        return all(w.is_completed() for w in self._works)
 
-
-def _second_value(fut: torch.futures.Future) -> Any:
-    first, second = fut.value()
-    first.value()  # re-raises its error
-    return second.value()
