@@ -12,6 +12,8 @@ Point-to-point operations involve two ranks only and go to the transport directl
 from __future__ import annotations
 
 import datetime
+import functools
+import inspect
 import threading
 from typing import Any
 
@@ -21,7 +23,7 @@ from torch._C._distributed_c10d import AllreduceOptions, Backend as _CBackend, R
 
 from gradientflow import agreement_check
 from gradientflow.algorithms import Algorithms
-from gradientflow.backend import layouts, p2p, registry
+from gradientflow.backend import composed, layouts, p2p, registry
 from gradientflow.backend import validate as V
 from gradientflow.backend.transports import Transports, attempt_store, make_gloo
 from gradientflow.config import Config, current_overrides
@@ -42,8 +44,9 @@ def _python_constructible(base: type) -> bool:
 
 # Chosen by what this torch can do, not by its version number.
 BACKEND_BASE: type = _CBackend if _python_constructible(_CBackend) else dist.ProcessGroup
-# Where the base is ProcessGroup, the object is the whole group: torch then has no per-device
-# backend to hand out (`pg._get_backend(device)` raises) and reads our `group_name`.
+# Where the base is ProcessGroup, the object is the whole group: torch reads our `group_name`
+# and has no per-device backend registered (its `pg._get_backend(device)` would raise, so the
+# class answers it with itself).
 IS_PROCESS_GROUP: bool = BACKEND_BASE is dist.ProcessGroup
 
 
@@ -108,6 +111,13 @@ class GradientFlowBackend(BACKEND_BASE):
 
     def _get_backend_name(self) -> str:
         return "gradientflow"
+
+    if IS_PROCESS_GROUP:
+        def _get_backend(self, device=None) -> "GradientFlowBackend":
+            """The backend serving `device`: this object itself. As the whole group it has no
+            per-device backend registered, so torch's own lookup would raise; callers in
+            Python (user code, torch.distributed's helpers) get the backend they asked for."""
+            return self
 
     def name(self) -> str:
         return "gradientflow"
@@ -190,6 +200,27 @@ class GradientFlowBackend(BACKEND_BASE):
         self._seq_for_group += 1
         return self.engine.collective(name, device, call, outputs, opts, sig, pair_bytes)
 
+    def _check_pairs(self, name: str, outputs, inputs, reduce_op=None) -> Any:
+        """(output, input) pairs of an all-gather into a tensor (`reduce_op` None) or of a
+        reduce-scatter from one: one device, the input's dtype, world_size times the elements
+        on the gathered side. Returns the device."""
+        if len(outputs) != len(inputs):
+            raise V.fail(self._rank, name, f"{len(outputs)} outputs for {len(inputs)} inputs",
+                         "pass one output tensor per input tensor")
+        dev = V.check_tensors(self._rank, name, list(outputs) + list(inputs))
+        n = self._size
+        for i, (out, inp) in enumerate(zip(outputs, inputs)):
+            big, small, what = (out, inp, "output") if reduce_op is None else (inp, out, "input")
+            if big.numel() != small.numel() * n or inp.dtype != out.dtype:
+                raise V.fail(self._rank, name,
+                             f"pair {i}: output has {out.numel()} {out.dtype} elements, input "
+                             f"{inp.numel()} {inp.dtype}",
+                             f"the {what} must hold world_size ({n}) times the other's elements, "
+                             "of one dtype")
+            if reduce_op is not None:
+                V.check_reduce(self._rank, name, out, reduce_op)
+        return dev
+
     # ------------------------------------------------------------------ reductions
     def allreduce(self, tensors, opts=None):
         opts = opts if isinstance(opts, AllreduceOptions) else _allreduce_opts(opts)
@@ -227,14 +258,7 @@ class GradientFlowBackend(BACKEND_BASE):
 
     def _reduce_scatter_base(self, output, input, opts):
         name = "reduce_scatter_tensor"
-        V.check_tensors(self._rank, name, [output, input])
-        if input.numel() != output.numel() * self._size or input.dtype != output.dtype:
-            raise V.fail(self._rank, name,
-                         f"input has {input.numel()} {input.dtype} elements, output "
-                         f"{output.numel()} {output.dtype}",
-                         f"input must hold world_size ({self._size}) x output.numel() elements "
-                         "of the output's dtype")
-        V.check_reduce(self._rank, name, output, opts.reduceOp)
+        self._check_pairs(name, [output], [input], opts.reduceOp)
         return self._eager(name, output.device,
                            lambda tp: tp._reduce_scatter_base(output, input, opts), [output],
                            opts, output)
@@ -257,13 +281,7 @@ class GradientFlowBackend(BACKEND_BASE):
 
     def _allgather_base(self, output, input, opts=None):
         name = "all_gather_into_tensor"
-        V.check_tensors(self._rank, name, [output, input])
-        if output.numel() != input.numel() * self._size or input.dtype != output.dtype:
-            raise V.fail(self._rank, name,
-                         f"output has {output.numel()} {output.dtype} elements, input "
-                         f"{input.numel()} {input.dtype}",
-                         f"output must hold world_size ({self._size}) x input.numel() elements "
-                         "of the input's dtype")
+        self._check_pairs(name, [output], [input])
         return self._eager(name, input.device,
                            lambda tp: tp._allgather_base(output, input, opts), [output],
                            opts, input)
@@ -277,18 +295,18 @@ class GradientFlowBackend(BACKEND_BASE):
                            output_lists, opts, input_list[0] if input_list else None)
 
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
-        dev = V.check_tensors(self._rank, "all_gather_into_tensor_coalesced", inputs)
-        return self._eager("all_gather_into_tensor_coalesced", dev,
-                           lambda tp: tp.allgather_into_tensor_coalesced(outputs, inputs, opts),
-                           outputs, opts, inputs[0] if inputs else None)
+        name = "all_gather_into_tensor_coalesced"
+        dev = self._check_pairs(name, outputs, inputs)
+        return self._eager(name, dev, lambda tp: composed.allgather_into_tensor_coalesced(
+            tp, outputs, inputs, opts), outputs, opts, inputs[0] if inputs else None)
 
     all_gather_single_coalesced = allgather_into_tensor_coalesced
 
     def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
-        dev = V.check_tensors(self._rank, "reduce_scatter_tensor_coalesced", inputs)
-        return self._eager("reduce_scatter_tensor_coalesced", dev,
-                           lambda tp: tp.reduce_scatter_tensor_coalesced(outputs, inputs, opts),
-                           outputs, opts, inputs[0] if inputs else None)
+        name = "reduce_scatter_tensor_coalesced"
+        dev = self._check_pairs(name, outputs, inputs, opts.reduceOp if opts else ReduceOp.SUM)
+        return self._eager(name, dev, lambda tp: composed.reduce_scatter_tensor_coalesced(
+            tp, outputs, inputs, opts), outputs, opts, inputs[0] if inputs else None)
 
     reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
 
@@ -383,6 +401,31 @@ class GradientFlowBackend(BACKEND_BASE):
 
     def monitored_barrier(self, opts=None, wait_all_ranks=False):
         p2p.monitored_barrier(self, opts, wait_all_ranks)  # gloo's own (backend/p2p.py)
+
+
+def _eager_under_compile(method: Any) -> Any:
+    """`method`, run eagerly where torch.compile traces its caller (a graph break).
+
+    As the whole ProcessGroup (torch before 2.14) our methods are called from Python, so
+    dynamo would trace into them and fail on the group's attributes; gloo's are C++ and break
+    the graph. torch.compiler.disable imports dynamo, so it is applied at the first call.
+    """
+    disabled = None
+
+    @functools.wraps(method)
+    def call(*args, **kwargs):
+        nonlocal disabled
+        if disabled is None:
+            disabled = torch.compiler.disable(method)
+        return disabled(*args, **kwargs)
+
+    return call
+
+
+if IS_PROCESS_GROUP:
+    for _name, _method in list(vars(GradientFlowBackend).items()):
+        if inspect.isfunction(_method) and hasattr(dist.ProcessGroup, _name):
+            setattr(GradientFlowBackend, _name, _eager_under_compile(_method))
 
 
 def _nbytes(t: torch.Tensor) -> int:
