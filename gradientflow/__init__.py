@@ -5,7 +5,7 @@ in scripts that never import us): `torch.distributed.init_process_group(backend=
 """
 from gradientflow._registrar import BACKEND_NAME, register as _register
 from gradientflow.config import Config, configure
-from gradientflow.backend.api import flush
+from gradientflow.backend.api import flush, monitored_barrier
 from gradientflow.observability.stats import reset_stats, stats
 from gradientflow.observability.timeline import TIMELINE as _TIMELINE
 from gradientflow.observability.timeline import start_timeline, stop_timeline
@@ -46,4 +46,4 @@ def __getattr__(name: str):
 
 
 __all__ = ["BACKEND_NAME", "Config", "__version__", "configure", "flush", "mark_step",
-           "reset_stats", "start_timeline", "stats", "stop_timeline", *_LAZY]
+           "monitored_barrier", "reset_stats", "start_timeline", "stats", "stop_timeline", *_LAZY]

@@ -65,3 +65,20 @@ def scheduler_of(group=None):
     """
     backend = backend_of(group)
     return None if backend is None else backend.scheduler()
+
+
+def monitored_barrier(group=None, timeout=None, wait_all_ranks: bool = False) -> None:
+    """`dist.monitored_barrier` that also works on a gradientflow group before torch 2.14.
+
+    torch before 2.14 accepts a monitored barrier on groups whose backend is named "gloo"
+    only; a gradientflow group runs gloo's own on its CPU transport (backend/p2p.py), so it is
+    called here directly. Any other group goes to torch. `timeout`: a timedelta (default: the
+    group's timeout).
+    """
+    backend = backend_of(group)
+    if backend is None:
+        import torch.distributed as dist
+
+        dist.monitored_barrier(group, timeout, wait_all_ranks)
+        return
+    backend.monitored_barrier(timeout, wait_all_ranks)

@@ -31,7 +31,9 @@ RECV_ANYSOURCE_ERROR = (
 def monitored_barrier(backend: Any, opts: Any = None, wait_all_ranks: bool = False) -> None:
     """gloo's monitored barrier on `backend`'s CPU transport, after its queued collectives
     were handed to the transport (a local hint: every rank flushes at its own barrier)."""
-    timeout = getattr(opts, "timeout", None)
+    # BarrierOptions from torch's Backend path; a timedelta where the backend is the whole
+    # ProcessGroup (dist.monitored_barrier calls group.monitored_barrier(timeout, ...)).
+    timeout = opts if isinstance(opts, datetime.timedelta) else getattr(opts, "timeout", None)
     if not isinstance(timeout, datetime.timedelta) or timeout.total_seconds() < 0:
         timeout = backend._timeout
     backend.engine.flush()
