@@ -101,3 +101,19 @@ def test_invalid_environment_fails_init_clearly(pools):
 
     with pytest.raises(RankFailure, match="GRADIENTFLOW_FUSION_THRESHOLD"):
         pools(2).run(bad_env_at_init, env={"GRADIENTFLOW_FUSION_THRESHOLD": "huge"})
+
+
+@pytest.mark.timeout(300)
+def test_pip_install_keeps_the_supported_torch_it_finds(tmp_path):
+    """`pip install gradientflow` where a supported torch is installed installs no torch."""
+    import json
+
+    import torch
+
+    report = tmp_path / "report.json"
+    proc = subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "-q",
+                           "--report", str(report), ROOT],
+                          capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    names = [item["metadata"]["name"].lower() for item in json.loads(report.read_text())["install"]]
+    assert "gradientflow" in names and "torch" not in names, (torch.__version__, names)
