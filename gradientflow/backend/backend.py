@@ -313,9 +313,13 @@ class GradientFlowBackend(BACKEND_BASE):
     def alltoall(self, output_tensors, input_tensors, opts=None):
         V.check_list_len(self._rank, "all_to_all", output_tensors, self._size, "output_tensor_list")
         V.check_list_len(self._rank, "all_to_all", input_tensors, self._size, "input_tensor_list")
-        dev = V.check_tensors(self._rank, "all_to_all", list(input_tensors) + list(output_tensors))
+        every = list(input_tensors) + list(output_tensors)
+        dev = V.check_tensors(self._rank, "all_to_all", every)
+        if len({t.dtype for t in every}) > 1:
+            raise V.fail(self._rank, "all_to_all", "the tensors have different dtypes",
+                         "give every input and output tensor one dtype")
         return self._eager("all_to_all", dev,
-                           lambda tp: tp.alltoall(output_tensors, input_tensors, opts),
+                           lambda tp: composed.alltoall(tp, output_tensors, input_tensors, opts),
                            output_tensors, opts,
                            pair_bytes=lambda: ([_nbytes(t) for t in input_tensors],
                                                [_nbytes(t) for t in output_tensors]))
