@@ -52,6 +52,8 @@ Min, Max, Product = ReduceOp.Min, ReduceOp.Max, ReduceOp.Product
 # Average travels as a sum and is divided here, after the sum (Horovod's order for postscale).
 _TORCH_OP = {Average: dist.ReduceOp.SUM, Sum: dist.ReduceOp.SUM, Min: dist.ReduceOp.MIN,
              Max: dist.ReduceOp.MAX, Product: dist.ReduceOp.PRODUCT}
+# torch 2.14's name for a reduce-scatter into one tensor; before it, reduce_scatter_tensor.
+_REDUCE_SCATTER_SINGLE = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _ADASUM = ("Adasum is not offered by gradientflow.horovod: use op=hvd.Average (with "
            "gradient_predivide_factor to split the averaging) or op=hvd.Sum")
 
@@ -534,8 +536,7 @@ def _reducescatter_handle(tensor, op, prescale, postscale, process_set) -> int:
         start += c
     _scale_(padded, prescale)
     out = tensor.new_empty((top,) + tail)
-    work = dist.reduce_scatter_single(out, padded, op=_TORCH_OP[op], group=group,
-                                      async_op=True)
+    work = _REDUCE_SCATTER_SINGLE(out, padded, op=_TORCH_OP[op], group=group, async_op=True)
 
     def finish():
         mine = out[:counts[me]]
