@@ -160,6 +160,35 @@ def test_bad_coalesced_calls_raise_a_sentence_and_leave_the_group_usable(pools):
             assert f"rank {rank}: {op}: pair 1" in err and "world_size (2)" in err, err
 
 
+def all_to_all_composed(rank, world):
+    """Rank body: all_to_all of lists as on a gloo that has none (torch 2.9): uneven parts,
+    one of them a 2-D output, sync and async."""
+    import torch.distributed as dist
+
+    from gradientflow.backend import composed
+
+    composed._gloo_alltoall = False
+    try:
+        sizes = [[1, 3], [2, 4]]  # sizes[src][dst]: what rank src sends to rank dst
+        ins = [torch.full((sizes[rank][d],), 10.0 * rank + d) for d in range(world)]
+        outs = [torch.empty(sizes[s][rank]) for s in range(world)]
+        outs[1] = outs[1].view(-1, 1) if outs[1].numel() > 1 else outs[1]
+        dist.all_to_all(outs, ins)
+        again = [torch.empty_like(o) for o in outs]
+        dist.all_to_all(again, ins, async_op=True).wait()
+        return [o.reshape(-1).tolist() for o in outs], [o.reshape(-1).tolist() for o in again]
+    finally:
+        composed._gloo_alltoall = None
+
+
+def test_all_to_all_of_lists_composed_where_gloo_has_none(pools):
+    res = pools(2).run(all_to_all_composed, backend="gradientflow", timeout=120)
+    sizes = [[1, 3], [2, 4]]
+    for rank, (outs, again) in enumerate(res):
+        want = [[10.0 * s + rank] * sizes[s][rank] for s in range(2)]
+        assert outs == want and again == want, (rank, outs, again)
+
+
 def group_helpers(rank, world):
     """Rank body: monitored_barrier (torch's before 2.14 refuses any group not named gloo) and
     pg._get_backend(device) on a gradientflow group, on every torch."""
