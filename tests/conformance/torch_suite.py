@@ -248,6 +248,8 @@ def main(argv=None) -> int:
                     help="keep the outcomes already in DIR's JSON; run only the other tests")
     ap.add_argument("--table", action="store_true", help="only write DIR/torch_suite.md")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per test")
+    ap.add_argument("--chunk", type=int, default=10, help="tests per child pytest (a run "
+                    "stopped mid-batch loses that batch)")
     ap.add_argument("--out", default=os.path.join(_ROOT, "benchmarks", "results",
                                                   "torch_suite"))
     args = ap.parse_args(argv)
@@ -256,7 +258,8 @@ def main(argv=None) -> int:
         return 0
     tests = list(SUBSET) if args.subset else [t for t in args.tests.split(",") if t] or None
     backends = ["gloo", "gradientflow"] if args.compare else [args.backend]
-    results = {b: run(b, tests, args.timeout, args.out, args.resume) for b in backends}
+    results = {b: run(b, tests, args.timeout, args.out, args.resume, args.chunk)
+               for b in backends}
     for b, r in results.items():
         print(f"{b}: {r['counts']} in {r['seconds']} s")
     if args.compare:
