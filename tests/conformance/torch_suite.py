@@ -31,6 +31,7 @@ import xml.etree.ElementTree as ET
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _ROOT = os.path.dirname(os.path.dirname(_HERE))
 _SELF = os.path.abspath(__file__)
+_TIMED_OUT = "Failed: Timeout"  # pytest-timeout's message
 _STANDIN = "GF_TORCH_SUITE_BACKEND"  # read by this module in the spawned ranks too
 
 # The tests the issue found failing on gradientflow, and a few that must keep passing: the
@@ -146,7 +147,8 @@ def run(backend: str, tests: list[str] | None, timeout_s: float, out_dir: str,
     """Run the suite (or `tests`) on `backend`, `chunk` tests per child pytest; return the
     result (outcome, seconds and message per test), saved after every chunk.
 
-    With `resume`, tests that already have an outcome in out_dir's JSON are not run again.
+    With `resume`, tests that already have an outcome in out_dir's JSON are not run again,
+    unless it was a timeout.
     """
     import torch
 
@@ -157,7 +159,10 @@ def run(backend: str, tests: list[str] | None, timeout_s: float, out_dir: str,
     if resume and os.path.exists(path):
         with open(path) as f:
             result = json.load(f)
-    todo = [t for t in (tests or collect()) if t not in result["tests"]]
+    done = result["tests"]
+    # A timeout on a loaded host says nothing about the backend: resuming runs it again.
+    todo = [t for t in (tests or collect())
+            if t not in done or done[t]["message"].startswith(_TIMED_OUT)]
     junit = os.path.join(out_dir, f"torch_suite_{backend}.xml")
     for i in range(0, len(todo), chunk):
         batch = todo[i:i + chunk]
