@@ -197,6 +197,11 @@ def _reasons() -> dict[str, str]:
     return CANNOT_PASS
 
 
+def _cell(entry: dict, outcome: str) -> str:
+    """The outcome, marked where it was merged from an earlier run (its message says so)."""
+    return outcome + (" (earlier)" if entry.get("message", "").startswith("earlier run") else "")
+
+
 def write_table(out_dir: str) -> str:
     """torch_suite.md in `out_dir`: each test's outcome on gloo and on gradientflow, with the
     reason where they differ; returns its path."""
@@ -212,14 +217,14 @@ def write_table(out_dir: str) -> str:
         "# PyTorch's DistributedTest on gloo and on gradientflow",
         "",
         "Written by `python tests/conformance/torch_suite.py --table` from the JSON files "
-        "beside it",
-        f"(torch {res['gloo']['torch']}, CPU, WORLD_SIZE 3, {res['gloo']['timeout_s']:.0f} s "
-        "per test).",
+        f"beside it (torch {res['gloo']['torch']}, CPU, WORLD_SIZE 3, "
+        f"{res['gloo']['timeout_s']:.0f} s per test). Their `note` says which runs they hold; "
+        "\"(earlier)\" marks an outcome taken from an earlier run.",
         "",
         "| | passed | skipped | failed | not run | wall time |",
         "|---|---|---|---|---|---|",
     ]
-    names = list(gloo) + [t for t in gf if t not in gloo]
+    names = collect()  # the whole suite, in its order: tests neither run reached are rows too
     for b, r in res.items():
         c = r["counts"]
         lines.append(f"| {b} | {c['passed']} | {c['skipped']} | {c['failed']} | "
@@ -231,11 +236,11 @@ def write_table(out_dir: str) -> str:
         a, b = gloo.get(t, {}), gf.get(t, {})
         oa, ob = a.get("outcome", "not run"), b.get("outcome", "not run")
         why = ""
-        if oa != ob:
+        if oa != ob and "not run" not in (oa, ob):
             why = reasons.get(t) or (b.get("message") or a.get("message") or "").replace(
                 "|", "/")[:160]
-        lines.append(f"| {t} | {oa} | {ob} | {a.get('seconds', '')} | {b.get('seconds', '')} "
-                     f"| {why} |")
+        lines.append(f"| {t} | {_cell(a, oa)} | {_cell(b, ob)} | {a.get('seconds') or ''} | "
+                     f"{b.get('seconds') or ''} | {why} |")
     path = os.path.join(out_dir, "torch_suite.md")
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
