@@ -212,8 +212,9 @@ class GradientFlowBackend(BACKEND_BASE):
         for i, (out, inp) in enumerate(zip(outputs, inputs)):
             big, small, what = (out, inp, "output") if reduce_op is None else (inp, out, "input")
             if big.numel() != small.numel() * n or inp.dtype != out.dtype:
+                pair = f"pair {i}: " if len(outputs) > 1 else ""
                 raise V.fail(self._rank, name,
-                             f"pair {i}: output has {out.numel()} {out.dtype} elements, input "
+                             f"{pair}output has {out.numel()} {out.dtype} elements, input "
                              f"{inp.numel()} {inp.dtype}",
                              f"the {what} must hold world_size ({n}) times the other's elements, "
                              "of one dtype")
