@@ -10,6 +10,11 @@ created with the backend under test instead. Each test spawns WORLD_SIZE rank pr
     python tests/conformance/torch_suite.py --compare [--resume]   # gloo, then gradientflow
     python tests/conformance/torch_suite.py --table                 # DIR/torch_suite.md only
 
+With --fork each test forks its ranks from the test process, which has imported torch and
+the suite already, instead of spawning them as test_distributed_spawn.py does: a spawned rank
+imports both again, which took 1 to 4 minutes a test (skipped ones too) on a loaded 2-core
+host, a forked one seconds. Every test, and both backends, run the same way.
+
 Runs the tests ten at a time, each batch in a child pytest, and after each batch writes
 DIR/torch_suite_<backend>.json (outcome, seconds and first message line per test), so a run
 that is stopped keeps what it finished and --resume goes on from there. --compare runs the
@@ -32,6 +37,7 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 _ROOT = os.path.dirname(os.path.dirname(_HERE))
 _SELF = os.path.abspath(__file__)
 _TIMED_OUT = "Failed: Timeout"  # pytest-timeout's message
+_FORK = "GF_TORCH_SUITE_FORK"  # "1": ranks are forked from the test process, not spawned
 _STANDIN = "GF_TORCH_SUITE_BACKEND"  # read by this module in the spawned ranks too
 
 # The tests the issue found failing on gradientflow, and a few that must keep passing: the
@@ -93,7 +99,12 @@ if __name__ != "__main__" and os.environ.get(_STANDIN):
 
         def setUp(self):
             super().setUp()
-            self._spawn_processes()
+            if os.environ.get(_FORK) == "1":  # children inherit the imported suite: seconds
+                import torch.multiprocessing
+
+                self._start_processes(torch.multiprocessing.get_context("fork").Process)
+            else:
+                self._spawn_processes()
 
 
 def _outcomes(junit: str) -> dict[str, dict]:
@@ -155,7 +166,8 @@ def run(backend: str, tests: list[str] | None, timeout_s: float, out_dir: str,
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, f"torch_suite_{backend}.json")
     result = {"backend": backend, "torch": torch.__version__, "world_size": 3,
-              "timeout_s": timeout_s, "seconds": 0.0, "tests": {}}
+              "timeout_s": timeout_s, "seconds": 0.0, "tests": {},
+              "ranks": "forked" if os.environ.get(_FORK) == "1" else "spawned"}
     if resume and os.path.exists(path):
         with open(path) as f:
             result = json.load(f)
@@ -217,7 +229,8 @@ def write_table(out_dir: str) -> str:
         "# PyTorch's DistributedTest on gloo and on gradientflow",
         "",
         "Written by `python tests/conformance/torch_suite.py --table` from the JSON files "
-        f"beside it (torch {res['gloo']['torch']}, CPU, WORLD_SIZE 3, "
+        f"beside it (torch {res['gloo']['torch']}, CPU, WORLD_SIZE 3, ranks "
+        f"{res['gloo'].get('ranks', 'spawned')}, "
         f"{res['gloo']['timeout_s']:.0f} s per test). Their `note` says which runs they hold; "
         "\"(earlier)\" marks an outcome taken from an earlier run.",
         "",
@@ -257,6 +270,9 @@ def main(argv=None) -> int:
     ap.add_argument("--resume", action="store_true",
                     help="keep the outcomes already in DIR's JSON; run only the other tests")
     ap.add_argument("--table", action="store_true", help="only write DIR/torch_suite.md")
+    ap.add_argument("--fork", action="store_true", help="fork each test's ranks from the test "
+                    "process instead of spawning them (seconds instead of minutes a test on a "
+                    "loaded 2-core host)")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per test")
     ap.add_argument("--chunk", type=int, default=10, help="tests per child pytest (a run "
                     "stopped mid-batch loses that batch)")
@@ -266,6 +282,8 @@ def main(argv=None) -> int:
     if args.table:
         print(write_table(args.out))
         return 0
+    if args.fork:
+        os.environ[_FORK] = "1"  # read in the child pytest, which inherits the environment
     tests = list(SUBSET) if args.subset else [t for t in args.tests.split(",") if t] or None
     backends = ["gloo", "gradientflow"] if args.compare else [args.backend]
     results = {b: run(b, tests, args.timeout, args.out, args.resume, args.chunk)
