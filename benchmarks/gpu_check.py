@@ -547,7 +547,9 @@ def main(argv=None) -> int:
             rep[part] = _script(part, ["tests/gpu/_two_ranks.py"], limit,
                                 env={"GF_TWO_DEADLINE_S": str(max(30, limit - 15))})
         elif part == "pytest":
-            r = _run([sys.executable, "-m", "pytest", "-q", "-ra", "-p", "no:cacheprovider",
+            # -P: the checkout's own folder must not come before the importable copy (its
+            # gradientflow/ has no kernels/).
+            r = _run([sys.executable, "-P", "-m", "pytest", "-q", "-ra", "-p", "no:cacheprovider",
                       "tests/gpu", "--deselect",
                       "tests/gpu/test_nccl.py::test_backend_world1_on_cuda",
                       "tests/kernels/test_dispatch.py"], timeout=limit)

@@ -83,10 +83,14 @@ class EagerOp:
     ready: Any = None  # CUDA: streams.mark() of the submitting thread's stream
 
     def run(self, engine: Any) -> None:
+        # A transport may return no Work for a synchronous call (the caller's asyncOp=False):
+        # NCCL then runs it on the current stream, gloo before returning.
         if self.device is not None and self.device.type == "cuda":
             with engine.streams.after(self.device, [self.ready]) as stream:
                 try:
-                    self.launch().wait()  # orders the engine's stream after it; no host wait
+                    work = self.launch()
+                    if work is not None:
+                        work.wait()  # orders the engine's stream after it; no host wait
                 except StepFailed as exc:  # [algorithms] agreed on every rank: the group goes on
                     completion.complete(self.fut, error=exc)
                     return
@@ -96,6 +100,9 @@ class EagerOp:
             completion.complete(self.fut, self.outputs, stream=stream)
             return
         work = self.launch()
+        if work is None:
+            completion.complete(self.fut, self.outputs)
+            return
 
         def done(f, op=self, work=work):
             try:
