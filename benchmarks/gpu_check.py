@@ -284,11 +284,52 @@ def part_kernels(quick: bool) -> dict:
                       "floor_ms": round(total / (copy_gbps * 1e9) * 1e3, 4)}
         table[f"{name}/{impl}"] = {"median_ms": row, "bandwidth": bw}
     out["timing"] = table
+    try:  # a side measurement: its failure must not lose the part
+        out["norms_tiles"] = _norms_tiles(n, g, r, spare, grad0, res0, copy_gbps)
+    except Exception as exc:  # noqa: BLE001
+        out["norms_tiles_error"] = repr(exc)
     out["speedup_vs_torch"] = {
         f"{name}/{impl}": round(table[f"{name}/torch"]["median_ms"]["step"]
                                 / table[f"{name}/{impl}"]["median_ms"]["step"], 2)
         for name in pipelines for impl in impls if impl != "torch"}
     return out
+
+
+def _norms_tiles(n, g, r, spare, grad0, res0, copy_gbps) -> list[dict]:
+    """The Triton norms pass (error feedback: 16 B per element) under other tile sizes and
+    warps per program, for choosing the defaults (kernels/triton_kernels.py _TILE, _TILE_WARPS).
+    Timed alone with CUDA events, medians of 20."""
+    import torch
+
+    from gradientflow import kernels as K
+
+    if K._triton() is None:
+        return []
+    T = K._triton()
+    saved = T._TILE, T._TILE_WARPS
+    ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+    rows = []
+    try:
+        for tile, warps in ((4096, 4), (2048, 4), (8192, 8), (4096, 8), (16384, 8)):
+            T._TILE, T._TILE_WARPS = tile, warps
+            times = []
+            for rep in range(23):
+                g.copy_(grad0)
+                r.copy_(res0)
+                torch.cuda.synchronize()
+                ev[0].record()
+                T.chunk_norms(g, r, CHUNK, "l1", v_out=spare, zero_grad=True)
+                ev[1].record()
+                torch.cuda.synchronize()
+                if rep >= 3:
+                    times.append(ev[0].elapsed_time(ev[1]))
+            ms = _median(times)
+            gbps = 16 * n / (ms * 1e-3) / 1e9
+            rows.append({"tile": tile, "warps": warps, "ms": round(ms, 4),
+                         "GBps": round(gbps, 1), "of_copy": round(gbps / copy_gbps, 3)})
+    finally:
+        T._TILE, T._TILE_WARPS = saved
+    return rows
 
 
 def part_ddp(quick: bool) -> dict:
@@ -416,6 +457,12 @@ def _kernels_md(kern: dict) -> list[str]:
         cells = [f"{m[s]:.3f} ({bw[s]['of_copy']:.2f})" for s in ("norms", "select", "pack",
                                                                    "unpack", "step")]
         lines.append(f"| {key} | " + " | ".join(cells) + f" | {m['wall']:.3f} |")
+    if kern.get("norms_tiles"):
+        lines += ["", "The Triton norms pass alone (16 B per element) by tile and warps per "
+                  "program (the first row is the default):", "",
+                  "| tile | warps | ms | GB/s | of copy |", "|---:|---:|---:|---:|---:|"]
+        lines += [f"| {t['tile']} | {t['warps']} | {t['ms']:.3f} | {t['GBps']} | "
+                  f"{t['of_copy']:.2f} |" for t in kern["norms_tiles"]]
     lines += ["", "Results against the torch reference at this size:", "",
               "| pipeline / impl | norms max rel err | same chunks | packed bits differ | "
               "grad bits differ | residual bits differ |", "|---|---:|---|---:|---:|---:|"]

@@ -12,8 +12,9 @@ The passes, each one launch (the contract of each function is the dispatch modul
 - ``chunk_norms``: residual (+ momentum, + Nesterov) folded into v, v stored (into the gradient
   or a spare buffer, the gradient zeroed in the same pass) and every chunk's norm reduced, over
   tiles of whole chunks: one read of each input, one write of each output;
-- ``select_chunks``: the k-th largest norm from ``torch.topk`` (no full sort), then one program
-  writes the indices above it and the lowest-index ties, ascending: exactly the reference's
+- ``select_chunks``: the k-th largest norm from ``torch.topk`` (no full sort), then two passes
+  over blocks of norms (count above and equal; write each block's share at its offset) write
+  the indices above it and the lowest-index ties, ascending: exactly the reference's
   stable-sort choice, with nothing read back by the host;
 - ``pack_chunks``: gather, scale and cast to the wire type of the chosen chunks;
 - ``unpack_sent``: the sent chunks' reduced values into the output and their rounding error
@@ -51,8 +52,10 @@ __all__ = [
 # Elements one program of the tiled passes handles: with 4 warps, 32 per thread, enough bytes
 # in flight per thread to keep the memory system busy.
 _TILE = 4096
+_TILE_WARPS = 4  # warps per program of the tiled passes
 _ELEMWISE_BLOCK = 4096
-_SELECT_BLOCK = 1024
+_SELECT_BLOCK = 1024  # keys per program of the selection
+_SELECT_SCAN = 256  # blocks' counts each selection program reads at a time
 _LAUNCH = dict(enable_fp_fusion=False)  # no contraction of a*b+c: torch rounds twice
 
 
@@ -77,7 +80,8 @@ def _launch_rows(kernel, n: int, chunk: int, args: tuple, **consts) -> None:
             rows, block_c = _tiles(rows_in, chunk)
             kernel[(triton.cdiv(rows_in, rows),)](
                 *args, n, row0, row0 + rows_in, chunk, EXACT=exact,
-                EVEN_C=chunk % block_c == 0, ROWS=rows, BLOCK_C=block_c, **consts, **_LAUNCH)
+                EVEN_C=chunk % block_c == 0, ROWS=rows, BLOCK_C=block_c, **consts,
+                num_warps=_TILE_WARPS, **_LAUNCH)
 
 
 _WIRE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
@@ -221,30 +225,47 @@ def chunk_norms(grad, residual, chunk_size, norm="l1", *, momentum=None, momentu
 
 
 @triton.jit
-def _select_kernel(key, thr_ptr, out, n, k, BLOCK: tl.constexpr):
-    """One program: out = the positions with key > thr, then the lowest-index ties == thr,
-    up to k in all, ascending (thr is the k-th largest key)."""
+def _select_count_kernel(key, thr_ptr, counts, n, nblocks, BLOCK: tl.constexpr):
+    """Per block of keys: how many are above the threshold, and how many equal it."""
+    b = tl.program_id(0)
     thr = tl.load(thr_ptr)
+    i = b * BLOCK + tl.arange(0, BLOCK)
+    inside = i < n
+    x = tl.load(key + i, mask=inside, other=float("-inf"))
+    tl.store(counts + b, tl.sum(((x > thr) & inside).to(tl.int32), axis=0))
+    tl.store(counts + nblocks + b, tl.sum(((x == thr) & inside).to(tl.int32), axis=0))
+
+
+@triton.jit
+def _select_write_kernel(key, thr_ptr, counts, out, n, k, nblocks, BLOCK: tl.constexpr,
+                         SCAN: tl.constexpr):
+    """Per block: its keys above the threshold, and the ties the quota leaves room for (the
+    lowest-index ones first), written at their place in the ascending output."""
+    b = tl.program_id(0)
+    thr = tl.load(thr_ptr)
+    # From every block's counts: all the keys above the threshold, those in earlier blocks,
+    # and the ties in earlier blocks (a few blocks per program: cheap beside a sort).
     above = 0
-    for s in range(0, n, BLOCK):
-        i = s + tl.arange(0, BLOCK)
-        x = tl.load(key + i, mask=i < n, other=float("-inf"))
-        above += tl.sum(((x > thr) & (i < n)).to(tl.int32), axis=0)
+    above_before = 0
+    ties_before = 0
+    for s in range(0, nblocks, SCAN):
+        j = s + tl.arange(0, SCAN)
+        gt = tl.load(counts + j, mask=j < nblocks, other=0)
+        eq = tl.load(counts + nblocks + j, mask=j < nblocks, other=0)
+        above += tl.sum(gt, axis=0)
+        above_before += tl.sum(tl.where(j < b, gt, 0), axis=0)
+        ties_before += tl.sum(tl.where(j < b, eq, 0), axis=0)
     ties_wanted = k - above
-    ties_seen = 0
-    written = 0
-    for s in range(0, n, BLOCK):
-        i = s + tl.arange(0, BLOCK)
-        inside = i < n
-        x = tl.load(key + i, mask=inside, other=float("-inf"))
-        gt = (x > thr) & inside
-        eq = (x == thr) & inside
-        tie_rank = tl.cumsum(eq.to(tl.int32), axis=0) + ties_seen
-        take = gt | (eq & (tie_rank <= ties_wanted))
-        pos = written + tl.cumsum(take.to(tl.int32), axis=0) - 1
-        tl.store(out + pos, i.to(tl.int64), mask=take)
-        ties_seen += tl.sum(eq.to(tl.int32), axis=0)
-        written += tl.sum(take.to(tl.int32), axis=0)
+    i = b * BLOCK + tl.arange(0, BLOCK)
+    inside = i < n
+    x = tl.load(key + i, mask=inside, other=float("-inf"))
+    gt = (x > thr) & inside
+    eq = (x == thr) & inside
+    tie_rank = ties_before + tl.cumsum(eq.to(tl.int32), axis=0)
+    take = gt | (eq & (tie_rank <= ties_wanted))
+    base = above_before + tl.minimum(tl.maximum(ties_wanted, 0), ties_before)
+    pos = base + tl.cumsum(take.to(tl.int32), axis=0) - 1
+    tl.store(out + pos, i.to(tl.int64), mask=take)
 
 
 def select_chunks(norms, k, *, forced=None):
@@ -262,8 +283,13 @@ def select_chunks(norms, k, *, forced=None):
     inf = float("inf")
     key = torch.nan_to_num(norms.detach().to(torch.float32), nan=inf, posinf=inf, neginf=-inf)
     thr = torch.topk(key, k, sorted=False).values.min().reshape(1)
+    nblocks = triton.cdiv(nch, _SELECT_BLOCK)
+    counts = torch.empty(2 * nblocks, dtype=torch.int32, device=norms.device)
     with _device(norms):
-        _select_kernel[(1,)](key, thr, out, nch, k, BLOCK=_SELECT_BLOCK, **_LAUNCH)
+        _select_count_kernel[(nblocks,)](key, thr, counts, nch, nblocks, BLOCK=_SELECT_BLOCK,
+                                         **_LAUNCH)
+        _select_write_kernel[(nblocks,)](key, thr, counts, out, nch, k, nblocks,
+                                         BLOCK=_SELECT_BLOCK, SCAN=_SELECT_SCAN, **_LAUNCH)
     return out
 
 

@@ -91,6 +91,25 @@ def test_select_chunks(nch, data, seed):
     assert torch.equal(T.select_chunks(norms, k), R.select_chunks(norms, k))
 
 
+@SETTINGS
+@given(nch=st.integers(0, 700), seed=st.integers(0, 2**16), data=st.data())
+def test_select_chunks_over_many_blocks(nch, seed, data, small_select_blocks):
+    """Small blocks, so that a selection spans many of them and each program scans the
+    others' counts in several reads."""
+    g = torch.Generator().manual_seed(seed)
+    norms = torch.randint(0, 4, (nch,), generator=g).float()
+    k = data.draw(st.integers(0, nch))
+    assert torch.equal(T.select_chunks(norms, k), R.select_chunks(norms, k))
+
+
+@pytest.fixture(scope="module")
+def small_select_blocks():
+    saved = T._SELECT_BLOCK, T._SELECT_SCAN
+    T._SELECT_BLOCK, T._SELECT_SCAN = 16, 4
+    yield
+    T._SELECT_BLOCK, T._SELECT_SCAN = saved
+
+
 def _factor(x: float, as_tensor: bool):
     """A scale factor as a number or as a one-element float32 tensor (read by the kernel)."""
     return torch.tensor([x], dtype=torch.float32) if as_tensor else x
