@@ -52,7 +52,7 @@ __all__ = [
 # Elements one program of the tiled passes handles: with 4 warps, 32 per thread, enough bytes
 # in flight per thread to keep the memory system busy.
 _TILE = 4096
-_TILE_WARPS = 4  # warps per program of the tiled passes
+_TILE_WARPS = 8  # warps per program of the tiled passes
 _ELEMWISE_BLOCK = 4096
 _SELECT_BLOCK = 1024  # keys per program of the selection
 _SELECT_SCAN = 256  # blocks' counts each selection program reads at a time
@@ -225,10 +225,22 @@ def chunk_norms(grad, residual, chunk_size, norm="l1", *, momentum=None, momentu
 
 
 @triton.jit
-def _select_count_kernel(key, thr_ptr, counts, n, nblocks, BLOCK: tl.constexpr):
+def _threshold(top, k, KB: tl.constexpr):
+    """The k-th largest key: the smallest of the top k (torch.topk's values, unordered)."""
+    j = tl.arange(0, KB)
+    low = tl.zeros([], dtype=tl.float32) + float("inf")
+    for s in range(0, k, KB):
+        low = tl.minimum(low, tl.min(tl.load(top + s + j, mask=s + j < k, other=float("inf")),
+                                     axis=0))
+    return low
+
+
+@triton.jit
+def _select_count_kernel(key, top, counts, n, k, nblocks, BLOCK: tl.constexpr,
+                         KB: tl.constexpr):
     """Per block of keys: how many are above the threshold, and how many equal it."""
     b = tl.program_id(0)
-    thr = tl.load(thr_ptr)
+    thr = _threshold(top, k, KB)
     i = b * BLOCK + tl.arange(0, BLOCK)
     inside = i < n
     x = tl.load(key + i, mask=inside, other=float("-inf"))
@@ -237,12 +249,12 @@ def _select_count_kernel(key, thr_ptr, counts, n, nblocks, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _select_write_kernel(key, thr_ptr, counts, out, n, k, nblocks, BLOCK: tl.constexpr,
-                         SCAN: tl.constexpr):
+def _select_write_kernel(key, top, counts, out, n, k, nblocks, BLOCK: tl.constexpr,
+                         SCAN: tl.constexpr, KB: tl.constexpr):
     """Per block: its keys above the threshold, and the ties the quota leaves room for (the
     lowest-index ones first), written at their place in the ascending output."""
     b = tl.program_id(0)
-    thr = tl.load(thr_ptr)
+    thr = _threshold(top, k, KB)
     # From every block's counts: all the keys above the threshold, those in earlier blocks,
     # and the ties in earlier blocks (a few blocks per program: cheap beside a sort).
     above = 0
@@ -282,14 +294,15 @@ def select_chunks(norms, k, *, forced=None):
         return out
     inf = float("inf")
     key = torch.nan_to_num(norms.detach().to(torch.float32), nan=inf, posinf=inf, neginf=-inf)
-    thr = torch.topk(key, k, sorted=False).values.min().reshape(1)
+    top = torch.topk(key, k, sorted=False).values  # its smallest is the threshold (in-kernel)
     nblocks = triton.cdiv(nch, _SELECT_BLOCK)
     counts = torch.empty(2 * nblocks, dtype=torch.int32, device=norms.device)
+    kb = min(_next_pow2(k), 1024)
     with _device(norms):
-        _select_count_kernel[(nblocks,)](key, thr, counts, nch, nblocks, BLOCK=_SELECT_BLOCK,
-                                         **_LAUNCH)
-        _select_write_kernel[(nblocks,)](key, thr, counts, out, nch, k, nblocks,
-                                         BLOCK=_SELECT_BLOCK, SCAN=_SELECT_SCAN, **_LAUNCH)
+        _select_count_kernel[(nblocks,)](key, top, counts, nch, k, nblocks, BLOCK=_SELECT_BLOCK,
+                                         KB=kb, **_LAUNCH)
+        _select_write_kernel[(nblocks,)](key, top, counts, out, nch, k, nblocks,
+                                         BLOCK=_SELECT_BLOCK, SCAN=_SELECT_SCAN, KB=kb, **_LAUNCH)
     return out
 
 
