@@ -23,8 +23,9 @@ Chunk norms reduce each chunk in one block with a fixed tree order: deterministi
 Bit-for-bit agreement with torch needs every multiply that feeds an add rounded on its own:
 NVVM contracts ``a * b + c`` into one fused multiply-add by default (one rounding instead of
 two), where torch runs the multiply and the add as separate kernels. ``_mul`` is libdevice's
-``fmul_rn``, which is never contracted (measured on an H100: see
-benchmarks/results/gpu_check/gpu.md).
+``fmul_rn``, which is never contracted (on an H100, 245,765 of 1 M results of ``a * b + c``
+differed from torch's with the default and none with ``fmul_rn``; gpu-check of 2026-11-22 in
+benchmarks/results/HISTORY.md).
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@
 Imported lazily by the dispatch module (``kernels/__init__.py``) for CUDA tensors; preferred
 over the numba CUDA kernels (``cuda.py``) where Triton loads, because a Triton launch costs the
 host far less than a numba-cuda launch (which builds a device-array view of every argument on
-every call) and a CSC step on a GPU is short enough for launch overhead to dominate it.
+every call) and a CSC step on a GPU is short enough for launch overhead to dominate it
+(benchmarks/results/gpu_check/).
 Under ``TRITON_INTERPRET=1`` the same functions run on CPU tensors through Triton's interpreter:
 that is how the tests check them on a machine without a GPU (tests/kernels/test_triton.py).
 

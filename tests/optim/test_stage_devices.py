@@ -2,7 +2,7 @@
 
 NCCL takes CUDA tensors only (gloo takes anything), so a stage that builds a small side tensor
 on the CPU passes every CPU test and fails on a GPU: the compressed path's "had a gradient"
-flags did (found on an H100, benchmarks/results/gpu_check/gpu.md failure 5). The meta device
+flags did (found on an H100 by the gpu-check of 2026-11-22). The meta device
 stands in for CUDA here: no data, but every tensor keeps the device it was made on.
 """
 from __future__ import annotations
