@@ -51,9 +51,14 @@ import torchvision.models as tv_models
 from torch.distributed.algorithms.ddp_comm_hooks.debugging_hooks import noop_hook
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from models import ARCHS  # noqa: E402  (models.py sits beside this script)
+from models import ARCHS, SHAPED  # noqa: E402  (models.py sits beside this script)
 
 PROG = "train.py"
+# The four IDX files torchvision's FashionMNIST reads from ROOT/FashionMNIST/raw/, uncompressed.
+FASHION_FILES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte",
+                 "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
+# Fashion-MNIST's pixel mean and standard deviation over its 60,000 training images (0-1 scale).
+FASHION_MEAN, FASHION_STD = 0.2860, 0.3530
 
 
 # --------------------------------------------------------------------------------------------
@@ -78,7 +83,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         "data",
         nargs="?",
         default="imagenet",
-        help="dataset root with train/ and val/ (ImageFolder)",
+        help="dataset root: an ImageFolder with train/ and val/, or a folder holding "
+        "FashionMNIST/raw/ (prepare.py --dataset fashion-mnist)",
     )
     p.add_argument(
         "-a",
@@ -137,10 +143,23 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--dummy", action="store_true", help="use fake data to benchmark")
     # --- GradientFlow: compression and transport ---
-    p.add_argument("--compression", default="none", choices=["none", "fp16", "csc", "noop"],
-                   help="gradient compression in the DDP comm hook (noop: a hook that sends "
-                   "nothing, each rank stepping on its own gradients: the no-communication "
-                   "time bound, not a way to train)")
+    p.add_argument("--compression", default="none",
+                   choices=["none", "fp16", "csc", "noop", "torch-fp16", "powersgd"],
+                   help="gradient compression in the DDP comm hook: gradientflow's fp16 and csc; "
+                   "torch's own fp16_compress_hook (torch-fp16) and PowerSGD (powersgd); noop, "
+                   "a hook that sends nothing, each rank stepping on its own gradients: the "
+                   "no-communication time bound, not a way to train. With --horovod: none or "
+                   "fp16, Horovod's Compression.none or .fp16")
+    p.add_argument("--powersgd-rank", default=2, type=int,
+                   help="PowerSGD: matrix_approximation_rank (default 2)")
+    p.add_argument("--powersgd-start-iter", default=None, type=int,
+                   help="PowerSGD: steps of plain allreduce before compression starts (default: "
+                   "10%% of the run's steps, at least 2, as torch's PowerSGDState recommends)")
+    p.add_argument("--horovod", action="store_true",
+                   help="average gradients with Horovod's DistributedOptimizer instead of DDP, as "
+                   "Horovod's users do (horovod must be importable: make horovod builds it into "
+                   ".venv-horovod; the ranks need Horovod's gloo environment, see "
+                   "run_experiment.py)")
     p.add_argument(
         "--density",
         default=0.01,
@@ -210,7 +229,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         type=float,
         help="linear LR warm-up from 0 (large batches: 5)",
     )
-    p.add_argument("--lr-schedule", default="step", choices=["step", "cosine"])
+    p.add_argument("--lr-schedule", default="step", choices=["step", "cosine", "constant"],
+                   help="after the warm-up: x0.1 at each --lr-steps epoch, cosine to 0, or "
+                   "constant")
     p.add_argument(
         "--lr-steps",
         default="30,60",
@@ -224,7 +245,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lars-eta", default=0.001, type=float)
     p.add_argument("--label-smoothing", default=0.0, type=float)
     # --- data and model shape ---
-    p.add_argument("--image-size", default=224, type=int, help="training crop side in pixels")
+    p.add_argument("--dataset", default="auto", choices=["auto", "imagefolder", "fashion-mnist"],
+                   help="how `data` is read: an ImageFolder, or Fashion-MNIST through "
+                   "torchvision's FashionMNIST class (auto: Fashion-MNIST when data holds "
+                   "FashionMNIST/raw/)")
+    p.add_argument("--image-size", default=None, type=int,
+                   help="training crop side in pixels (default 224; Fashion-MNIST: 28, its own)")
     p.add_argument("--num-classes", default=1000, type=int)
     p.add_argument("--augment", default="imagenet", choices=["imagenet", "light", "none"],
                    help="imagenet: RandomResizedCrop+flip; light: small crop jitter, no flip; none")
@@ -261,6 +287,7 @@ class Config:
 
     # data and model
     data: str
+    dataset: str              # "imagefolder" or "fashion-mnist" (resolved from "auto")
     dummy: bool
     arch: str
     num_classes: int
@@ -291,6 +318,9 @@ class Config:
     dist_backend: str
     compression: str
     compression_config: object  # gradientflow.compression.CompressionConfig, or None for "none"
+    powersgd_rank: int
+    powersgd_start_iter: int | None  # None: 10% of the run's steps (resolved once steps are known)
+    horovod: bool
     backend_options: dict | None  # gradientflow options for init_process_group's pg_options
     bucket_cap_mb: float
     # output
@@ -301,6 +331,14 @@ class Config:
     checkpoint_dir: str
     checkpoint: bool
     fault_kill_at_step: int   # -1: no fault injected
+
+
+def dataset_kind(data: str, choice: str) -> str:
+    """--dataset resolved: "auto" reads Fashion-MNIST where `data` holds FashionMNIST/raw/."""
+    if choice != "auto":
+        return choice
+    fashion = os.path.isdir(os.path.join(data, "FashionMNIST", "raw"))
+    return "fashion-mnist" if fashion else "imagefolder"
 
 
 def dgc_warmup(spec: str, target: float) -> tuple:
@@ -353,13 +391,38 @@ def resolve(args: argparse.Namespace, env=os.environ) -> Config:
             f"unknown arch {args.arch!r}: choose a torchvision.models classification model, "
             f"e.g. alexnet, resnet18, resnet50, or one of {', '.join(ARCHS)}"
         )
-    if not args.dummy:
+    dataset = dataset_kind(args.data, args.dataset)
+    if args.dummy:
+        pass
+    elif dataset == "fashion-mnist":
+        missing = [f for f in FASHION_FILES
+                   if not os.path.isfile(os.path.join(args.data, "FashionMNIST", "raw", f))]
+        if missing:
+            raise ConfigError(
+                f"Fashion-MNIST files {', '.join(missing)} not found under "
+                f"{os.path.join(args.data, 'FashionMNIST', 'raw')!r}: run "
+                f"`python experiments/imagenet/prepare.py --dataset fashion-mnist --out "
+                f"{args.data}`"
+            )
+    else:
         for split in ("train", "val"):
             if not os.path.isdir(os.path.join(args.data, split)):
                 raise ConfigError(
                     f"data directory {os.path.join(args.data, split)!r} not found: pass the "
-                    f"ImageFolder root holding train/ and val/, or --dummy"
+                    f"ImageFolder root holding train/ and val/, a folder holding "
+                    f"FashionMNIST/raw/, or --dummy"
                 )
+    image_size = args.image_size or (28 if dataset == "fashion-mnist" else 224)
+    if dataset == "fashion-mnist" and not args.dummy and image_size != 28:
+        raise ConfigError(f"Fashion-MNIST's images are 28x28: leave out --image-size or pass 28, "
+                          f"got {image_size}")
+    if args.horovod and args.compression not in ("none", "fp16"):
+        raise ConfigError(f"--horovod takes --compression none or fp16 (Horovod's own "
+                          f"compressors), got {args.compression}")
+    if args.powersgd_rank < 1 or (args.powersgd_start_iter is not None
+                                  and args.powersgd_start_iter < 2):
+        raise ConfigError("--powersgd-rank must be >= 1 and --powersgd-start-iter >= 2 (torch's "
+                          "PowerSGD needs two plain steps with error feedback or warm start)")
     if not 0.0 < args.density <= 1.0:
         raise ConfigError(
             f"--density must lie in (0, 1] (the fraction of chunks sent), got {args.density}"
@@ -398,7 +461,7 @@ def resolve(args: argparse.Namespace, env=os.environ) -> Config:
         if getattr(args, name) < 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 0")
     if (
-        args.image_size < 8
+        image_size < 8
         or args.num_classes < 2
         or args.print_freq < 1
         or args.lr <= 0
@@ -421,14 +484,15 @@ def resolve(args: argparse.Namespace, env=os.environ) -> Config:
             f"{world_size}"
         )
     warmup = None if args.warmup is None else dgc_warmup(args.warmup, args.density)
-    comp = (None if args.compression in ("none", "noop")
+    comp = (None if args.compression in ("none", "noop", "torch-fp16", "powersgd") or args.horovod
             else build_compression_config(args, warmup))
     return Config(
         data=args.data,
+        dataset=dataset,
         dummy=args.dummy,
         arch=args.arch,
         num_classes=args.num_classes,
-        image_size=args.image_size,
+        image_size=image_size,
         augment=args.augment,
         workers=args.workers,
         epochs=args.epochs,
@@ -453,6 +517,9 @@ def resolve(args: argparse.Namespace, env=os.environ) -> Config:
         dist_backend=args.dist_backend,
         compression=args.compression,
         compression_config=comp,
+        powersgd_rank=args.powersgd_rank,
+        powersgd_start_iter=args.powersgd_start_iter,
+        horovod=args.horovod,
         backend_options=backend_options,
         bucket_cap_mb=args.bucket_cap_mb,
         resume=resume,
@@ -488,19 +555,78 @@ def init_distributed(cfg: Config) -> torch.device:
     options = {"pg_options": cfg.backend_options} if cfg.backend_options else {}
     dist.init_process_group(backend=cfg.dist_backend, init_method=init_method,
                             world_size=cfg.world_size, rank=cfg.rank, **options)
+    if cfg.horovod:  # the process group above carries only the data sampler's and metrics' sums
+        import horovod.torch as hvd
+
+        hvd.init()
+        if (hvd.rank(), hvd.size()) != (cfg.rank, cfg.world_size):
+            raise RuntimeError(f"Horovod's rank {hvd.rank()} of {hvd.size()} differs from "
+                               f"torch.distributed's {cfg.rank} of {cfg.world_size}: set "
+                               f"HOROVOD_RANK/HOROVOD_SIZE as RANK/WORLD_SIZE")
     return device
 
 
+class InMemoryImages(torch.utils.data.Dataset):
+    """A torchvision data set's images held as one normalised tensor, augmented per item on
+    tensors (a random shift of up to `pad` pixels, zero-filled, and a random horizontal flip).
+
+    Fashion-MNIST's images are 28x28: a PIL round trip per image (torchvision's transforms)
+    would cost more than a small model's step, so the uint8 tensor torchvision's class loads
+    is normalised once and cropped by slicing.
+    """
+
+    def __init__(self, images: torch.Tensor, targets: torch.Tensor, augment: str,
+                 channels: int = 1, pad: int = 2):
+        x = (images.float().div(255.0) - FASHION_MEAN) / FASHION_STD
+        self.x = x.unsqueeze(1).expand(-1, channels, -1, -1).contiguous()
+        self.targets = targets.long()
+        self.pad, self.augment = pad, augment
+        self.padded = (torch.nn.functional.pad(self.x, (pad,) * 4) if augment != "none"
+                       else None)
+
+    def __len__(self) -> int:
+        return len(self.targets)
+
+    def __getitem__(self, i: int):
+        if self.padded is None:
+            return self.x[i], int(self.targets[i])
+        h, w = self.x.shape[-2:]
+        dy, dx = torch.randint(0, 2 * self.pad + 1, (2,)).tolist()
+        x = self.padded[i, :, dy:dy + h, dx:dx + w]
+        if self.augment == "imagenet" and torch.rand(()) < 0.5:  # "light": no flip
+            x = x.flip(-1)
+        return x, int(self.targets[i])
+
+
+def fashion_mnist(cfg: Config, channels: int):
+    """Fashion-MNIST's 60,000 training and 10,000 test images through torchvision's class
+    (its IDX reader; nothing is downloaded), as InMemoryImages."""
+    import torchvision.datasets as datasets
+
+    sets = [datasets.FashionMNIST(cfg.data, train=train, download=False) for train in (True, False)]
+    return (InMemoryImages(sets[0].data, sets[0].targets, cfg.augment, channels),
+            InMemoryImages(sets[1].data, sets[1].targets, "none", channels))
+
+
+def in_channels(cfg: Config) -> int:
+    """Input channels of the model: Fashion-MNIST's one grey channel for the shaped models
+    (models.py), three (the grey replicated) for torchvision's and alexnet_bn."""
+    return 1 if cfg.dataset == "fashion-mnist" and cfg.arch in SHAPED else 3
+
+
 def build_datasets(cfg: Config):
-    """ImageNet's standard transforms on an ImageFolder, or FakeData for --dummy."""
+    """ImageNet's standard transforms on an ImageFolder, Fashion-MNIST, or FakeData for --dummy."""
     import torchvision.datasets as datasets
     import torchvision.transforms as T
+
+    if cfg.dataset == "fashion-mnist" and not cfg.dummy:
+        return fashion_mnist(cfg, in_channels(cfg))
 
     normalize = T.Normalize(mean=[0.485, 0.456, 0.406], std=[0.229, 0.224, 0.225])
     if cfg.dummy:
         n_train = cfg.steps_per_epoch * cfg.batch_size if cfg.steps_per_epoch else 1281167
         n_val = cfg.steps_per_epoch * cfg.batch_size if cfg.steps_per_epoch else 50000
-        shape = (3, cfg.image_size, cfg.image_size)
+        shape = (in_channels(cfg), cfg.image_size, cfg.image_size)
         return (
             datasets.FakeData(n_train, shape, cfg.num_classes, T.ToTensor()),
             datasets.FakeData(n_val, shape, cfg.num_classes, T.ToTensor(), random_offset=n_train),
@@ -543,6 +669,8 @@ def make_loader(dataset, cfg: Config, sampler, device) -> torch.utils.data.DataL
 
 def build_model(cfg: Config) -> nn.Module:
     """The --arch model, randomly initialised: ours (ARCHS) or torchvision's."""
+    if cfg.arch in SHAPED:
+        return ARCHS[cfg.arch](num_classes=cfg.num_classes, in_channels=in_channels(cfg))
     if cfg.arch in ARCHS:
         return ARCHS[cfg.arch](num_classes=cfg.num_classes)
     return tv_models.get_model(cfg.arch, weights=None, num_classes=cfg.num_classes)
@@ -599,9 +727,12 @@ def build_optimizer(model: nn.Module, cfg: Config) -> torch.optim.Optimizer:
 
 
 def learning_rate(cfg: Config, epoch: float) -> float:
-    """Linear warm-up from 0, then step decay (x0.1 at each --lr-steps epoch) or cosine to 0."""
+    """Linear warm-up from 0, then step decay (x0.1 at each --lr-steps epoch), cosine to 0, or
+    constant."""
     if epoch < cfg.lr_warmup_epochs:
         return cfg.peak_lr * epoch / cfg.lr_warmup_epochs
+    if cfg.lr_schedule == "constant":
+        return cfg.peak_lr
     if cfg.lr_schedule == "cosine":
         progress = (epoch - cfg.lr_warmup_epochs) / max(cfg.epochs - cfg.lr_warmup_epochs, 1e-9)
         return 0.5 * cfg.peak_lr * (1.0 + math.cos(math.pi * min(progress, 1.0)))
@@ -673,6 +804,116 @@ class NoCommunication(DenseAllreduce):
     hook = staticmethod(noop_hook)  # torch's: the bucket's gradient as it is
 
 
+class TorchHook(DenseAllreduce):
+    """torch's own DDP compression hooks, as their users register them, bytes counted.
+
+    torch-fp16: `fp16_compress_hook` (the bucket cast to FP16, allreduced, cast back).
+    powersgd: `powerSGD_hook` with `PowerSGDState(matrix_approximation_rank=r,
+    start_powerSGD_iter=start)`, error feedback and warm start on (torch's defaults, which its
+    documentation recommends keeping); plain allreduce for the first `start` steps.
+    """
+
+    def __init__(self, ddp_model: TimedDDP, method: str, rank: int = 2, start_iter: int = 2):
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+        self.ddp, self.world_size, self.wire_bytes, self.dense_bytes = ddp_model, 1, 0, 0
+        if method == "torch-fp16":
+            self.powersgd, inner = None, default_hooks.fp16_compress_hook
+        else:
+            self.powersgd = powerSGD_hook.PowerSGDState(
+                process_group=None, matrix_approximation_rank=rank,
+                start_powerSGD_iter=start_iter, use_error_feedback=True, warm_start=True)
+            inner = powerSGD_hook.powerSGD_hook
+
+        def counted(state, bucket):
+            buf = bucket.buffer()
+            dense = buf.numel() * buf.element_size()
+            self.dense_bytes += dense
+            if self.powersgd is None:
+                self.wire_bytes += dense // 2
+                return inner(None, bucket)
+            plain = self.powersgd.iter < self.powersgd.start_powerSGD_iter
+            before = self.powersgd.total_numel_after_compression
+            fut = inner(self.powersgd, bucket)
+            # PowerSGD counts the elements it sends (P, Q and the tensors it leaves dense).
+            self.wire_bytes += dense if plain else 4 * (
+                self.powersgd.total_numel_after_compression - before)
+            return fut
+
+        ddp_model.register_comm_hook(None, counted)
+
+    def stats(self) -> dict:
+        return {"wire_bytes": self.wire_bytes, "dense_bytes": self.dense_bytes,
+                "comm_s": self.ddp.comm_s,
+                "density": self.wire_bytes / max(self.dense_bytes, 1)}
+
+
+class Unwrapped(nn.Module):
+    """The model as Horovod trains it (no DDP), with DDP's `.module` for the checkpoint code."""
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self.module = module
+
+    def forward(self, x):
+        return self.module(x)
+
+
+class HorovodAverage:
+    """--horovod: gradients averaged by Horovod's DistributedOptimizer, as its users train
+    (its hooks allreduce every gradient during backward, step() waits for them), with
+    Compression.none or Compression.fp16. Wire bytes: every gradient once per step, in the
+    compressor's dtype."""
+
+    def __init__(self, model: nn.Module, optimizer, fp16: bool):
+        import horovod.torch as hvd
+
+        compression = hvd.Compression.fp16 if fp16 else hvd.Compression.none
+        self.optimizer = hvd.DistributedOptimizer(
+            optimizer, named_parameters=model.named_parameters(), compression=compression)
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        hvd.broadcast_optimizer_state(self.optimizer, root_rank=0)
+        numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        self.dense_step, self.wire_step = 4 * numel, (2 if fp16 else 4) * numel
+        self.steps = 0
+        self.optimizer.register_step_post_hook(lambda *_: self._count())
+
+    def _count(self) -> None:
+        self.steps += 1
+
+    def set_epoch(self, epoch: int) -> None:
+        pass
+
+    def stats(self) -> dict:
+        return {"wire_bytes": self.steps * self.wire_step,
+                "dense_bytes": self.steps * self.dense_step, "comm_s": 0.0,
+                "density": self.wire_step / self.dense_step}
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
+def nic_tx_bytes() -> int | None:
+    """Bytes this process's network namespace has sent on gloo's NIC (GLOO_SOCKET_IFNAME), from
+    /proc/net/dev; None on loopback or without the variable. On an emulated switch each rank
+    has its own namespace, so this is what the rank put on the wire, whatever sent it."""
+    ifname = os.environ.get("GLOO_SOCKET_IFNAME", "")
+    if not ifname or ifname == "lo":
+        return None
+    try:
+        with open("/proc/net/dev") as f:
+            for line in f:
+                name, sep, rest = line.partition(":")
+                if sep and name.strip() == ifname:
+                    return int(rest.split()[8])  # receive has 8 fields, then transmit bytes
+    except OSError:
+        return None
+    return None
+
+
 class GradientFlowHook:
     """gradientflow.hooks.register's state, seen through the same four calls as DenseAllreduce."""
 
@@ -730,7 +971,7 @@ def train_one_epoch(cfg, epoch, model, criterion, optimizer, scaler, loader, com
     bar = tqdm(total=steps, desc=f"epoch {epoch}", disable=None if cfg.rank == 0 else True,
                dynamic_ncols=True, leave=False)
     sums = torch.zeros(4, dtype=torch.float64)  # loss*n, correct@1, correct@5, n
-    comm_before = comm.stats()
+    comm_before, nic_before = comm.stats(), nic_tx_bytes()
     start = time.perf_counter()
     for i, (images, target) in enumerate(loader):
         if i >= steps:
@@ -760,7 +1001,7 @@ def train_one_epoch(cfg, epoch, model, criterion, optimizer, scaler, loader, com
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
     bar.close()
-    comm_after = comm.stats()
+    comm_after, nic_after = comm.stats(), nic_tx_bytes()
     dist.all_reduce(sums)  # exact: a plain all_reduce is never compressed
     return {
         "steps": steps,
@@ -772,6 +1013,7 @@ def train_one_epoch(cfg, epoch, model, criterion, optimizer, scaler, loader, com
         "wire_bytes": comm_after["wire_bytes"] - comm_before["wire_bytes"],
         "dense_bytes": comm_after["dense_bytes"] - comm_before["dense_bytes"],
         "density": comm_after["density"],
+        "nic_tx_bytes": None if nic_before is None else nic_after - nic_before,
     }
 
 
@@ -921,24 +1163,15 @@ def main(argv=None) -> int:
             torch.backends.cudnn.deterministic = True
         train_set, val_set = build_datasets(cfg)
         model = build_model(cfg).to(device)
-        # DDP re-buckets parameters by gradient order after its first step; a resumed run would
-        # do that one step late and cut other CSC chunks for that step. find_unused_parameters
-        # switches the re-bucketing off, so every step of every run uses the same buckets.
-        ddp = TimedDDP(
-            model,
-            device_ids=[device.index] if device.type == "cuda" else None,
-            bucket_cap_mb=cfg.bucket_cap_mb,
-            find_unused_parameters=cfg.compression == "csc",
-            # Gradients live in DDP's buckets: no copy into them and back out each step, for
-            # every setting alike (README.md: this matters most under compression).
-            gradient_as_bucket_view=True,
-        )
         criterion = nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing).to(device)
         optimizer = build_optimizer(model, cfg)
         scaler = torch.amp.GradScaler(device.type, enabled=cfg.amp and device.type == "cuda")
-        comm = (DenseAllreduce(ddp) if cfg.compression == "none"
-                else NoCommunication(ddp) if cfg.compression == "noop"
-                else GradientFlowHook(ddp, cfg.compression_config, scaler, optimizer))
+        if cfg.horovod:
+            comm = HorovodAverage(model, optimizer, fp16=cfg.compression == "fp16")
+            ddp = Unwrapped(model)
+            optimizer = comm.optimizer
+        else:
+            ddp, comm = build_ddp(cfg, model, device, optimizer, scaler, len(train_set))
         start_epoch, best_acc1 = cfg.start_epoch, 0.0
         if cfg.resume:
             start_epoch, best_acc1 = load_checkpoint(cfg, ddp, optimizer, scaler, comm, device)
@@ -1001,6 +1234,30 @@ def main(argv=None) -> int:
         return 0
     finally:
         dist.destroy_process_group()
+
+
+def build_ddp(cfg: Config, model: nn.Module, device, optimizer, scaler, n_train: int):
+    """DDP around `model` and the gradient communication --compression asks for."""
+    # DDP re-buckets parameters by gradient order after its first step; a resumed run would
+    # do that one step late and cut other CSC chunks for that step. find_unused_parameters
+    # switches the re-bucketing off, so every step of every run uses the same buckets.
+    ddp = TimedDDP(
+        model,
+        device_ids=[device.index] if device.type == "cuda" else None,
+        bucket_cap_mb=cfg.bucket_cap_mb,
+        find_unused_parameters=cfg.compression == "csc",
+        # Gradients live in DDP's buckets: no copy into them and back out each step, for
+        # every setting alike (README.md: this matters most under compression).
+        gradient_as_bucket_view=True,
+    )
+    if cfg.compression in ("torch-fp16", "powersgd"):
+        steps = (n_train // cfg.world_size) // cfg.per_rank_batch
+        steps = min(steps, cfg.steps_per_epoch) if cfg.steps_per_epoch else steps
+        start = cfg.powersgd_start_iter or max(2, round(0.1 * steps * cfg.epochs))
+        return ddp, TorchHook(ddp, cfg.compression, cfg.powersgd_rank, start)
+    return ddp, (DenseAllreduce(ddp) if cfg.compression == "none"
+                 else NoCommunication(ddp) if cfg.compression == "noop"
+                 else GradientFlowHook(ddp, cfg.compression_config, scaler, optimizer))
 
 
 if __name__ == "__main__":
