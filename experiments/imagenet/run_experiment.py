@@ -27,6 +27,7 @@ import fcntl
 import json
 import os
 import re
+import shlex
 import statistics
 import subprocess
 import sys
@@ -36,7 +37,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
 sys.path.insert(0, str(HERE))
-from prepare import DEFAULT_OUT as DIGITS, prepare  # noqa: E402
+import hvd_launch  # noqa: E402
+from prepare import DEFAULT_OUT as DIGITS, DataUnavailable, prepare, prepare_fashion  # noqa: E402
 from sweep import DIGITS_RECIPE as RECIPE, launch, read_log  # noqa: E402
 
 # The only thing that differs between settings: how gradients cross the wire. CSC sends FP16
@@ -66,7 +68,17 @@ SETTINGS = {
     # it), so what waits in the residual is the momentum-corrected update, not the raw gradient.
     "csc-1%-mc": ("CSC 1% + MC", CSC + ["--density", "0.01", "--momentum-correction"]),
     # The library's default recipe, nothing else set.
-    "csc-default": ("CSC 1% default", ["--compression", "csc", "--density", "0.01"]),
+    "csc-default": ("GradientFlow CSC 1% default", ["--compression", "csc", "--density", "0.01"]),
+    "gf-fp16": ("GradientFlow FP16", ["--compression", "fp16"]),
+    # The peers a user would pick instead, each as its users run it. torch's hooks on DDP over
+    # gloo; PowerSGD with torch's recommended start (plain allreduce for the first 10% of the
+    # steps), error feedback and warm start on.
+    "torch-fp16": ("DDP + torch fp16_compress_hook", ["--compression", "torch-fp16"]),
+    "powersgd-2": ("DDP + PowerSGD rank 2", ["--compression", "powersgd", "--powersgd-rank", "2"]),
+    "powersgd-4": ("DDP + PowerSGD rank 4", ["--compression", "powersgd", "--powersgd-rank", "4"]),
+    # Horovod 0.28.1 (make horovod): its DistributedOptimizer, no DDP, Gloo between the ranks.
+    "horovod": ("Horovod 0.28.1", ["--horovod", "--compression", "none"]),
+    "horovod-fp16": ("Horovod 0.28.1 + Compression.fp16", ["--horovod", "--compression", "fp16"]),
     # The same with the chunks chosen over the pool of a fused batch, not a quota per bucket.
     "csc-pool": ("CSC 1% default, pool selection",
                  ["--compression", "csc", "--density", "0.01", "--selection", "pool"]),
@@ -80,7 +92,15 @@ SETTINGS = {
 # The setting whose epoch times bound the speed-up over BASELINE.
 LIMIT = "nocomm"
 # Settings that always run on one transport (the others take --dist-backend).
-TRANSPORT = {"ddp-gloo": "gloo"}
+TRANSPORT = {"ddp-gloo": "gloo", "torch-fp16": "gloo", "powersgd-2": "gloo", "powersgd-4": "gloo",
+             "horovod": "gloo", "horovod-fp16": "gloo"}
+# Settings whose ranks run in the Horovod environment, started as horovodrun would.
+HOROVOD = ("horovod", "horovod-fp16")
+# The peers of the Fashion-MNIST comparison (compare.py), in table order; GradientFlow's CSC
+# default is the one measured against the best of the others.
+PEERS = ["ddp-gloo", "torch-fp16", "powersgd-2", "powersgd-4", "horovod", "horovod-fp16",
+         "gf-fp16", "csc-default"]
+OURS = "csc-default"
 # What a plain run (no --settings) runs.
 DEFAULT_SETTINGS = ["dense", "fp16", "csc-10%", "csc-1%", "csc-0.1%", "csc-1%-mc", "csc-default"]
 # The baseline of the time-to-accuracy ratio, and the accuracy reference when "dense" did not run.
@@ -90,14 +110,42 @@ BASELINE = "ddp-gloo"
 # unchanged) on 32x32 upscaled digits, global batch 64 (32 per rank), SGD momentum 0.9, cosine LR
 # from 0.05 after a one-epoch warm-up.
 
+# Fashion-MNIST: global batch 128, SGD momentum 0.9, weight decay 5e-4, learning rate 0.05;
+# "plain" keeps it constant (what a new user starts with), "schedule" warms it up over half
+# an epoch and decays it by a cosine to 0. Shifts of up to 2 pixels and horizontal flips.
+FASHION_RECIPES = {
+    "plain": ["--lr-schedule", "constant"],
+    "schedule": ["--lr-schedule", "cosine", "--lr-warmup-epochs", "0.5"],
+}
+FASHION_COMMON = ["--num-classes", "10", "-b", "128", "--lr", "0.05", "--lr-base-batch", "128",
+                  "--momentum", "0.9", "--wd", "5e-4", "--augment", "imagenet", "-j", "0",
+                  "--no-checkpoint"]
+DATA_TITLES = {
+    "digits": "Digits (scikit-learn, 1437 train / 360 val), ResNet-18 at 32x32",
+    "fashion-mnist": "Fashion-MNIST (60,000 train / 10,000 test, 28x28), {arch}",
+}
+
+
+def data_args(data: str, arch: str | None = None, recipe: str = "plain") -> list:
+    """train.py's data, model and recipe arguments (the setting's come after them)."""
+    if data == "digits":
+        args = [str(prepare()), *RECIPE]
+        if arch:
+            args[args.index("-a") + 1] = arch
+        return args
+    return [str(prepare_fashion()), "-a", arch or "alexnet_shaped", *FASHION_COMMON,
+            *FASHION_RECIPES[recipe]]
+
 
 def run_one(
     key: str, seed: int, epochs: int, out: Path, nproc: int, backend: str, timeout: float,
-    link_gbps: float | None = None, lock: Path | None = None,
+    link_gbps: float | None = None, lock: Path | None = None, common: list | None = None,
 ) -> Path:
     """Train one (setting, seed) and return its JSON-lines log.
 
-    link_gbps: run the ranks on an emulated switch of this rate (else torchrun on loopback).
+    link_gbps: run the ranks on an emulated switch of this rate (else torchrun on loopback;
+    Horovod's ranks always start as horovodrun would, on loopback without root).
+    common: train.py's data, model and recipe arguments (default: the digits recipe).
     lock: hold an exclusive flock on this file during the run, so that timing runs of other
     jobs on the machine do not overlap it. The machine's load average before and after, the
     wall time and the link go to LOGS/<key>-seed<s>.meta.json.
@@ -105,22 +153,24 @@ def run_one(
     stem = out / "logs" / f"{key}-seed{seed}"
     log, console = stem.with_name(stem.name + ".jsonl"), stem.with_name(stem.name + ".out")
     backend = TRANSPORT.get(key, backend)
-    args = [str(DIGITS), *RECIPE, *SETTINGS[key][1], "--epochs", str(epochs), "--seed", str(seed),
-            "--dist-backend", backend]
+    args = [*(common or [str(DIGITS), *RECIPE]), *SETTINGS[key][1], "--epochs", str(epochs),
+            "--seed", str(seed), "--dist-backend", backend]
     with held(lock):
         load_before = os.getloadavg()
         t0 = time.perf_counter()
         try:
-            if link_gbps is None:
+            if link_gbps is None and key not in HOROVOD:
                 launch(args, log, console, nproc, timeout)
             else:
-                launch_shaped(args, log, console, nproc, timeout, link_gbps)
+                launch_shaped(args, log, console, nproc, timeout, link_gbps,
+                              horovod=key in HOROVOD)
         except RuntimeError as exc:
             raise RuntimeError(f"run {key} seed {seed} failed ({exc})") from None
         wall = time.perf_counter() - t0
         load_after = os.getloadavg()
     meta = {"setting": key, "seed": seed, "transport": backend, "link_gbps": link_gbps,
-            "wall_s": round(wall, 1), "loadavg_before": load_before, "loadavg_after": load_after}
+            "nproc": nproc, "wall_s": round(wall, 1), "loadavg_before": load_before,
+            "loadavg_after": load_after, "args": args}
     stem.with_name(stem.name + ".meta.json").write_text(json.dumps(meta) + "\n")
     print(f"  {SETTINGS[key][0]:<12} seed {seed}: {wall:5.1f} s, "
           f"top-1 {read_log(log)[-1]['val_top1']:.2f}, load {load_before[0]:.1f} -> "
@@ -149,8 +199,12 @@ def _repo_on_path() -> None:
 
 
 def launch_shaped(train_args: list, log: Path, console: Path, nproc: int, timeout: float,
-                  link_gbps: float) -> None:
+                  link_gbps: float | None, horovod: bool = False) -> None:
     """Run train.py's ranks on an emulated switch: one namespace per rank, tbf at `link_gbps`.
+
+    link_gbps None: unshaped namespaces as root, else loopback (Horovod's runs, which always
+    start here). horovod: the ranks run in the Horovod environment's python, with Horovod's
+    rendezvous server in rank 0's namespace and horovodrun's variables (hvd_launch.py).
 
     torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) is set per
     rank, with gloo bound to the rank's shaped NIC. Every rank is killed when the time limit
@@ -167,25 +221,37 @@ def launch_shaped(train_args: list, log: Path, console: Path, nproc: int, timeou
     base["PYTHONPATH"] = os.pathsep.join(
         [str(REPO)] + [p for p in base.get("PYTHONPATH", "").split(os.pathsep) if p])
     outputs = [console.with_name(f"{console.stem}.rank{r}.tmp") for r in range(nproc)]
-    procs = []
+    procs, server = [], None
+    python = str(hvd_launch.HOROVOD_PYTHON) if horovod else sys.executable
     try:
-        with Cluster(nproc, ShapeConfig(rate_gbps=link_gbps), allow_fallback=False) as cluster:
+        with Cluster(nproc, ShapeConfig(rate_gbps=link_gbps),
+                     allow_fallback=link_gbps is None) as cluster:
             port = free_port()
+            if horovod:
+                hosts = [cluster.addr(r) for r in range(nproc)]
+                server, hvd_port = hvd_launch.start_server(cluster.wrap(0, []), hosts, base)
             for rank, path in enumerate(outputs):
-                argv = cluster.wrap(rank, [sys.executable, str(HERE / "train.py"), *train_args,
+                argv = cluster.wrap(rank, [python, str(HERE / "train.py"), *train_args,
                                            "--json-log", str(log)])
+                env = cluster.env(rank, port, base)
+                if horovod:
+                    env.update(hvd_launch.rank_env(rank, hosts, cluster.master_addr, hvd_port,
+                                                   cluster.ifname))
                 with open(path, "w") as fh:
-                    procs.append(subprocess.Popen(argv, env=cluster.env(rank, port, base),
-                                                  cwd=REPO, stdout=fh, stderr=subprocess.STDOUT,
+                    procs.append(subprocess.Popen(argv, env=env, cwd=REPO, stdout=fh,
+                                                  stderr=subprocess.STDOUT,
                                                   start_new_session=True))
             failed = wait_ranks(procs, timeout)
             for p in procs:
                 _kill(p)
+            if server is not None:
+                server.stdin.close()
+                _kill(server)
     except NetemUnavailable as exc:
         raise RuntimeError(f"cannot emulate a {link_gbps:g} Gbps link ({exc}); run as root, or "
                            f"leave out --link-gbps to run on loopback") from None
     finally:
-        for p in procs:
+        for p in procs + ([server] if server is not None else []):
             _kill(p)
         texts = [path.read_text(errors="replace") if path.exists() else "" for path in outputs]
         console.write_text("".join(f"==== rank {r} ====\n{t}" for r, t in enumerate(texts)))
@@ -288,6 +354,8 @@ def summarise(runs: dict, backends: dict | None = None, target: float = 97.0,
         whole = statistics.median(
             sum(r["wire_bytes"] for r in log) / sum(r["steps"] for r in log) for log in logs
         )
+        nic = [log[-1]["nic_tx_bytes"] / log[-1]["steps"] for log in logs
+               if log[-1].get("nic_tx_bytes") is not None]
         # images/s from epoch 1 on: epoch 0 pays for compilation and first-touch allocation.
         ips = statistics.median(r["images_per_s"] for log in logs for r in (log[1:] or log))
         summary[key] = {
@@ -302,6 +370,9 @@ def summarise(runs: dict, backends: dict | None = None, target: float = 97.0,
             "wire_bytes_per_step_steady": steady,
             "wire_bytes_per_step_run": whole,
             "dense_bytes_per_step": dense,
+            # What rank 0's NIC sent per step in the last epoch (emulated switch only): every
+            # byte on the wire, whoever counted what, the peers' protocols included.
+            "nic_bytes_per_step": statistics.median(nic) if nic else None,
             "images_per_s": ips,
             "comm_s_per_epoch": statistics.median(r["comm_s"] for log in logs for r in log),
             "density_final": logs[0][-1].get("density"),
@@ -341,22 +412,23 @@ def speedups(base: list, times: list) -> dict:
 
 def markdown(
     summary: dict, epochs: int, seeds: list, nproc: int, backend: str, command: str,
-    link_gbps: float | None = None, timed: bool = True,
+    link_gbps: float | None = None, timed: bool = True, title: str = DATA_TITLES["digits"],
+    unavailable: dict | None = None,
 ) -> str:
     reference = "dense" if "dense" in summary else BASELINE
     dense_top1 = summary.get(reference, {}).get("top1_mean")
     network = (f", emulated {link_gbps:g} Gbps switch (one namespace per rank, tbf both ways)"
                if link_gbps else "")
     lines = [
-        f"## Digits (scikit-learn, 1437 train / 360 val), ResNet-18 at 32x32, {nproc} CPU ranks"
-        f"{network}",
+        f"## {title}, {nproc} CPU ranks{network}",
         "",
         f"{epochs} epochs, seeds {', '.join(map(str, seeds))}; "
         f"final top-1 as mean ± standard deviation over seeds "
         f"(min-max); wire bytes are what one rank hands to allreduce per step "
         f"(values and chunk norms); "
         f"'steady' is the last epoch, 'run' the whole-run average with the warm-up. "
-        f"One val image = 0.28 points.",
+        + ("One val image = 0.28 points." if title.startswith("Digits") else
+           "One test image = 0.01 points."),
         "",
         "| setting | top-1 (%) | Δ vs dense | top-5 (%) | wire bytes/step steady | run avg "
         "| fewer bytes (steady / run) | images/s | comm s/epoch | transport |",
@@ -373,6 +445,8 @@ def markdown(
             f"{s['dense_bytes_per_step'] / max(s['wire_bytes_per_step_run'], 1):.0f}x | "
             f"{s['images_per_s']:.0f} | {s['comm_s_per_epoch']:.2f} | {s['backend']} |"
         )
+    for key, why in (unavailable or {}).items():
+        lines.append(f"| {SETTINGS[key][0]} | did not run: {why} |" + " |" * 8)
     if dense_top1 is not None and reference != "dense":
         lines += ["", f"Δ vs dense: against {summary[reference]['label']}."]
     if not timed:
@@ -535,6 +609,14 @@ def main(argv=None) -> int:
                    "(e.g. run at low priority beside others): the table leaves times out")
     p.add_argument("--keep", action="store_true", help="do not run again a (setting, seed) "
                    "whose log has every epoch and whose meta file names the same link")
+    p.add_argument("--data", choices=["digits", "fashion-mnist"], default="digits",
+                   help="the data set (fashion-mnist: prepare.py installs and unpacks it)")
+    p.add_argument("--arch", default=None, help="train.py's -a (digits: resnet18; "
+                   "fashion-mnist: alexnet_shaped)")
+    p.add_argument("--recipe", choices=list(FASHION_RECIPES), default="plain",
+                   help="fashion-mnist: constant learning rate (plain) or warm-up + cosine")
+    p.add_argument("--train-args", default="", help="more train.py arguments for every run "
+                   "(after the recipe's, so they win), e.g. '--steps-per-epoch 40'")
     args = p.parse_args(argv)
     settings = args.settings or (["csc-1%-mc"] if args.demo else DEFAULT_SETTINGS)
     seeds = args.seeds or ([0] if args.demo else [0, 1, 2])
@@ -545,7 +627,19 @@ def main(argv=None) -> int:
         argv if argv is not None else sys.argv[1:]
     )
 
-    prepare()
+    try:
+        common = data_args(args.data, args.arch, args.recipe) + shlex.split(args.train_args)
+    except DataUnavailable as exc:
+        print(f"run_experiment.py: error: {exc}", file=sys.stderr)
+        return 2
+    # A peer that cannot run here is reported in the table with the reason, not left out.
+    unavailable = {}
+    if any(k in HOROVOD for k in settings) and not args.no_run:
+        why = hvd_launch.horovod_unavailable()
+        unavailable = {k: why for k in settings if k in HOROVOD and why}
+    if args.no_run and (out / "unavailable.json").exists():
+        unavailable = json.loads((out / "unavailable.json").read_text())
+    settings = [k for k in settings if k not in unavailable]
     t0 = time.perf_counter()
     print(
         f"{len(settings)} settings x {len(seeds)} seeds, {epochs} epochs each, "
@@ -556,8 +650,14 @@ def main(argv=None) -> int:
         for key, s in run_order(settings, seeds):
             if args.no_run or (args.keep and finished(out, key, s, epochs, args.link_gbps)):
                 continue
-            run_one(key, s, epochs, out, args.nproc, args.dist_backend, args.timeout,
-                    args.link_gbps, args.lock)
+            try:
+                run_one(key, s, epochs, out, args.nproc, args.dist_backend, args.timeout,
+                        args.link_gbps, args.lock, common)
+            except RuntimeError as exc:
+                if key not in PEERS or key == OURS:
+                    raise
+                unavailable[key] = str(exc)  # a peer that fails is reported, the rest go on
+        settings = [k for k in settings if k not in unavailable]
         runs = {key: [read_log(out / "logs" / f"{key}-seed{s}.jsonl") for s in seeds]
                 for key in settings}
     except (RuntimeError, FileNotFoundError) as exc:
@@ -567,8 +667,13 @@ def main(argv=None) -> int:
     summary = summarise(runs, {key: backend_of(out, key, seeds) for key in runs},
                         args.target_top1, metas)
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    title = DATA_TITLES[args.data].format(arch=args.arch or "alexnet_shaped")
+    if args.data == "fashion-mnist":
+        title += f", {args.recipe} recipe"
     table = markdown(summary, epochs, seeds, args.nproc, args.dist_backend, command.strip(),
-                     args.link_gbps, timed=not args.accuracy_only)
+                     args.link_gbps, timed=not args.accuracy_only, title=title,
+                     unavailable=unavailable)
+    (out / "unavailable.json").write_text(json.dumps(unavailable, indent=2) + "\n")
     (out / "results.md").write_text(table)
     plots = plot(runs, summary, out)
     print(table)
