@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 # torch would download a multi-GB build.
 TORCH_PINS := torch==2.14.1 torchvision==0.29.1
 
-.PHONY: install test test-oldest lint demo bench bench-quick experiment sweep simulate bench-algorithms bench-algorithms-e2e bench-pipeline step-anatomy gpu-check bench-autotune bench-autotune-matrix autotune-matrix-table autotune-e2e test-ray clean
+.PHONY: install test test-oldest lint demo demo-digits horovod compare bench bench-quick experiment sweep simulate bench-algorithms bench-algorithms-e2e bench-pipeline step-anatomy gpu-check bench-autotune bench-autotune-matrix autotune-matrix-table autotune-e2e test-ray clean
 
 install: $(STAMP)
 
@@ -53,8 +53,28 @@ test-oldest: $(OLD_STAMP)
 lint: install
 	$(PY) -m ruff check .
 
+# GradientFlow beside DDP on Fashion-MNIST, accuracy against time and bytes, under 2 minutes
+# (root: an emulated 1 Gbit/s switch; otherwise a modelled link, and it says so)
 demo: install
+	$(PY) experiments/imagenet/demo.py
+
+# the earlier demo: CSC 1% on scikit-learn's digits, one seed
+demo-digits: install
 	$(PY) experiments/imagenet/run_experiment.py --demo
+
+# Horovod 0.28.1 for CPU with Gloo in its own environment, .venv-horovod (about 20 minutes of
+# one core); make install never builds it
+horovod: $(VENV)-horovod/.installed
+
+$(VENV)-horovod/.installed: experiments/imagenet/build_horovod.sh | install
+	experiments/imagenet/build_horovod.sh $(CURDIR)/$(VENV)-horovod
+
+# GradientFlow against DDP, torch's fp16 hook and PowerSGD, and Horovod on Fashion-MNIST,
+# AlexNet- and ResNet-shaped, on the emulated switch (root; resumes; experiments/imagenet/
+# results/fashion/). Run it on an otherwise idle machine: it holds /work/timing.lock per run.
+compare: install
+	-$(MAKE) horovod  # a failed build leaves Horovod's rows saying why, not the run undone
+	$(PY) experiments/imagenet/compare.py
 
 bench: install
 	$(PY) benchmarks/run.py

@@ -86,7 +86,7 @@ class AlexNetShaped(nn.Module):
         return self.classifier(torch.flatten(self.features(x), 1))
 
 
-def resnet_shaped(num_classes: int = 10, in_channels: int = 1, width: int = 32) -> nn.Module:
+def resnet_shaped(num_classes: int = 10, in_channels: int = 1, width: int = 16) -> nn.Module:
     """torchvision's ResNet-18 topology (its ResNet class and BasicBlock: 7x7 stride-2 stem,
     max-pool, four stages of two blocks, 1x1 projection shortcuts, average pool) with every
     stage `width / 64` as wide and an `in_channels` stem.

@@ -1,0 +1,360 @@
+"""GradientFlow against the peers a user would pick instead, on Fashion-MNIST: `make compare`.
+
+    python experiments/imagenet/compare.py              # every stage (resumes), then the report
+    python experiments/imagenet/compare.py --no-run     # the report from the logs alone
+    python experiments/imagenet/compare.py --quick      # 1 seed, 40 steps an epoch: the machinery
+
+Two models (models.py: AlexNet-shaped and ResNet-shaped), 2 CPU ranks on an emulated switch
+(benchmarks/netem.py: a network namespace per rank, tbf both ways; root), the peers of
+run_experiment.PEERS plus the no-communication bound, each run by run_experiment.py. Stages:
+
+1. 1 Gbit/s, plain SGD (constant learning rate), every peer, 3 seeds, full epochs: accuracy,
+   epochs and time to the target, wire bytes measured on the NIC, images/s.
+2. 1 Gbit/s, warm-up + cosine schedule, DDP and GradientFlow's default, 3 seeds.
+3. 10 Gbit/s, every peer, one seed, a capped number of steps: the step time there. Training
+   is the same computation whatever the link (the link changes when bytes arrive, not what
+   they are), so the time to the target at 10 Gbit/s is each seed's epochs to the target from
+   stage 1 times the step time measured here. Stated as derived in the table.
+4. 4 ranks at 1 Gbit/s (AlexNet-shaped): the step time, the same way.
+
+The target top-1 of a model and recipe is what every DDP seed has reached by its
+next-to-last epoch (the lowest of them, rounded down to half a point): a target dense reaches,
+with one epoch to spare. Each stage holds --lock during each run (not between runs) and records
+the load average before and after it. Writes OUT/results.md, OUT/summary.json, OUT/<model>.png.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shlex
+import statistics
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import run_experiment as rx  # noqa: E402
+from sweep import read_log  # noqa: E402
+
+MODELS = ("alexnet_shaped", "resnet_shaped")
+FOUR_RANKS = "alexnet_shaped"
+LABELS = {"alexnet_shaped": "AlexNet-shaped", "resnet_shaped": "ResNet-shaped"}
+BOUND = rx.LIMIT
+DEFAULT_OUT = HERE / "results" / "fashion"
+# The machine-wide lock timing runs here take; elsewhere one of our own.
+LOCK = (Path("/work/timing.lock") if Path("/work").is_dir()
+        else Path("/tmp/gradientflow-timing.lock"))
+
+
+def stages(args) -> list:
+    """(folder, run_experiment argv) of every stage, in the order they run."""
+    seeds = [str(s) for s in args.seeds]
+    common = ["--data", "fashion-mnist", "--keep", "--timeout", str(args.timeout)]
+    if args.lock and str(args.lock) != "none":
+        common += ["--lock", str(args.lock)]
+    cap = ["--train-args", f"--steps-per-epoch {args.quick_steps}"] if args.quick else []
+    step = ["--train-args", f"--steps-per-epoch {args.step_steps}"]
+    out = []
+    for model in MODELS:
+        base = common + ["--arch", model]
+        out.append((f"{model}/1gbps-plain", base + [
+            "--recipe", "plain", "--settings", *rx.PEERS, BOUND, "--seeds", *seeds,
+            "--epochs", str(args.epochs), "--link-gbps", "1", *cap]))
+        out.append((f"{model}/1gbps-schedule", base + [
+            "--recipe", "schedule", "--settings", "ddp-gloo", rx.OURS, "--seeds", *seeds,
+            "--epochs", str(args.epochs), "--link-gbps", "1", *cap]))
+        out.append((f"{model}/10gbps-step", base + [
+            "--recipe", "plain", "--settings", *rx.PEERS, "--seeds", seeds[0], "--epochs", "2",
+            "--link-gbps", "10", *step]))
+    out.append((f"{FOUR_RANKS}/1gbps-4ranks-step", common + [
+        "--arch", FOUR_RANKS, "--recipe", "plain", "--settings", *rx.PEERS, "--seeds", seeds[0],
+        "--epochs", "2", "--link-gbps", "1", "--nproc", "4", *step]))
+    return out
+
+
+def warm_up(out: Path) -> None:
+    """One short untimed run of each GradientFlow setting: numba compiles its kernels into its
+    cache once, so that no timed run pays for the compilation."""
+    rx.main(["--data", "fashion-mnist", "--settings", "gf-fp16", rx.OURS, "--seeds", "0",
+             "--epochs", "1", "--train-args", "--steps-per-epoch 8", "--out", str(out)])
+
+
+def load_stage(folder: Path) -> dict:
+    """{setting: [log per seed]} of a stage's finished runs, plus 'unavailable' reasons."""
+    runs = {}
+    for path in sorted((folder / "logs").glob("*.jsonl")):
+        key, _, seed = path.stem.rpartition("-seed")
+        log = read_log(path)
+        if log:
+            runs.setdefault(key, {})[int(seed)] = log
+    why = folder / "unavailable.json"
+    return {"runs": {k: [v[s] for s in sorted(v)] for k, v in runs.items()},
+            "unavailable": json.loads(why.read_text()) if why.exists() else {}}
+
+
+def target_of(ddp_logs: list) -> float | None:
+    """The lowest top-1 the DDP seeds reach by their next-to-last epoch, rounded down to 0.5."""
+    if not ddp_logs or min(len(log) for log in ddp_logs) < 2:
+        return None
+    return math.floor(2 * min(max(r["val_top1"] for r in log[:-1]) for log in ddp_logs)) / 2
+
+
+def step_time(logs: list) -> float | None:
+    """Seconds per step of a timing run: its last epoch (the first pays for start-up)."""
+    if not logs:
+        return None
+    return statistics.median(log[-1]["train_time_s"] / log[-1]["steps"] for log in logs)
+
+
+def mean_sd(values: list) -> tuple:
+    vals = [v for v in values if v is not None]
+    if not vals:
+        return None, None
+    return statistics.mean(vals), statistics.stdev(vals) if len(vals) > 1 else 0.0
+
+
+def peer_row(key: str, logs: list, target: float, step10: float | None,
+             step4: float | None) -> dict:
+    """One setting's numbers: accuracy, epochs and time to `target`, bytes, speed."""
+    epochs = [rx.epoch_at_top1(log, target) for log in logs]
+    times = [rx.time_to_top1(log, target) for log in logs]
+    steps = logs[0][0]["steps"]
+    nic = [log[-1].get("nic_tx_bytes") for log in logs]
+    nic = [n / log[-1]["steps"] for n, log in zip(nic, logs) if n is not None]
+    derived10 = [(e + 1) * steps * step10 if e is not None and step10 else None for e in epochs]
+    derived4 = [(e + 1) * steps * step4 if e is not None and step4 else None for e in epochs]
+    return {
+        "label": rx.SETTINGS[key][0], "seeds": len(logs),
+        "top1": [log[-1]["val_top1"] for log in logs],
+        "epoch_at_target": epochs, "time_to_target_1g": times,
+        "wire_bytes_per_step_nic": statistics.median(nic) if nic else None,
+        "wire_bytes_per_step_counted": statistics.median(log[-1]["wire_bytes_per_step"]
+                                                         for log in logs),
+        "images_per_s_1g": statistics.median(r["images_per_s"] for log in logs
+                                             for r in (log[1:] or log)),
+        "step_s_10g": step10, "time_to_target_10g": derived10,
+        "step_s_4ranks": step4, "time_to_target_4ranks": derived4,
+        "loadavg": [], "epochs": len(logs[0]),
+    }
+
+
+def summarise_model(out: Path, model: str) -> dict:
+    """Every stage of one model gathered into rows per recipe, with the targets' verdicts."""
+    plain = load_stage(out / model / "1gbps-plain")
+    sched = load_stage(out / model / "1gbps-schedule")
+    ten = load_stage(out / model / "10gbps-step")
+    four = load_stage(out / model / "1gbps-4ranks-step") if model == FOUR_RANKS else None
+    result = {"model": model, "recipes": {}}
+    for recipe, stage in (("plain", plain), ("schedule", sched)):
+        target = target_of(stage["runs"].get("ddp-gloo", []))
+        if target is None:
+            continue
+        rows = {}
+        for key, logs in stage["runs"].items():
+            rows[key] = peer_row(key, logs, target, step_time(ten["runs"].get(key, [])),
+                                 step_time(four["runs"].get(key, [])) if four else None)
+            metas = [rx.read_meta(out / model / f"1gbps-{recipe}", key, s)
+                     for s in range(len(logs))]
+            rows[key]["loadavg"] = [m["loadavg_before"][0] for m in metas if m]
+        unavailable = dict(stage["unavailable"])
+        for other in (ten, four):
+            for key, why in (other or {"unavailable": {}})["unavailable"].items():
+                unavailable.setdefault(key, why)
+        result["recipes"][recipe] = {"target_top1": target, "rows": rows,
+                                     "unavailable": unavailable,
+                                     "verdict": verdict(rows, recipe)}
+    return result
+
+
+def _mean(values: list) -> float | None:
+    return mean_sd(values)[0]
+
+
+def verdict(rows: dict, recipe: str) -> list:
+    """The issue's targets for GradientFlow's default against DDP and the best other peer,
+    each as (statement, met or not, the numbers)."""
+    ours, ddp = rows.get(rx.OURS), rows.get("ddp-gloo")
+    if not ours or not ddp:
+        return []
+    out = []
+    gap = _mean(ours["top1"]) - _mean(ddp["top1"])
+    out.append(("top-1 within 0.5 point of DDP (mean of seeds)", gap >= -0.5,
+                f"{gap:+.2f} points"))
+    extra = [o - d if o is not None and d is not None else None
+             for o, d in zip(ours["epoch_at_target"], ddp["epoch_at_target"])]
+    out.append(("at most one epoch more than DDP to the target (every seed)",
+                all(x is not None and x <= 1 for x in extra),
+                ", ".join("not reached" if x is None else f"{x:+d}" for x in extra)))
+    if recipe != "plain":
+        return out
+    t_ours, t_ddp = _mean(ours["time_to_target_1g"]), _mean(ddp["time_to_target_1g"])
+    ratio = t_ddp / t_ours if t_ours and t_ddp else None
+    out.append(("1 Gbit/s: time to target >= 3x sooner than DDP", bool(ratio and ratio >= 3),
+                f"{ratio:.2f}x" if ratio else "not reached"))
+    others = {k: _mean(r["time_to_target_1g"]) for k, r in rows.items()
+              if k not in (rx.OURS, "ddp-gloo", BOUND)}
+    others = {k: t for k, t in others.items() if t}
+    if others and t_ours:
+        best = min(others, key=others.get)
+        r = others[best] / t_ours
+        out.append(("1 Gbit/s: >= 1.5x sooner than the best other peer", r >= 1.5,
+                    f"{r:.2f}x ({rows[best]['label']})"))
+    t10o, t10d = _mean(ours["time_to_target_10g"]), _mean(ddp["time_to_target_10g"])
+    if t10o and t10d:
+        out.append(("10 Gbit/s: never slower than DDP (derived)", t10o <= t10d,
+                    f"{t10d / t10o:.2f}x"))
+    return out
+
+
+def _s(values: list) -> str:
+    m, sd = mean_sd(values)
+    return "-" if m is None else f"{m:.0f} ± {sd:.0f}"
+
+
+def _mb(n: float | None) -> str:
+    return "-" if n is None else f"{n / 1e6:.3f}" if n >= 1e4 else f"{n / 1e6:.4f}"
+
+
+def markdown(results: list, epochs: int, seeds: list, command: str) -> str:
+    lines = ["# GradientFlow against what a user would pick instead: Fashion-MNIST", "",
+             f"2 CPU ranks on an emulated switch (a network namespace per rank, tbf both ways), "
+             f"global batch 128, {epochs} epochs, seeds {', '.join(map(str, seeds))}; "
+             f"mean ± standard deviation over seeds. Target: the top-1 every DDP seed reached by "
+             f"its next-to-last epoch. Time to target: the training time (validation left out) "
+             f"up to the first epoch at or above it. Wire bytes: what rank 0's NIC sent per step "
+             f"in the last epoch (every protocol's bytes). 10 Gbit/s and 4 ranks: each seed's "
+             f"epochs to the target at 1 Gbit/s times the step time measured there (derived: "
+             f"the link changes when bytes arrive, not what they are).", ""]
+    for res in results:
+        for recipe, rec in res["recipes"].items():
+            lines += [f"## {LABELS[res['model']]}, {recipe} recipe: target "
+                      f"{rec['target_top1']:g}% top-1", "",
+                      "| setting | top-1 (%) | epoch at target | time to target 1 Gbit/s (s) "
+                      "| DDP's over it | wire MB/step | images/s 1 Gbit/s | step 10 Gbit/s (ms) "
+                      "| time to target 10 Gbit/s (s, derived) | DDP's over it | step 4 ranks "
+                      "1 Gbit/s (ms) | load |",
+                      "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+            ddp = rec["rows"].get("ddp-gloo", {})
+            for key in [*rx.PEERS, BOUND]:
+                if key in rec["unavailable"]:
+                    lines.append(f"| {rx.SETTINGS[key][0]} | did not run: "
+                                 f"{rec['unavailable'][key]} |" + " |" * 10)
+                if key not in rec["rows"]:
+                    continue
+                r = rec["rows"][key]
+                bound = key == BOUND
+                t1, d1 = _mean(r["time_to_target_1g"]), _mean(ddp.get("time_to_target_1g", []))
+                t10, d10 = (_mean(r["time_to_target_10g"]),
+                            _mean(ddp.get("time_to_target_10g", [])))
+                m, sd = mean_sd(r["top1"])
+                lines.append(
+                    f"| {r['label']} | "
+                    + ("(ranks do not average) | | |" if bound else
+                       f"{m:.2f} ± {sd:.2f} | "
+                       + ", ".join("-" if e is None else str(e) for e in r["epoch_at_target"])
+                       + f" | {_s(r['time_to_target_1g'])} | "
+                       + (f"{d1 / t1:.2f}x" if t1 and d1 else "-") + " |")
+                    + f" {_mb(r['wire_bytes_per_step_nic'])} | {r['images_per_s_1g']:.0f} | "
+                    + (f"{1e3 * r['step_s_10g']:.0f}" if r["step_s_10g"] else "-") + " | "
+                    + ("" if bound else _s(r["time_to_target_10g"])) + " | "
+                    + (f"{d10 / t10:.2f}x" if t10 and d10 and not bound else "") + " | "
+                    + (f"{1e3 * r['step_s_4ranks']:.0f}" if r["step_s_4ranks"] else "-") + " | "
+                    + ", ".join(f"{x:.1f}" for x in r["loadavg"]) + " |")
+            lines += ["", "Targets for GradientFlow's default (CSC 1%):", ""]
+            lines += [f"- {text}: **{'met' if ok else 'missed'}** ({numbers})"
+                      for text, ok, numbers in rec["verdict"]]
+            lines.append("")
+    lines += [f"Command: `{command}`", ""]
+    return "\n".join(lines)
+
+
+def plot(out: Path, res: dict) -> Path | None:
+    """Top-1 against training time at 1 Gbit/s (plain recipe), one line per setting."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    stage = load_stage(out / res["model"] / "1gbps-plain")
+    if not stage["runs"]:
+        return None
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4))
+    for key in rx.PEERS:
+        logs = stage["runs"].get(key)
+        if not logs:
+            continue
+        n = min(len(log) for log in logs)
+        t = [statistics.mean(sum(r["train_time_s"] for r in log[:e + 1]) for log in logs)
+             for e in range(n)]
+        acc = [statistics.mean(log[e]["val_top1"] for log in logs) for e in range(n)]
+        style = dict(lw=2.5, color="black") if key == rx.OURS else dict(lw=1.2)
+        ax.plot(t, acc, marker="o", ms=3, label=rx.SETTINGS[key][0], **style)
+        nic = [log[-1].get("nic_tx_bytes") or 0 for log in logs]
+        bx.barh(rx.SETTINGS[key][0], statistics.mean(nic) / logs[0][-1]["steps"] / 1e6,
+                color="black" if key == rx.OURS else "tab:blue")
+    target = res["recipes"].get("plain", {}).get("target_top1")
+    if target:
+        ax.axhline(target, color="grey", ls=":", lw=1)
+    ax.set_xlabel("training time at 1 Gbit/s (s)")
+    ax.set_ylabel("test top-1 (%)")
+    ax.set_title(f"{LABELS[res['model']]}: top-1 against time (mean of seeds)", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    bx.set_xscale("log")
+    bx.set_xlabel("MB per step on rank 0's NIC (log)")
+    bx.tick_params(axis="y", labelsize=7)
+    fig.tight_layout()
+    path = out / f"{res['model']}.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    p.add_argument("--lock", type=Path, default=LOCK,
+                   help="flock held during each timed run (default: %(default)s; none: no lock)")
+    p.add_argument("--timeout", type=float, default=1800, help="seconds allowed per run")
+    p.add_argument("--step-steps", type=int, default=60,
+                   help="steps per epoch of the step-time stages (10 Gbit/s, 4 ranks)")
+    p.add_argument("--quick", action="store_true",
+                   help="one seed, --quick-steps steps an epoch: checks the machinery only")
+    p.add_argument("--quick-steps", type=int, default=40)
+    p.add_argument("--only", nargs="+", default=None, help="run only the stages whose folder "
+                   "starts with one of these (e.g. alexnet_shaped/1gbps-plain)")
+    p.add_argument("--no-run", action="store_true", help="only the report from OUT's logs")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.seeds = args.seeds[:1]
+    command = "python experiments/imagenet/compare.py " + " ".join(map(shlex.quote, argv))
+    t0 = time.perf_counter()
+    if not args.no_run:
+        warm_up(HERE / "runs" / "compare-warmup")
+        for folder, stage_argv in stages(args):
+            if args.only and not any(folder.startswith(o) for o in args.only):
+                continue
+            print(f"=== {folder} ===", flush=True)
+            code = rx.main(stage_argv + ["--out", str(args.out / folder)])
+            if code != 0:
+                print(f"compare.py: stage {folder} failed (exit {code}); the report covers "
+                      f"what finished", file=sys.stderr)
+    results = [summarise_model(args.out, m) for m in MODELS]
+    (args.out / "summary.json").parent.mkdir(parents=True, exist_ok=True)
+    (args.out / "summary.json").write_text(json.dumps(results, indent=2) + "\n")
+    text = markdown(results, args.epochs, args.seeds, command.strip())
+    (args.out / "results.md").write_text(text)
+    plots = [p for p in (plot(args.out, r) for r in results) if p]
+    print(text)
+    print(f"{(time.perf_counter() - t0) / 60:.1f} min; table {args.out / 'results.md'}; plots "
+          f"{', '.join(map(str, plots))}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
