@@ -58,7 +58,8 @@ def test_summary_and_table_give_the_ratio_against_ddp_on_gloo(tmp_path):
     text = rx.markdown(summary, 3, [0, 1], 2, "gradientflow", "cmd", link_gbps=1.0)
     assert "emulated 1 Gbps switch" in text
     assert "against DDP gloo dense FP32" in text  # no "dense" ran: the delta's reference says so
-    row = next(line for line in text.splitlines() if line.startswith("| GradientFlow CSC 1% default | 21 @1"))
+    row = next(line for line in text.splitlines()
+               if line.startswith("| GradientFlow CSC 1% default | 21 @1"))
     assert "2.90x, 2.90x" in row and "3.0-4.5" in row
     assert summary["csc-default"]["run_speedup_vs_baseline"] == pytest.approx(93 / 33)
     untimed = rx.markdown(summary, 3, [0, 1], 2, "gradientflow", "cmd", timed=False)
