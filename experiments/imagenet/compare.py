@@ -251,7 +251,7 @@ def markdown(results: list, epochs: int, seeds: list, command: str) -> str:
                 m, sd = mean_sd(r["top1"])
                 lines.append(
                     f"| {r['label']} | "
-                    + ("(ranks do not average) | | |" if bound else
+                    + ("(ranks do not average) | | | |" if bound else
                        f"{m:.2f} ± {sd:.2f} | "
                        + ", ".join("-" if e is None else str(e) for e in r["epoch_at_target"])
                        + f" | {_s(r['time_to_target_1g'])} | "

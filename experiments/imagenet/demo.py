@@ -1,11 +1,11 @@
 """`make demo`: GradientFlow beside DDP on Fashion-MNIST, accuracy against time and bytes.
 
     python experiments/imagenet/demo.py             # about 1.5 minutes on 2 idle cores
-    python experiments/imagenet/demo.py --link-gbps 10 --steps 150
+    python experiments/imagenet/demo.py --link-gbps 10 --steps 200
 
 The same AlexNet-shaped model (models.py), data, seed and plain SGD recipe twice, 2 CPU ranks:
 DDP on gloo, then GradientFlow's CSC with its default recipe (`--compression csc --density
-0.01`), 3 evaluations on the 10,000 test images, each after --steps steps (a third of an
+0.01`), 3 evaluations on the 10,000 test images, each after --steps steps (a quarter of an
 epoch by default). As root the ranks run on an emulated switch of --link-gbps (a network
 namespace per rank, tbf both ways: benchmarks/netem.py). Without root there is no switch: the
 ranks run on loopback and the link is modelled, each step's time being the measured one plus
@@ -84,7 +84,7 @@ def plot(curves: dict, path: Path, link: str) -> None:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--link-gbps", type=rx.positive, default=1.0)
-    p.add_argument("--steps", type=int, default=150, help="steps between evaluations")
+    p.add_argument("--steps", type=int, default=120, help="steps between evaluations")
     p.add_argument("--evals", type=int, default=3, help="evaluations (train.py epochs)")
     p.add_argument("--out", type=Path, default=HERE / "runs" / "demo-fashion")
     args = p.parse_args(argv)
