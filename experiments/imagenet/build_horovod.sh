@@ -43,7 +43,12 @@ src="$WORK/horovod-$VERSION"
 
 # C++ standards torch 2.14's headers accept.
 sed -i 's/set(CMAKE_CXX_STANDARD 14)/set(CMAKE_CXX_STANDARD 20)/' "$src/horovod/torch/CMakeLists.txt"
-sed -i 's/-std=c++11/-std=c++17/' "$src/third_party/gloo/CMakeLists.txt"
+# Gloo's own flag is overridden by the CMAKE_CXX_STANDARD in force (Horovod's 14), so both are
+# raised, as Horovod itself does for the Gloo it builds for C++17 TensorFlow: compiled as C++14,
+# Gloo defines Store::kDefaultTimeout out of line while the C++20 extension emits it inline,
+# and the link fails with a multiple definition.
+sed -i -e 's/-std=c++11/-std=c++17/' -e '1i set(CMAKE_CXX_STANDARD 17)' \
+    "$src/third_party/gloo/CMakeLists.txt"
 # No CUDA: without this, CMake's probes can find a CUDA runtime beside the torch wheel and
 # switch on GPU code paths that cannot compile here.
 sed -i -e 's/^check_language(CUDA)$/# CUDA detection off (CPU build)/' \
@@ -55,7 +60,7 @@ sed -i 's/^string(TOUPPER "${Pytorch_CUDA}" Pytorch_CUDA)$/set(Pytorch_CUDA FALS
     "$src/cmake/Modules/FindPytorch.cmake"
 grep -q 'CMAKE_CXX_STANDARD 20' "$src/horovod/torch/CMakeLists.txt"
 grep -q 'set(Pytorch_CUDA FALSE)' "$src/cmake/Modules/FindPytorch.cmake"
-grep -q 'c++17' "$src/third_party/gloo/CMakeLists.txt"
+grep -q '^set(CMAKE_CXX_STANDARD 17)' "$src/third_party/gloo/CMakeLists.txt"
 grep -q 'CUDA detection off' "$src/CMakeLists.txt"
 
 env -u CUDA_HOME -u CUDA_PATH \

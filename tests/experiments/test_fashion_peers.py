@@ -165,3 +165,14 @@ def test_verdict_and_table_say_met_missed_and_why_a_peer_did_not_run():
     text = compare.markdown(results, 3, [0, 1], "cmd")
     assert "| Horovod 0.28.1 | did not run: Horovod is not built here |" in text
     assert "**missed** (1.25x (DDP + PowerSGD rank 2))" in text
+
+
+def test_the_demo_without_root_adds_a_ring_allreduce_of_the_measured_bytes():
+    import demo
+
+    log = [{"train_time_s": 2.0, "wire_bytes": 125_000_000, "val_top1": 50.0},
+           {"train_time_s": 1.0, "wire_bytes": 0, "val_top1": 60.0}]
+    # 2 ranks: each sends its 1 Gbit once per allreduce, 1 s on a 1 Gbit/s link
+    assert demo.modelled_times(log, 1.0, 2) == [3.0, 4.0]
+    c = demo.curve(log, shaped=False, link_gbps=1.0, nproc=4)
+    assert c["time_s"] == [3.5, 4.5] and c["sent_mb"] == [125.0, 125.0] and c["top1"] == [50, 60]
