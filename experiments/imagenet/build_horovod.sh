@@ -58,6 +58,12 @@ sed -i -e 's/^check_language(CUDA)$/# CUDA detection off (CPU build)/' \
 # makes Horovod's FindPytorch report a CUDA torch and ask for the toolkit: report a CPU one.
 sed -i 's/^string(TOUPPER "${Pytorch_CUDA}" Pytorch_CUDA)$/set(Pytorch_CUDA FALSE)  # CPU build/' \
     "$src/cmake/Modules/FindPytorch.cmake"
+# Horovod 0.28.1's process-set contexts create their Gloo device from their own, never set,
+# interface name instead of the global context's (HOROVOD_GLOO_IFACE), so they bind to what the
+# hostname resolves to: 127.0.0.1 inside a network namespace, where no peer can reach it.
+sed -i '/^void GlooContext::InitializeForProcessSet/,/CreateDevice/ s/device_attr.iface = gloo_iface_;/device_attr.iface = global_context.gloo_iface_;/' \
+    "$src/horovod/common/gloo/gloo_context.cc"
+grep -q 'device_attr.iface = global_context.gloo_iface_;' "$src/horovod/common/gloo/gloo_context.cc"
 grep -q 'CMAKE_CXX_STANDARD 20' "$src/horovod/torch/CMakeLists.txt"
 grep -q 'set(Pytorch_CUDA FALSE)' "$src/cmake/Modules/FindPytorch.cmake"
 grep -q '^set(CMAKE_CXX_STANDARD 17)' "$src/third_party/gloo/CMakeLists.txt"
@@ -73,7 +79,7 @@ env -u CUDA_HOME -u CUDA_PATH \
         tail -30 "$WORK/build.log" >&2
         exit 1
     }
-"$VENV/bin/python" -m pip install -q cloudpickle psutil pyyaml packaging
+"$VENV/bin/python" -m pip install -q cloudpickle psutil pyyaml packaging cffi
 "$VENV/bin/python" -c "import horovod.torch as hvd; hvd.init(); \
 print('horovod', __import__('horovod').__version__, 'gloo built:', hvd.gloo_built(), \
 'size', hvd.size())"
