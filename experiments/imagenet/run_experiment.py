@@ -677,23 +677,21 @@ def main(argv=None) -> int:
     (out / "results.md").write_text(table)
     plots = plot(runs, summary, out)
     print(table)
-    print_verdict(summary, time.perf_counter() - t0, out, plots, epochs, seeds, args.nproc)
+    print_verdict(summary, time.perf_counter() - t0, out, plots, epochs, seeds, args.nproc,
+                  title)
     return 0
 
 
 def print_verdict(
-    summary: dict, elapsed: float, out: Path, plots: list, epochs: int, seeds: list, nproc: int
+    summary: dict, elapsed: float, out: Path, plots: list, epochs: int, seeds: list, nproc: int,
+    title: str = DATA_TITLES["digits"],
 ) -> None:
     """The at-a-glance ending: accuracy, speed, bytes, where things are."""
-    print(
-        f"\n=== GradientFlow on real handwritten digits: ResNet-18, {nproc} CPU ranks, "
-        f"{epochs} epochs, "
-        f"{len(seeds)} seed(s), {elapsed / 60:.1f} min ==="
-    )
-    print(
-        "  (top-1 on 360 held-out images; "
-        "bytes = what each rank sends per step once warm-up is over)"
-    )
+    print(f"\n=== GradientFlow: {title}, {nproc} CPU ranks, {epochs} epochs, "
+          f"{len(seeds)} seed(s), {elapsed / 60:.1f} min ===")
+    held_out = "360 held-out" if title.startswith("Digits") else "10,000 test"
+    print(f"  (top-1 on {held_out} images; "
+          "bytes = what each rank sends per step once warm-up is over)")
     for s in summary.values():
         ratio = s["dense_bytes_per_step"] / max(s["wire_bytes_per_step_steady"], 1)
         print(
