@@ -2,6 +2,7 @@
 comparison's report: experiments/imagenet/{prepare,models,train,hvd_launch,compare}.py."""
 from __future__ import annotations
 
+import argparse
 import gzip
 import json
 import struct
@@ -176,3 +177,18 @@ def test_the_demo_without_root_adds_a_ring_allreduce_of_the_measured_bytes():
     assert demo.modelled_times(log, 1.0, 2) == [3.0, 4.0]
     c = demo.curve(log, shaped=False, link_gbps=1.0, nproc=4)
     assert c["time_s"] == [3.5, 4.5] and c["sent_mb"] == [125.0, 125.0] and c["top1"] == [50, 60]
+
+
+def test_compare_runs_every_peer_at_1_gbps_and_times_them_at_10_gbps_and_4_ranks():
+    args = argparse.Namespace(
+        seeds=[0, 1, 2], epochs=3, lock=None, timeout=60, quick=False, quick_steps=40,
+        step_steps=60)
+    stages = dict(compare.stages(args))
+    assert set(stages) == {f"{m}/{s}" for m in compare.MODELS
+                           for s in ("1gbps-plain", "1gbps-schedule", "10gbps-step")} | {
+        "alexnet_shaped/1gbps-4ranks-step"}
+    plain = stages["resnet_shaped/1gbps-plain"]
+    assert all(k in plain for k in rx.PEERS) and "nocomm" in plain
+    assert plain[plain.index("--seeds") + 1:plain.index("--seeds") + 4] == ["0", "1", "2"]
+    four = stages["alexnet_shaped/1gbps-4ranks-step"]
+    assert four[four.index("--nproc") + 1] == "4" and "--steps-per-epoch 60" in four
