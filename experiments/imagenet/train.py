@@ -876,10 +876,12 @@ class HorovodAverage:
         numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
         self.dense_step, self.wire_step = 4 * numel, (2 if fp16 else 4) * numel
         self.steps = 0
-        self.optimizer.register_step_post_hook(lambda *_: self._count())
+        # A training forward is a step (the optimizer's post-step hook fires twice here: on
+        # Horovod's subclass and on the optimizer class under it).
+        model.register_forward_pre_hook(lambda module, _: self._count(module.training))
 
-    def _count(self) -> None:
-        self.steps += 1
+    def _count(self, training: bool) -> None:
+        self.steps += training
 
     def set_epoch(self, epoch: int) -> None:
         pass
@@ -985,7 +987,7 @@ def train_one_epoch(cfg, epoch, model, criterion, optimizer, scaler, loader, com
         with autocast(cfg, device):
             output = model(images)
             loss = criterion(output, target)
-        optimizer.zero_grad(set_to_none=True)
+        optimizer.zero_grad()  # set_to_none, torch's default; Horovod's takes no argument
         scaler.scale(loss).backward()  # DDP's comm hook runs here, overlapped with backward
         scaler.step(optimizer)
         scaler.update()
