@@ -11,13 +11,15 @@ Every call is checked on every rank before its data moves (checks.py): a deferre
 by its batch's round, any other collective by a round of its own on the same side group, in
 sequence order (on the caller's thread when the engine is idle, holding the queue's floor so
 that no other round or send overlaps it; otherwise on the engine thread, just before it is
-sent), a solo allreduce by a round on the solo channel's transport. A call the ranks issued
-differently is refused on every rank with CollectiveMismatchError, the group still usable.
+sent), solo allreduces by rounds of their own on the solo channel's transport (solo.py). A
+call the ranks issued differently is refused on every rank with CollectiveMismatchError, the
+group still usable.
 
 Routing of an allreduce, decided only here, from the call alone (so the same on every rank):
 
-- SOLO: on CPU with the solo channel on, at least the solo threshold: sent at once on the
-  caller's thread over a transport of its own (a second gloo group), where issue order is the
+- SOLO: on CPU with the solo channel on, at least the solo threshold: queued for the solo
+  channel's thread (solo.py), which checks it with the solo calls queued beside it and sends
+  it at once over a transport of its own (a second gloo group), where issue order is the
   agreed order. It overtakes the deferred batch before it, which is safe because a rank
   blocked in a wait on an earlier deferred op still takes part in that op's round (the
   engine thread runs it), so no rank waits for a solo that another cannot send.
@@ -39,6 +41,7 @@ from gradientflow.engine.checks import Check, signature
 from gradientflow.engine.fusion import FusableOp, solo_cut
 from gradientflow.engine.jobs import EagerOp
 from gradientflow.engine.rounds import Rounds
+from gradientflow.engine.solo import SoloChannel, SoloOp
 from gradientflow.engine.stages import Fuser, StagesOp, fuse
 from gradientflow.engine.work import AllWork, FusedWork, FutureWork
 from gradientflow.errors import CollectiveMismatchError
@@ -86,8 +89,9 @@ class Issue:
         self._solo = solo  # the solo channel's transports (None: no channel)
         self._insp = inspector if inspector is not None and inspector.enabled else None
         self._debug_lock = threading.Lock()  # the debug check and the submission in one order
-        self._solo_lock = threading.Lock()  # solo rounds and sends in sequence order
         self._solo_rounds: Rounds | None = None
+        self._solo_ch = SoloChannel(engine._name, self._solo_round, self._solo_sent,
+                                    engine.fail, self._refused)
         self.checking: set = set()  # calls in their round right now (their sequence numbers)
         self.seq = 0  # the next sequence number
         if self._insp is not None:
@@ -166,10 +170,12 @@ class Issue:
                 seq, "barrier", lambda: main(cpu).barrier(opts), [], cpu, chk), None, opts, cpu)
 
         def submit(seq: int, chk: Check | None) -> Any:
-            # The solo part goes at once, in the solo channel's issue order; a round that
+            # The solo part is queued at once, in the solo channel's issue order; a round that
             # refused the barrier afterwards would leave it there, so such a mismatch fails
             # the group instead (Claim.refusable).
-            first = solo.barrier(opts)
+            fut = completion.new_source(streams.future_devices(cpu))
+            self._solo_ch.submit(SoloOp(None, lambda: solo.barrier(opts), [], fut))
+            first = FutureWork(fut, self._engine, seq, "barrier (solo channel)")
             second = self._eager(seq, "barrier", lambda: main(cpu).barrier(opts), [], cpu, chk,
                                  refusable=False)
             if isinstance(second, Claim):
@@ -200,6 +206,10 @@ class Issue:
         return public
 
     # ------------------------------------------------------------------ the routes
+    def close(self, timeout_s: float) -> None:
+        """Stop the solo channel's thread (what is queued there is failed by the engine)."""
+        self._solo_ch.close(timeout_s)
+
     def _take(self, what: str) -> int:
         """The next sequence number (lock held), refused on a failed or destroyed group."""
         self._engine.check_usable(what)
@@ -246,33 +256,45 @@ class Issue:
 
     def _issue_solo(self, tensors: list, opts: Any, tensor: torch.Tensor, reduce_op: Any,
                     tp: Any) -> Any:
-        """A solo allreduce: numbered and recorded, checked by a round on the solo channel's
-        own transport (solo calls pair only with solo calls there), then sent at once."""
+        """A solo allreduce: numbered, recorded and queued for the solo channel's thread,
+        which checks it (with the solo calls queued beside it) and sends it (solo.py)."""
         key = signature("all_reduce", tensor, None, None, reduce_op)
-        with self._solo_lock:
-            insp = self._insp
-            if insp is not None and insp.debug is not None:
-                with self._debug_lock:
-                    insp.debug.check(self.seq, "all_reduce", tensor, None, reduce_op)
-            claim = Claim(None, lambda: None)
-            with self._lock:
-                seq = self._take("all_reduce")
-                self.checking.add(seq)
-                if insp is not None:
-                    insp.record(seq, "all_reduce", tensor, None, reduce_op, claim)
-            try:
-                self._settle(self._solo_round(tensor.device), Check(seq, key), True)
-            finally:
-                with self._lock:
-                    self.checking.discard(seq)
-            with self._lock:
-                work = claim.work = self._send_solo(lambda: tp.allreduce(tensors, opts), tensor)
+        waited = not getattr(opts, "asyncOp", True)
+        insp = self._insp
+        if insp is not None and insp.debug is not None:
+            with self._debug_lock:
+                insp.debug.check(self.seq, "all_reduce", tensor, None, reduce_op)
+        fut = completion.new_source(streams.future_devices(tensor.device))
+        numel = tensor.numel()
+        with self._lock:
+            seq = self._take("all_reduce")
+            work = FutureWork(fut, self._engine, seq, "all_reduce")
+            self._solo_ch.submit(SoloOp(Check(seq, key, None, waited),
+                                        lambda: tp.allreduce(tensors, opts), tensors, fut,
+                                        numel * tensor.element_size(), numel))
+            if insp is not None:
+                insp.record(seq, "all_reduce", tensor, None, reduce_op, work)
         if insp is not None:
-            if insp.sliced and not getattr(opts, "asyncOp", True):
-                insp.wait_sync(work, seq, "all_reduce")
+            insp.attach(work, seq, "all_reduce")
         return work
 
-    def _solo_round(self, device: torch.device) -> Rounds:
+    def _solo_sent(self, op: SoloOp, work: Any) -> None:
+        """The solo channel's thread handed `op` to the transport."""
+        with self._lock:
+            # The caller is not quiet, and the transport is not idle (the queue's round
+            # rule): a per-tensor loop that sends solos between its small tensors is still
+            # issuing.
+            self._queue.last_submit = time.monotonic()
+            self._messages.solo_sent(work)
+            if op.check is not None:
+                self._stats.record_solo(op.nbytes, op.numel)
+
+    def _refused(self, seqs: list) -> None:
+        if self._insp is not None:
+            with self._lock:
+                self._insp.refuse(seqs)
+
+    def _solo_round(self) -> Rounds:
         """The rounds of the solo channel, on its CPU transport (made at the first solo)."""
         if self._solo_rounds is None:
             eng = self._engine
@@ -288,9 +310,7 @@ class Issue:
             rounds.check(chk)
         except CollectiveMismatchError as err:
             if refusable and getattr(err, "refused", None):
-                if self._insp is not None:
-                    with self._lock:
-                        self._insp.refuse([chk.seq])
+                self._refused([chk.seq])
                 raise
             raise self._engine.fail(err) from None
         except Exception as exc:  # noqa: BLE001 - a peer died, a fault: the group is broken
@@ -317,25 +337,13 @@ class Issue:
         """The lowest sequence number the rounds have not settled yet (the inspector compares
         what is below it; see Inspector.find_mismatch)."""
         with self._lock:
-            seqs = list(self.checking)
+            seqs = list(self.checking) + list(self._solo_ch.pending)
             issued = self._queue.issued
             if issued:
                 seqs.append(issued[0].seq)
             seqs.extend(op.seq for op in self._queue.agreed
                         if isinstance(op, EagerOp) and op.check is not None)
             return min(seqs, default=self.seq)
-
-    def _send_solo(self, launch: Callable[[], Any], tensor: torch.Tensor) -> Any:
-        """Send a solo allreduce now, on the caller's thread (lock held): `launch()` hands it to
-        the solo channel's transport and returns that Work."""
-        work = launch()
-        # The caller is not quiet, and the transport is not idle (the queue's round rule): a
-        # per-tensor loop that sends solos between its small tensors is still issuing.
-        self._queue.last_submit = time.monotonic()
-        self._messages.solo_sent(work)
-        numel = tensor.numel()
-        self._stats.record_solo(numel * tensor.element_size(), numel)
-        return work
 
     def _eager(self, seq: int, name: str, launch: Callable[[], Any], outputs: Any,
                device: torch.device | None = None, chk: Check | None = None,

@@ -73,8 +73,8 @@ class Rounds:
             hi = -neg
             rounds = 2
         dt = time.perf_counter() - t0
-        if isinstance(candidates[0], Check):
-            self._stats.record_check(dt)
+        if isinstance(getattr(candidates[0], "check", candidates[0]), Check):
+            self._stats.record_check(dt)  # eager or solo calls' signatures
         else:
             self._stats.record_agreement(dt, rounds)
         if TIMELINE.enabled:
