@@ -65,6 +65,7 @@ class Engine:
         self.config = config
         self.timeout_s = timeout_s
         self.transport_for = transport_for
+        self.name = name  # the process group's name, for errors and thread names
         self._name = name
         # The engine's state lock (reentrant, so a path that fails the group while holding it
         # cannot deadlock itself), and a condition on it for the engine thread. Hot paths take

@@ -90,7 +90,7 @@ class Issue:
         self._insp = inspector if inspector is not None and inspector.enabled else None
         self._debug_lock = threading.Lock()  # the debug check and the submission in one order
         self._solo_rounds: Rounds | None = None
-        self._solo_ch = SoloChannel(engine._name, self._solo_round, self._solo_sent,
+        self._solo_ch = SoloChannel(engine.name, self._solo_round, self._solo_sent,
                                     engine.fail, self._refused)
         self.checking: set = set()  # calls in their round right now (their sequence numbers)
         self.seq = 0  # the next sequence number
