@@ -22,7 +22,7 @@ def issue_for(solo_transports=object(), **options) -> Issue:
     """An Issue over a stand-in engine: route() reads only the Config and the solo channel."""
     lock = threading.RLock()
     engine = SimpleNamespace(lock=lock, cv=threading.Condition(lock), queue=None,
-                             messages=None, stats=None)
+                             messages=None, stats=None, name="test", fail=lambda exc: exc)
     return Issue(engine, Config.resolve(options, environ={}), lambda d: None,
                  solo_transports, None)
 

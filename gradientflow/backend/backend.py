@@ -25,7 +25,8 @@ from gradientflow import agreement_check
 from gradientflow.algorithms import Algorithms
 from gradientflow.backend import composed, layouts, p2p, registry
 from gradientflow.backend import validate as V
-from gradientflow.backend.transports import Transports, attempt_store, make_gloo
+from gradientflow.backend.transports import (Transports, attempt_store, incarnation_store,
+                                             make_gloo)
 from gradientflow.config import Config, current_overrides
 from gradientflow.backend.registry import backend_of  # noqa: F401 - its old home
 from gradientflow.engine.engine import Engine
@@ -65,15 +66,18 @@ class GradientFlowBackend(BACKEND_BASE):
         self._seq_for_group = 0
         store = attempt_store(store)
         check_world(store, rank, size, timeout.total_seconds())
+        store = incarnation_store(store, size)
         # Before any transport: a setting such as debug decides which groups get connected.
         agreement_check.check(store, rank, size, config, timeout.total_seconds())
         cuda = config.cuda_transport
         self.transports = Transports(store, rank, size, timeout, cuda_transport=cuda)
-        # The solo channel (engine/issue.py): a second gloo group, connected by every rank at
-        # its first solo allreduce, which is the same call on every rank.
-        self.solo_transports = Transports(store, rank, size, timeout,
-                                          prefix="gradientflow/solo-", connect_cpu=False,
-                                          cuda_transport=cuda)
+        # The solo channel (engine/issue.py): a second gloo group, connected here when the
+        # channel is on (at a first solo allreduce that another rank issued differently, a
+        # connection made then would wait for it in the store, out of reach of any check).
+        self.solo_transports = Transports(
+            store, rank, size, timeout, prefix="gradientflow/solo-",
+            connect_cpu=config.solo_channel and config.fusion_threshold > 0 and size > 1,
+            cuda_transport=cuda)
         # A side group for the agreement rounds, so that they never pair with data messages.
         agree = make_gloo(store, rank, size, timeout, "gradientflow/agree/")
         self._agree = agree

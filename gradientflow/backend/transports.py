@@ -1,7 +1,8 @@
 """The transports under the engine: torch's own process groups, one per device type.
 
 gloo for CPU tensors, NCCL for CUDA tensors (or gloo, `cuda_transport`; created lazily on first
-CUDA use, on the same store). gradientflow never writes sockets.
+CUDA use, on the same store), each adapted (adapter.py: every dtype, a future on every Work).
+gradientflow never writes sockets.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import Any, Callable
 import torch
 from torch._C._distributed_c10d import PrefixStore, ProcessGroupGloo
 
+from gradientflow.backend.adapter import adapted
 from gradientflow.config import restart_attempt
 from gradientflow.stores import own_connection
 
@@ -40,6 +42,21 @@ def attempt_store(store):
     return PrefixStore(f"gradientflow/attempt{attempt}/", store) if attempt else store
 
 
+def incarnation_store(store, size: int):
+    """The store namespaced by this group's incarnation, counted in the store itself.
+
+    A group destroyed and made again under the same name on the same store (hvd.shutdown()
+    then hvd.init(); destroy_process_group() then init_process_group(): torch's multi-tenant
+    TCPStore server outlives its groups while anything holds it) would otherwise read the
+    keys of the one before: gloo's rendezvous would connect to its dead addresses, the
+    inspector would adopt its fault. Every rank adds one at each creation, and the ranks of
+    one incarnation all add before any of them can make the next (its transports connect all
+    of them first), so each rank reads the same incarnation.
+    """
+    n = store.add("gradientflow/incarnations", 1)
+    return PrefixStore(f"gradientflow/inc{(n - 1) // size}/", store)
+
+
 class Transports:
     """The transport process group per device type; CUDA's is created on first use.
 
@@ -49,7 +66,8 @@ class Transports:
     """
 
     # Factories by transport name, class attributes so tests can substitute fakes.
-    factories: dict[str, Callable[..., Any]] = {"gloo": make_gloo, "nccl": make_nccl}
+    factories: dict[str, Callable[..., Any]] = {"gloo": adapted(make_gloo),
+                                                "nccl": adapted(make_nccl)}
 
     def __init__(self, store, rank: int, size: int, timeout: datetime.timedelta,
                  prefix: str = "gradientflow/", connect_cpu: bool = True,

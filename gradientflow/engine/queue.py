@@ -58,6 +58,12 @@ class OrderedQueue:
         self.last_submit = 0.0  # when the last deferred or solo op was issued (the quiet rule)
         self.wanted_upto = -1  # highest seq somebody waits on (or flushed)
         self.busy = False  # the engine thread is running a job
+        # A caller runs an eager call's round and launch itself (issue.Claim): no other round
+        # or send may start until it is done, so the engine thread waits.
+        self.floor = False
+        # Blocks of allreduces the caller will wait on as one (Engine.waited): their round
+        # waits for the block's end.
+        self.held = 0
 
     def configure(self, config: Any) -> None:
         """Take the cut and the cycle time of `config` (at creation, or Engine.reconfigure)."""
@@ -120,6 +126,16 @@ class OrderedQueue:
             return
         self.agreed.extend(plan_messages(batch, self._threshold, self._solo_threshold))
 
+    def refuse(self, n: int) -> list:
+        """The first `n` issued ops, removed: a round refused them on every rank."""
+        batch = [self.issued.popleft() for _ in range(n)]
+        if self.to_prepare:
+            gone = {id(op) for op in batch}
+            self.to_prepare = collections.deque(op for op in self.to_prepare
+                                                if id(op) not in gone)
+        self._recount_run()
+        return batch
+
     def drain(self) -> list:
         """Everything not yet handed to the transport, removed (to fail it)."""
         items = list(self.agreed) + list(self.issued)
@@ -151,6 +167,8 @@ class OrderedQueue:
 
     def _should_round(self, now: float) -> tuple[bool, float | None]:
         """Whether to start the agreement round for the leading batch now (local reasons)."""
+        if self.held:  # the caller is still issuing a block it will wait on (Engine.waited)
+            return False, None
         if self.run_len < len(self.issued):  # another collective is queued behind the batch
             return True, None
         if self.wanted_upto >= self.issued[0].seq or self.run_bytes >= self._threshold:
@@ -176,6 +194,8 @@ class OrderedQueue:
 
     def next_job(self) -> tuple[Any, float | None]:
         """The engine's next job, or None to wait (lock held); also the wait's timeout."""
+        if self.floor:
+            return None, None
         agreed = self.agreed
         if agreed:
             head = agreed[0]
