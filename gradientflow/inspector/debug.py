@@ -1,9 +1,13 @@
-"""GRADIENTFLOW_DEBUG: every collective checked on every rank before it reaches the transport.
+"""GRADIENTFLOW_DEBUG: a second check per collective, which names every rank's call.
 
-A small allgather of (sequence number, fingerprint) on a side group per call, so a mismatched
-call is refused on every rank with the group still usable; all-to-all, whose sizes may differ
-between ranks, gets a second round checking what each rank sends against what its peer
-expects. It costs one small collective's latency per call, which is why it is a debug mode.
+Every call is already checked by default before it reaches the transport (the engine's
+rounds: the smallest and largest signature of the ranks, refused on every rank). This mode
+adds, before that, a small allgather of (sequence number, fingerprint) on a side group of its
+own, so the error lists what each rank issued, and a solo allreduce that met another call on
+the main transport is refused at once rather than found by the inspector. All-to-all, whose
+sizes may differ between ranks, gets a second round checking what each rank sends against
+what its peer expects. It costs one more small collective's latency per call, which is why it
+is a debug mode.
 """
 from __future__ import annotations
 
