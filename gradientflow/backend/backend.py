@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import AllreduceOptions, Backend as _CBackend, ReduceOp
 
-from gradientflow import agreement_check
+from gradientflow import settings_check
 from gradientflow.algorithms import Algorithms
 from gradientflow.backend import composed, layouts, p2p, registry
 from gradientflow.backend import validate as V
@@ -68,19 +68,24 @@ class GradientFlowBackend(BACKEND_BASE):
         check_world(store, rank, size, timeout.total_seconds())
         store = incarnation_store(store, size)
         # Before any transport: a setting such as debug decides which groups get connected.
-        agreement_check.check(store, rank, size, config, timeout.total_seconds())
+        settings_check.check(store, rank, size, config, timeout.total_seconds())
         cuda = config.cuda_transport
         self.transports = Transports(store, rank, size, timeout, cuda_transport=cuda)
         # The solo channel (engine/issue.py): a second gloo group, connected here when the
         # channel is on (at a first solo allreduce that another rank issued differently, a
         # connection made then would wait for it in the store, out of reach of any check).
+        solo_on = config.solo_channel and config.fusion_threshold > 0 and size > 1
         self.solo_transports = Transports(
-            store, rank, size, timeout, prefix="gradientflow/solo-",
-            connect_cpu=config.solo_channel and config.fusion_threshold > 0 and size > 1,
+            store, rank, size, timeout, prefix="gradientflow/solo-", connect_cpu=solo_on,
             cuda_transport=cuda)
-        # A side group for the agreement rounds, so that they never pair with data messages.
+        # A side group for the agreement rounds, so that they never pair with data messages;
+        # the solo channel's check rounds get one of their own: on the solo transport they
+        # would wait behind the solo data before them, and on this one they would pair with
+        # the engine's rounds in an order that differs between ranks.
         agree = make_gloo(store, rank, size, timeout, "gradientflow/agree/")
         self._agree = agree
+        self._solo_agree = (make_gloo(store, rank, size, timeout, "gradientflow/solo-agree/")
+                            if solo_on else None)
         # Check-ins, mismatch detection, the stall inspector (gradientflow/inspector). Its
         # faults fail the engine; the engine's first error is explained by it (which rank
         # died or is missing, what differed).
@@ -99,7 +104,7 @@ class GradientFlowBackend(BACKEND_BASE):
                              self.algorithms.channel("fused", self.transports.get), agree,
                              name=group_name or "gradientflow",
                              solo=self.algorithms.transports("solo", self.solo_transports),
-                             inspector=self.inspector)
+                             inspector=self.inspector, solo_agree_group=self._solo_agree)
         # The keyed scheduler is a second ordered stream (see engine/scheduler.py): its own
         # agreement group and its own transports, created on first use by every rank.
         self._store = store
@@ -172,10 +177,12 @@ class GradientFlowBackend(BACKEND_BASE):
         self.transports.shutdown()
         self.solo_transports.shutdown()
         self.algorithms.shutdown()  # [algorithms]
-        try:
-            self._agree.shutdown()
-        except Exception:  # noqa: BLE001
-            pass
+        for side in (self._agree, self._solo_agree):
+            try:
+                if side is not None:
+                    side.shutdown()
+            except Exception:  # noqa: BLE001
+                pass
         registry.remove(self.group_name, self)
 
     def flush(self) -> None:

@@ -1,8 +1,9 @@
 """The ordered engine: one per gradientflow process group, a pipeline of four stages.
 
 1. Issue (issue.py, the caller's thread): every collective takes a sequence number in issue
-   order, is recorded for the inspector and routed: SOLO (sent at once on the solo channel),
-   FUSED (deferred for fusion) or EAGER (sent in sequence order).
+   order, is recorded for the inspector and routed: SOLO (queued for the solo channel, which
+   checks and sends it), FUSED (deferred for fusion) or EAGER (checked, then sent in sequence
+   order).
 2. Agreement (agreement.py, pure; rounds.py runs it on the engine thread): each batch of
    deferred allreduces is closed by one round on a side group. Where a fused message may end
    cannot be decided locally (rank 0 may wait on op 3 right after issuing it while rank 1 has
@@ -53,19 +54,22 @@ class Engine:
 
     `transport_for(device)`: the main transport (gloo, NCCL); `agree_group`: the side group of
     the agreement rounds; `solo`: the solo channel's transports (`get(device)`,
-    `existing(type)`), None without one; `inspector`: the group's check-ins (its `record`,
+    `existing(type)`), None without one; `solo_agree_group`: the side group of the solo
+    channel's check rounds; `inspector`: the group's check-ins (its `record`,
     `attach`, `wait_sync`, `debug` and `explain_engine`), None without one.
     """
 
     def __init__(self, rank: int, world_size: int, config: Config, timeout_s: float,
                  transport_for: Callable[[torch.device], Any], agree_group: Any,
-                 name: str = "gradientflow", solo: Any = None, inspector: Any = None) -> None:
+                 name: str = "gradientflow", solo: Any = None, inspector: Any = None,
+                 solo_agree_group: Any = None) -> None:
         self.rank = rank
         self.world_size = world_size
         self.config = config
         self.timeout_s = timeout_s
         self.transport_for = transport_for
         self.name = name  # the process group's name, for errors and thread names
+        self.solo_agree_group = solo_agree_group  # the solo channel's rounds (issue.py)
         self._name = name
         # The engine's state lock (reentrant, so a path that fails the group while holding it
         # cannot deadlock itself), and a condition on it for the engine thread. Hot paths take

@@ -295,11 +295,13 @@ class Issue:
                 self._insp.refuse(seqs)
 
     def _solo_round(self) -> Rounds:
-        """The rounds of the solo channel, on its CPU transport (made at the first solo)."""
+        """The rounds of the solo channel (made at the first solo), on the side group the
+        backend made for them, else on the solo channel's CPU transport."""
         if self._solo_rounds is None:
             eng = self._engine
-            self._solo_rounds = Rounds(eng.rank, eng.world_size, self._solo.existing("cpu"),
-                                       self._stats, f"{eng._name} (solo channel)")
+            group = getattr(eng, "solo_agree_group", None) or self._solo.existing("cpu")
+            self._solo_rounds = Rounds(eng.rank, eng.world_size, group, self._stats,
+                                       f"{eng.name} (solo channel)")
             self._solo_rounds.fault = eng.rounds.fault
         return self._solo_rounds
 
