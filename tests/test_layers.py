@@ -5,7 +5,7 @@ The layers, bottom to top (a module may import its own component and any lower l
     0  kernels, simulate            compute kernels (numba); the scale model: leaves
     1  errors, fingerprint,         every error; process-independent hashing; the resolved
        config, stores               Config; a store connection of one's own
-    2  observability, agreement_check  the statistics sink and timeline; settings agreed at init
+    2  observability, settings_check  the statistics sink and timeline; settings agreed at init
     3  inspector, algorithms        check-ins, mismatch and stall detection; collective algorithms
     4  engine                       issue -> agreement -> messages -> completion
     5  backend                      the torch Backend, transports, the group registry and API
@@ -30,7 +30,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1] / "gradientflow"
 LAYERS = [
     {"kernels", "simulate"},
     {"errors", "fingerprint", "config", "stores"},
-    {"observability", "agreement_check"},
+    {"observability", "settings_check"},
     {"inspector", "algorithms"},
     {"engine"},
     {"backend"},

@@ -85,7 +85,7 @@ class Algorithms:
         over hosts (LOCAL_WORLD_SIZE below the group's size); else None."""
         if self._topo is None:
             # the same rule on every rank: init refuses ranks that disagree on it
-            # (agreement_check.spans_hosts), so no rank looks the hosts up alone
+            # (settings_check.spans_hosts), so no rank looks the hosts up alone
             c = self._config
             if c.host or 0 < c.local_world_size < self.size:
                 return self.topology()

@@ -13,7 +13,7 @@ from gradientflow.optim.optimizer import (Average, DistributedOptimizer, Optimiz
                                           ReduceOp, Sum)
 from gradientflow.optim.overlap import NextForwardOverlap
 from gradientflow.optim.plan import Partition, build_plan
-from gradientflow.optim.reducer import GradientReducer, ReducerOptions
+from gradientflow.optim.gradient_reducer import GradientReducer, ReducerOptions
 
 __all__ = ["Average", "Sum", "ReduceOp", "DistributedOptimizer", "OptimizerOptions",
            "broadcast_parameters", "broadcast_optimizer_state", "Partition", "build_plan",

@@ -34,7 +34,7 @@ from gradientflow.compression import checkpoint as _ckpt
 from gradientflow.compression.momentum import follow_optimizer
 from gradientflow.optim.overlap import NextForwardOverlap
 from gradientflow.optim.plan import Partition
-from gradientflow.optim.reducer import GradientReducer, ReduceOp, ReducerOptions
+from gradientflow.optim.gradient_reducer import GradientReducer, ReduceOp, ReducerOptions
 
 __all__ = ["ReduceOp", "Average", "Sum", "DistributedOptimizer", "OptimizerOptions"]
 

@@ -14,7 +14,7 @@ from typing import Callable
 
 import torch
 
-from gradientflow.optim.reducer import GradientReducer
+from gradientflow.optim.gradient_reducer import GradientReducer
 
 __all__ = ["NextForwardOverlap"]
 

@@ -105,7 +105,7 @@ def test_local_settings_may_differ(pools):
 
 
 def test_agreeing_settings_pass():
-    from gradientflow.agreement_check import describe, fingerprint
+    from gradientflow.settings_check import describe, fingerprint
     from gradientflow.config import Config
 
     a = fingerprint(Config())
@@ -119,7 +119,7 @@ def test_every_config_field_is_classified():
     """A new Config field must be declared agreed or shown harmless here."""
     import dataclasses
 
-    from gradientflow.agreement_check import AGREED
+    from gradientflow.settings_check import AGREED
     from gradientflow.config import Config
 
     fields = {f.name for f in dataclasses.fields(Config)}
