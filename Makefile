@@ -53,7 +53,7 @@ test-oldest: $(OLD_STAMP)
 lint: install
 	$(PY) -m ruff check .
 
-# GradientFlow beside DDP on Fashion-MNIST, accuracy against time and bytes, under 2 minutes
+# GradientFlow beside DDP on Fashion-MNIST, accuracy against time and bytes, about 2 minutes
 # (root: an emulated 1 Gbit/s switch; otherwise a modelled link, and it says so)
 demo: install
 	$(PY) experiments/imagenet/demo.py

@@ -1,6 +1,6 @@
 """`make demo`: GradientFlow beside DDP on Fashion-MNIST, accuracy against time and bytes.
 
-    python experiments/imagenet/demo.py             # about 1.5 minutes on 2 idle cores
+    python experiments/imagenet/demo.py             # about 2 minutes on 2 idle cores
     python experiments/imagenet/demo.py --link-gbps 10 --steps 200
 
 The same AlexNet-shaped model (models.py), data, seed and plain SGD recipe twice, 2 CPU ranks:
