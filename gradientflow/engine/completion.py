@@ -175,6 +175,22 @@ class _Watchdog:
 _watchdog = _Watchdog()
 
 
+def follow(done: Any, fut: torch.futures.Future, outputs: Any,
+           fail: Any) -> None:
+    """Complete `fut` with `outputs` from the transport's finished future `done`: a StepFailed
+    (agreed on every rank) fails only this op; any other error fails the group (`fail(exc)`
+    returns the group's error)."""
+    from gradientflow.errors import StepFailed
+
+    try:
+        done.value()
+        complete(fut, outputs)
+    except StepFailed as exc:  # [algorithms] agreed on every rank: the group goes on
+        complete(fut, error=exc)
+    except BaseException as exc:  # noqa: BLE001 - a transport failure: the group is broken
+        complete(fut, error=fail(exc))
+
+
 def complete_all(items: list[tuple[torch.futures.Future, Any, BaseException | None]],
                  stream: Any = None) -> None:
     """Settle several futures, in order, off the caller's thread (one pool task for all).

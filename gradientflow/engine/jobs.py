@@ -143,14 +143,8 @@ class EagerOp:
             completion.complete(self.fut, self.outputs)
             return
 
-        def done(f, op=self, work=work):
-            try:
-                f.value()
-                completion.complete(op.fut, op.outputs)
-            except StepFailed as exc:  # [algorithms] agreed on every rank: the group goes on
-                completion.complete(op.fut, error=exc)
-            except BaseException as exc:  # noqa: BLE001 - a transport failure: the group is broken
-                completion.complete(op.fut, error=engine.fail(exc))
+        def done(f, op=self):
+            completion.follow(f, op.fut, op.outputs, engine.fail)
 
         try:
             fut = work.get_future()

@@ -20,7 +20,7 @@ from typing import Any, Callable
 from gradientflow.engine import completion
 from gradientflow.engine.agreement import MAX_BATCH
 from gradientflow.engine.checks import Check
-from gradientflow.errors import CollectiveMismatchError, StepFailed
+from gradientflow.errors import CollectiveMismatchError
 
 
 class SoloOp:
@@ -137,20 +137,12 @@ class SoloChannel:
         for op in batch:
             work = op.launch()
             self._sent(op, work)
-            work.get_future().then(lambda f, op=op: self._done(f, op))
+            work.get_future().then(
+                lambda f, op=op: completion.follow(f, op.fut, op.outputs, self._fail))
         with self._cv:
             for op in batch:
                 if op.check is not None:
                     self.pending.discard(op.check.seq)
-
-    def _done(self, fut: Any, op: SoloOp) -> None:
-        try:
-            fut.value()
-            completion.complete(op.fut, op.outputs)
-        except StepFailed as exc:  # [algorithms] agreed on every rank: the group goes on
-            completion.complete(op.fut, error=exc)
-        except BaseException as exc:  # noqa: BLE001 - a transport failure: the group is broken
-            completion.complete(op.fut, error=self._fail(exc))
 
     def _requeue(self, rest: list) -> None:
         if rest:
