@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 # torch would download a multi-GB build.
 TORCH_PINS := torch==2.14.1 torchvision==0.29.1
 
-.PHONY: install test test-oldest lint demo demo-digits horovod compare bench bench-quick experiment sweep simulate bench-algorithms bench-algorithms-e2e bench-pipeline step-anatomy gpu-check bench-autotune bench-autotune-matrix autotune-matrix-table autotune-e2e test-ray clean
+.PHONY: install test test-oldest lint demo horovod compare bench experiment sweep simulate bench-algorithms bench-pipeline step-anatomy gpu-check bench-autotune test-ray clean
 
 install: $(STAMP)
 
@@ -54,13 +54,15 @@ lint: install
 	$(PY) -m ruff check .
 
 # GradientFlow beside DDP on Fashion-MNIST, accuracy against time and bytes, about 2 minutes
-# (root: an emulated 1 Gbit/s switch; otherwise a modelled link, and it says so)
+# (root: an emulated 1 Gbit/s switch; otherwise a modelled link, and it says so).
+# make demo DATA=digits: the earlier demo, CSC 1% on scikit-learn's digits, one seed.
+DATA ?= fashion
 demo: install
-	$(PY) experiments/imagenet/demo.py
-
-# the earlier demo: CSC 1% on scikit-learn's digits, one seed
-demo-digits: install
+ifeq ($(DATA),digits)
 	$(PY) experiments/imagenet/run_experiment.py --demo
+else
+	$(PY) experiments/imagenet/demo.py
+endif
 
 # Horovod 0.28.1 for CPU with Gloo in its own environment, .venv-horovod (about 20 minutes of
 # one core); make install never builds it
@@ -76,11 +78,10 @@ compare: install
 	-$(MAKE) horovod  # a failed build leaves Horovod's rows saying why, not the run undone
 	$(PY) experiments/imagenet/compare.py
 
+# every benchmark; make bench ARGS=--quick for tiny sizes (benchmarks/results/quick/)
+ARGS ?=
 bench: install
-	$(PY) benchmarks/run.py
-
-bench-quick: install
-	$(PY) benchmarks/run.py --quick
+	$(PY) benchmarks/run.py $(ARGS)
 
 experiment: install
 	$(PY) experiments/imagenet/run_experiment.py
@@ -90,13 +91,12 @@ sweep: install
 	$(PY) experiments/imagenet/run_experiment.py --densities 0.1,0.03,0.01,0.003,0.001 \
 		--chunk-sizes 256,1024,4096 --seeds 0,1,2 --epochs 6
 
-# collective algorithms on the emulated network (root: network namespaces, tbf)
+# collective algorithms on the emulated network (root: network namespaces, tbf);
+# make bench-algorithms E2E=1: a ResNet-50 DDP step under each algorithm, dense and CSC 1%,
+# 4 workers at 1 Gbit/s
+E2E ?=
 bench-algorithms: install
-	$(PY) benchmarks/bench_algorithms.py
-
-# a ResNet-50 DDP step under each algorithm, dense and CSC 1%, 4 workers at 1 Gbit/s (root)
-bench-algorithms-e2e: install
-	$(PY) benchmarks/bench_algorithms_e2e.py
+	$(PY) benchmarks/bench_algorithms$(if $(E2E),_e2e).py
 
 # CSC fused and pipelined by the engine against no communication, ResNet-50 and AlexNet, DDP
 # built as README.md recommends, medians over 3 launches (root)
@@ -109,15 +109,19 @@ bench-pipeline: install
 step-anatomy: install
 	$(PY) -m benchmarks.step_anatomy --model resnet50 --tier 1 --bucket-view --no-broadcast-buffers
 
-# autotune against a grid of the same settings, in one launch
-bench-autotune: install
-	$(PY) benchmarks/bench_autotune.py
-
-# the same on loopback and the emulated 10 Gbit/s network, 2 and 4 ranks, one launch per
-# folder (root); then the matrix of every folder (benchmarks/results/autotune/matrix.md)
+# autotune against a grid of the same settings, in one launch. MODE picks a variant:
+#   MODE=matrix  the same on loopback and the emulated 10 Gbit/s network, 2 and 4 ranks, one
+#                launch per folder (root), then the table below
+#   MODE=table   the matrix of every launch folder under benchmarks/results/autotune (no run)
+#   MODE=e2e     a CSC training run with autotune against the defaults (digits, time to the
+#                same accuracy)
+MODE ?=
 AT = $(PY) benchmarks/bench_autotune.py --seed 0
 AT_OUT = benchmarks/results/autotune
-bench-autotune-matrix: install
+bench-autotune: install
+ifeq ($(MODE),)
+	$(PY) benchmarks/bench_autotune.py
+else ifeq ($(MODE),matrix)
 	for t in none 10; do for n in 2 4; do \
 		if [ $$n = 2 ]; then rh="--reps 5 --h2h 8"; else rh="--reps 3 --h2h 6"; fi; \
 		$(AT) --tiers $$t --worlds $$n --models resnet50,alexnet $$rh \
@@ -127,15 +131,14 @@ bench-autotune-matrix: install
 		$(AT) --tiers $$t --worlds $$n --models bert-base $$b \
 			--out $(AT_OUT)/t$${t}_w$${n}_bert-base || exit 1; \
 	done; done
-	$(MAKE) autotune-matrix-table
-
-# the matrix of every launch folder under benchmarks/results/autotune (no run)
-autotune-matrix-table: install
 	$(PY) benchmarks/autotune_matrix.py
-
-# a CSC training run with autotune against the defaults (digits, time to the same accuracy)
-autotune-e2e: install
+else ifeq ($(MODE),table)
+	$(PY) benchmarks/autotune_matrix.py
+else ifeq ($(MODE),e2e)
 	$(PY) experiments/imagenet/autotune_e2e.py --runs default-0,autotune-0,autotune-1,default-1
+else
+	$(error bench-autotune: MODE is one of matrix, table, e2e (or unset), not "$(MODE)")
+endif
 
 # the scale model's tables, plots and calibration (benchmarks/results/simulate/)
 simulate: install

@@ -1,7 +1,7 @@
 """Run every benchmark, gather their JSON, write one markdown summary with plots.
 
     python -m benchmarks.run                 # make bench: full sizes -> benchmarks/results/
-    python -m benchmarks.run --quick         # make bench-quick: tiny sizes -> .../results/quick/
+    python -m benchmarks.run --quick         # make bench ARGS=--quick: tiny, .../results/quick/
     python -m benchmarks.run --only e2e,collectives --timeout 1800
 
 One folder per benchmark holds its latest run: every ``benchmarks/bench_<name>.py`` is run as its
