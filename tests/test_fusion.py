@@ -75,7 +75,7 @@ def random_programs(rank, world, n_examples):
     prop()
     from gradientflow.backend import backend_of
 
-    c = backend_of().engine.counters
+    c = backend_of().engine.stats
     return {"rounds": c.rounds, "messages": c.messages, "fused": c.fused_tensors,
             "deferred": c.deferred, "solo_channel": c.solo_channel}
 
@@ -124,7 +124,7 @@ def solo_overtakes(rank, world):
     visible = bool((small == want).all()) and bool((big == want).all())
     w_small.wait()
     w_big.wait()
-    c = backend_of().engine.counters
+    c = backend_of().engine.stats
     return visible, c.solo_channel, c.rounds
 
 
@@ -146,7 +146,7 @@ def fuse_many(rank, world, n):
     for w in works:
         w.wait()
     assert all(t[0].item() == sum(r + i for r in range(world)) for i, t in enumerate(ts))
-    c = backend_of().engine.counters
+    c = backend_of().engine.stats
     return c.rounds, c.messages
 
 

@@ -28,7 +28,6 @@ from gradientflow.backend import validate as V
 from gradientflow.backend.transports import (Transports, attempt_store, incarnation_store,
                                              make_gloo)
 from gradientflow.config import Config, current_overrides
-from gradientflow.backend.registry import backend_of  # noqa: F401 - its old home
 from gradientflow.engine.engine import Engine
 from gradientflow.inspector import Inspector, check_world
 from gradientflow.stores import own_connection
@@ -203,7 +202,7 @@ class GradientFlowBackend(BACKEND_BASE):
 
     def _abort(self, err: BaseException) -> None:
         """The inspector found a fault: fail what is queued and refuse new work with `err`."""
-        self.engine.abort(err)
+        self.engine.fail(err)
 
     def _eager(self, name: str, device: torch.device, call: Any, outputs: Any,
                opts: Any = None, sig: torch.Tensor | None = None, pair_bytes: Any = None) -> Any:

@@ -102,11 +102,6 @@ class Engine:
         self._thread = threading.Thread(target=self._main, name=f"{name}-engine", daemon=True)
         self._thread.start()
 
-    @property
-    def counters(self) -> GroupStats:
-        """This group's counters (rounds, messages, routes; observability.stats.GroupStats)."""
-        return self.stats
-
     # ------------------------------------------------------------------ callers' side
     def describe(self, seq: int, name: str) -> str:
         return f"rank {self.rank}: {name} (sequence number {seq}) on process group {self._name}"
@@ -254,10 +249,6 @@ class Engine:
         self._thread.join(timeout_s)
         self.issue.close(timeout_s)
         self.messages.close(timeout_s)  # it ends once what is in flight is finished
-
-    def abort(self, exc: BaseException) -> None:
-        """Fail the group: every queued op raises, later submissions too; the first error stays."""
-        self.fail(exc)
 
     def fail(self, exc: BaseException) -> BaseException:
         """Fail the group with `exc` (explained) unless it failed already; return its error."""

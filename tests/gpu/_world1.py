@@ -171,7 +171,7 @@ def pattern(n: int, salt: int) -> torch.Tensor:
 def backend():
     if MODE["mode"] == "engine":
         return SHIM["shim"]
-    from gradientflow.backend.backend import backend_of
+    from gradientflow.backend.registry import backend_of
 
     return backend_of()
 

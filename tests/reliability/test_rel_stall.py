@@ -249,7 +249,7 @@ def dies_with_fused_allreduces(rank, world, out_dir, case):
             launch = engine.messages.launch
 
             def launch_then_die(msg, seg, buf):
-                if engine.counters.messages >= 1:
+                if engine.stats.messages >= 1:
                     os.kill(os.getpid(), signal.SIGKILL)
                 launch(msg, seg, buf)
 
