@@ -12,7 +12,9 @@ import pytest
 from harness import RankFailure
 
 FLOATS = ["float32", "float64", "float16", "bfloat16"]
-INTS = ["int32", "int64", "uint8"]
+# int8 and int16 too: Horovod takes them on every collective, and gloo has no int16 kernel
+# (backend/dtypes.py moves its bits and reduces it widened).
+INTS = ["int32", "int64", "uint8", "int8", "int16"]
 KINDS = ["all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter",
          "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "reduce", "gather",
          "scatter", "barrier", "p2p_ring", "all_gather_object"]
@@ -189,6 +191,58 @@ def test_every_collective_matches_reference(pools, world):
     assert len(kinds[0]) >= 10, kinds[0]  # most kinds were drawn
 
 
+def dtypes_gloo_lacks(rank, world):
+    """Rank body: the dtypes gloo has no kernel for, on every collective, exact."""
+    import torch
+    import torch.distributed as dist
+
+    bits = {"uint16": 16, "uint32": 32, "uint64": 64}
+    checked = []
+    for name in ("int16", "uint16", "uint32", "uint64", "complex64", "complex128",
+                 "float8_e4m3fn"):
+        dt = getattr(torch, name)
+        g = torch.Generator().manual_seed(7)
+        raw = [torch.randint(0, 2**15, (6,), generator=g).to(torch.int64) + 2**14 * r
+               for r in range(world)]
+
+        def make(x, dt=dt, name=name):
+            if dt.is_complex:
+                return torch.complex(x.double(), -x.double()).to(dt)
+            if name.startswith("float8"):
+                return (x % 16).to(torch.uint8).view(dt)
+            return x.to(dt)
+
+        xs = [make(x) for x in raw]
+        def same(a, b):  # bit-exact (float8 has no equality of its own)
+            return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+        out = xs[rank].clone()
+        dist.broadcast(out, src=1)
+        assert same(out, xs[1]), (name, "broadcast")
+        outs = [torch.empty_like(xs[0]) for _ in range(world)]
+        dist.all_gather(outs, xs[rank])
+        assert all(same(o, x) for o, x in zip(outs, xs)), (name, "all_gather")
+        flat = torch.empty(6 * world, dtype=dt)
+        dist.all_to_all_single(flat, torch.cat([xs[rank]] * world))
+        assert same(flat, torch.cat(xs)), (name, "all_to_all_single")
+        if name in bits:  # reductions: modulo 2**bits, as a native integer sum wraps
+            mod = 2 ** bits[name]
+            for op, ref in (("SUM", lambda v: sum(v) % mod), ("MAX", lambda v: max(v)),
+                            ("MIN", lambda v: min(v))):
+                t = xs[rank].clone()
+                dist.all_reduce(t, op=getattr(dist.ReduceOp, op))
+                want = [ref([int(x[i]) % mod for x in raw]) for i in range(6)]
+                got = [int(v) % mod for v in t.to(torch.int64).tolist()] if name != "uint64" \
+                    else [int(v) % mod for v in t.view(torch.int64).tolist()]
+                assert got == want, (name, op, got, want)
+        checked.append(name)
+    return checked
+
+
+def test_dtypes_gloo_lacks_are_moved_and_reduced_exactly(pools):
+    checked = pools(2).run(dtypes_gloo_lacks)
+    assert len(checked[0]) == 7, checked
+
+
 def bad_inputs(rank, world):
     """Rank body: each bad call raises a clear error on the spot and leaves the group usable."""
     import torch
@@ -209,6 +263,7 @@ def bad_inputs(rank, world):
                                                        torch.ones(world * 2 + 1)),
         "complex max": lambda: dist.all_reduce(torch.ones(2, dtype=torch.complex64),
                                                op=dist.ReduceOp.MAX),
+        "float8 sum": lambda: dist.all_reduce(torch.zeros(2, dtype=torch.float8_e4m3fn)),
     }
     messages = {}
     for name, call in cases.items():
@@ -233,6 +288,7 @@ def test_bad_input_is_refused_clearly(pools):
         assert "gradientflow: rank 0" in msg, (name, msg)
     assert "integer" in messages["AVG on integers"]
     assert "contiguous" in messages["non-contiguous"]
+    assert "cannot be reduced" in messages["float8 sum"], messages["float8 sum"]
 
 
 def raises_inside(rank, world):

@@ -6,6 +6,7 @@ from typing import Iterable, Sequence
 import torch
 from torch._C._distributed_c10d import ReduceOp
 
+from gradientflow.backend.dtypes import NOT_REDUCED
 from gradientflow.errors import CollectiveError
 
 _BITWISE = {ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR}
@@ -93,6 +94,10 @@ def check_reduce(rank: int, op: str, tensor: torch.Tensor, reduce_op) -> None:
         raise fail(rank, op, f"{kind} on a complex tensor ({_name(tensor, 'tensor')})",
                    "complex numbers have no order: use SUM or AVG, or reduce the real and "
                    "imaginary parts separately")
+    if dt in NOT_REDUCED:
+        raise fail(rank, op, f"{dt} tensors cannot be reduced ({_name(tensor, 'tensor')})",
+                   "reduce a wider copy (tensor.float()) and convert the result back; "
+                   "broadcasts, gathers and all-to-alls move any dtype")
     if kind == ReduceOp.PREMUL_SUM:
         raise fail(rank, op, "ReduceOp.PREMUL_SUM is not supported",
                    "multiply by the factor yourself and reduce with SUM")
