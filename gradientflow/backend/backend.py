@@ -19,7 +19,8 @@ from gradientflow import agreement_check
 from gradientflow.algorithms import Algorithms
 from gradientflow.backend import layouts, p2p, registry
 from gradientflow.backend import validate as V
-from gradientflow.backend.transports import Transports, attempt_store, make_gloo
+from gradientflow.backend.transports import (Transports, attempt_store, incarnation_store,
+                                             make_gloo)
 from gradientflow.config import Config, current_overrides
 from gradientflow.backend.registry import backend_of  # noqa: F401 - its old home
 from gradientflow.engine.engine import Engine
@@ -42,6 +43,7 @@ class GradientFlowBackend(_CBackend):
         self._seq_for_group = 0
         store = attempt_store(store)
         check_world(store, rank, size, timeout.total_seconds())
+        store = incarnation_store(store, size)
         # Before any transport: a setting such as debug decides which groups get connected.
         agreement_check.check(store, rank, size, config, timeout.total_seconds())
         self.transports = Transports(store, rank, size, timeout)

@@ -41,6 +41,21 @@ def attempt_store(store):
     return PrefixStore(f"gradientflow/attempt{attempt}/", store) if attempt else store
 
 
+def incarnation_store(store, size: int):
+    """The store namespaced by this group's incarnation, counted in the store itself.
+
+    A group destroyed and made again under the same name on the same store (hvd.shutdown()
+    then hvd.init(); destroy_process_group() then init_process_group(): torch's multi-tenant
+    TCPStore server outlives its groups while anything holds it) would otherwise read the
+    keys of the one before: gloo's rendezvous would connect to its dead addresses, the
+    inspector would adopt its fault. Every rank adds one at each creation, and the ranks of
+    one incarnation all add before any of them can make the next (its transports connect all
+    of them first), so each rank reads the same incarnation.
+    """
+    n = store.add("gradientflow/incarnations", 1)
+    return PrefixStore(f"gradientflow/inc{(n - 1) // size}/", store)
+
+
 class Transports:
     """The transport process group per device type; CUDA's is created on first use.
 
