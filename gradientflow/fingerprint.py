@@ -30,12 +30,13 @@ def name_id(x: Any) -> int:
 
 
 @functools.lru_cache(maxsize=4096)
-def tensor_fingerprint(dtype: Any, numel: int, op: Any) -> int:
-    """What must match across ranks for one fused allreduce: dtype, size, reduce op number.
+def tensor_fingerprint(dtype: Any, shape: tuple, op: Any) -> int:
+    """What must match across ranks for one fused allreduce: dtype, every dimension, reduce
+    op number (Horovod refuses an allreduce whose shapes differ even where the sizes agree).
 
-    Cached: a training step repeats the same few hundred (dtype, size, op) every step.
+    Cached: a training step repeats the same few hundred (dtype, shape, op) every step.
     """
-    return zlib.crc32(f"{dtype}|{numel}|{op}".encode())
+    return zlib.crc32(f"{dtype}|{tuple(shape)}|{op}".encode())
 
 
 def text_fingerprint(desc: str) -> str:

@@ -7,13 +7,15 @@ on every rank.
 Each batch of deferred allreduces is closed by one round on the agreement group: every rank
 contributes two int64 words, MIN-allreduced, from which every rank reads the same batch end
 and whether the ranks queued the same allreduces (rounds.py runs it; plan_messages in
-fusion.py then cuts the agreed batch into messages with no further talk).
+fusion.py then cuts the agreed batch into messages with no further talk). Every other
+collective's round is the same with one candidate, its signature (checks.py); a third word,
+whether the caller blocks on the candidates, decides whether a mismatch only refuses them.
 
 Words: `(k << 40) | f` and `((MAX_BATCH - k) << 40) | (2**40 - 1 - f)`, where k is this
-rank's candidate count and f the fingerprint of its k candidates (dtype, size, reduce op,
-chained from the batch's first sequence number). The MIN of the first word is the smallest k
-with the smallest fingerprint among the ranks at that k; the second gives the largest k with
-the largest fingerprint. Two words and not a fingerprint per candidate prefix: a gloo
+rank's candidate count and f the fingerprint of its k candidates (dtype, every dimension,
+reduce op, chained from the batch's first sequence number). The MIN of the first word is the
+smallest k with the smallest fingerprint among the ranks at that k; the second gives the
+largest k with the largest fingerprint. Two words and not a fingerprint per candidate prefix: a gloo
 allreduce of 1-2 elements costs a fraction of one of 6 or more at 4 ranks (its ring then
 wakes every rank several times).
 """

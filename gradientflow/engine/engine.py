@@ -17,10 +17,11 @@
 
 The engine thread (this module) takes one job at a time from the ordered queue (queue.py,
 jobs.py). Which calls pay a round follows from the call sequence alone: exactly one round per
-batch of deferred ops, none for a collective that is not deferred when no deferred op precedes
-it. A round is *started* on each rank for a local reason (a wait, flush(), the threshold,
-another collective behind the batch, or a quiet caller), but rounds pair one-to-one across
-ranks because every rank closes the same batches.
+batch of deferred ops, and one per other collective, which checks its signature before it is
+sent (checks.py; on the caller's thread when the engine is idle). A batch's round is *started*
+on each rank for a local reason (a wait, flush(), the threshold, another collective behind the
+batch, or a quiet caller), but rounds pair one-to-one across ranks because every rank closes
+the same batches; a round whose ranks queued different calls refuses them on every rank.
 
 Entry points (one per operation kind, bound from Issue): `allreduce`, `collective`,
 `barrier`, `stages`; and `flush`, `drain`, `reconfigure`, `abort`, `close`.
@@ -38,6 +39,7 @@ from gradientflow.engine import completion, streams
 from gradientflow.engine.fusion import FusableOp, Message
 from gradientflow.engine.issue import Issue
 from gradientflow.engine.jobs import StagesBatch
+from gradientflow.engine.stages import StagesOp
 from gradientflow.engine.messages import Messages
 from gradientflow.engine.queue import OrderedQueue
 from gradientflow.engine.rounds import Rounds
@@ -76,12 +78,15 @@ class Engine:
         self.messages = Messages(config, name, rank, self.cv, transport_for, self.streams,
                                  self.stats, self.fused, self.fail)
         self.queue = OrderedQueue(config, self.messages.acquire, self.messages.busy)
-        self.rounds = Rounds(rank, world_size, agree_group, self.stats)
+        self.rounds = Rounds(rank, world_size, agree_group, self.stats, name)
         # Turns the engine's first error into the inspector's explanation (which rank is
         # missing or died, what differed).
         self.explain: Callable[[BaseException], BaseException] | None = None
+        self._inspector = None
         if inspector is not None and inspector.enabled:
             self.explain = inspector.explain_engine
+            self._inspector = inspector
+            self.rounds.fault = lambda: inspector.fault
         issue = Issue(self, config, transport_for, solo, inspector)
         self.issue = issue
         self.allreduce = issue.allreduce
@@ -170,7 +175,22 @@ class Engine:
 
     def _quiet(self) -> bool:
         """Nothing queued, running or in flight (lock held)."""
-        return self.queue.idle() and not self.queue.busy and not self.messages.busy()
+        return (self.queue.idle() and not self.queue.busy and not self.queue.floor
+                and not self.messages.busy())
+
+    def refuse_batch(self, n: int, err: BaseException, seqs: list | None = None) -> None:
+        """A round refused the first `n` queued ops alike on every rank (or, n=0, the eager
+        ops `seqs`): fail them with `err`; the group goes on. The inspector forgets them."""
+        with self.cv:
+            ops = self.queue.refuse(n)
+            if self._inspector is not None:
+                self._inspector.refuse(seqs if seqs is not None else [op.seq for op in ops])
+        fused = [op for op in ops if isinstance(op, FusableOp)]
+        if fused:
+            self.fused.finish(fused, err)
+        staged = [op for op in ops if isinstance(op, StagesOp)]
+        if staged:
+            StagesBatch(staged).fail(err)
 
     def reconfigure(self, config: Config) -> None:
         """Use `config` from the next issued collective on (its fusion, routing, cycle time).

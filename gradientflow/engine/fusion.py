@@ -57,8 +57,8 @@ class FusableOp:
 
     @property
     def fingerprint(self) -> int:
-        """A process-independent hash of what must match across ranks: dtype, size, op."""
-        return tensor_fingerprint(self.tensor.dtype, self.numel, self.key[2])
+        """A process-independent hash of what must match across ranks: dtype, shape, op."""
+        return tensor_fingerprint(self.tensor.dtype, self.tensor.shape, self.key[2])
 
 
 @dataclass(slots=True)

@@ -7,6 +7,13 @@ a call takes its number, is handed to the ordered queue (or the transport), and 
 for the inspector, so the records stay in sequence order under any number of threads. With
 GRADIENTFLOW_DEBUG the inspector checks the call on every rank first.
 
+Every call is checked on every rank before its data moves (checks.py): a deferred allreduce
+by its batch's round, any other collective by a round of its own on the same side group, in
+sequence order (on the caller's thread when the engine is idle, holding the queue's floor so
+that no other round or send overlaps it; otherwise on the engine thread, just before it is
+sent), a solo allreduce by a round on the solo channel's transport. A call the ranks issued
+differently is refused on every rank with CollectiveMismatchError, the group still usable.
+
 Routing of an allreduce, decided only here, from the call alone (so the same on every rank):
 
 - SOLO: on CPU with the solo channel on, at least the solo threshold: sent at once on the
@@ -28,10 +35,13 @@ from typing import Any, Callable, Hashable
 import torch
 
 from gradientflow.engine import completion, streams
+from gradientflow.engine.checks import Check, signature
 from gradientflow.engine.fusion import FusableOp, solo_cut
 from gradientflow.engine.jobs import EagerOp
+from gradientflow.engine.rounds import Rounds
 from gradientflow.engine.stages import Fuser, StagesOp, fuse
 from gradientflow.engine.work import BothWork, FusedWork, FutureWork
+from gradientflow.errors import CollectiveMismatchError
 from gradientflow.fingerprint import DEFERRED
 from gradientflow.observability.timeline import TIMELINE, now_us
 
@@ -40,6 +50,25 @@ _DEFERRED_AR = "all_reduce" + DEFERRED  # fused path: differs on the wire from a
 _UNSET = object()
 # Which fields an options type has, cached: a getattr that misses costs microseconds.
 _OPT_FIELDS: dict[type, tuple[bool, bool, bool]] = {}
+
+
+class Claim:
+    """An eager collective that holds the queue's floor: its round and its launch run on the
+    caller's thread once the engine's lock is released (Issue._run_claim). Stands in for its
+    Work (in the inspector's records) until it is launched."""
+
+    __slots__ = ("check", "launch", "wrap", "refusable", "work")
+
+    def __init__(self, check: Check, launch: Callable[[], Any],
+                 wrap: Callable[[Any], Any] | None = None, refusable: bool = True) -> None:
+        self.check = check
+        self.launch = launch
+        self.wrap = wrap
+        self.refusable = refusable  # False: part of it was sent already (a barrier's solo part)
+        self.work: Any = None
+
+    def is_completed(self) -> bool:
+        return self.work is not None and self.work.is_completed()
 
 
 class Issue:
@@ -57,7 +86,12 @@ class Issue:
         self._solo = solo  # the solo channel's transports (None: no channel)
         self._insp = inspector if inspector is not None and inspector.enabled else None
         self._debug_lock = threading.Lock()  # the debug check and the submission in one order
+        self._solo_lock = threading.Lock()  # solo rounds and sends in sequence order
+        self._solo_rounds: Rounds | None = None
+        self.checking: set = set()  # calls in their round right now (their sequence numbers)
         self.seq = 0  # the next sequence number
+        if self._insp is not None:
+            self._insp.frontier = self.frontier
         self.configure(config)
 
     def configure(self, config: Any) -> None:
@@ -98,13 +132,11 @@ class Issue:
             # Connected here on first use, outside the engine's lock: a rank that arrives first
             # waits for the others, whose engine threads must still run their rounds.
             tp = self._solo.get(tensor.device)
-            return self._issue("all_reduce", lambda seq: self._send_solo(
-                lambda: tp.allreduce(tensors, opts), tensor), tensor, opts, tensor.device,
-                reduce_op)
+            return self._issue_solo(tensors, opts, tensor, reduce_op, tp)
         main = self._transport_for
-        return self._issue("all_reduce", lambda seq: self._eager(
+        return self._issue("all_reduce", lambda seq, chk: self._eager(
             seq, "all_reduce", lambda: main(tensor.device).allreduce(tensors, opts), tensors,
-            tensor.device), tensor, opts, tensor.device, reduce_op)
+            tensor.device, chk), tensor, opts, tensor.device, reduce_op, outputs=tensors)
 
     def collective(self, name: str, device: torch.device, call: Callable[[Any], Any],
                    outputs: Any, opts: Any = None, sig: torch.Tensor | None = None,
@@ -115,9 +147,9 @@ class Issue:
         sends to and expects from each rank, checked pairwise under GRADIENTFLOW_DEBUG.
         """
         main = self._transport_for
-        return self._issue(name, lambda seq: self._eager(
-            seq, name, lambda: call(main(device)), outputs, device), sig, opts, device,
-            pair_bytes=pair_bytes)
+        return self._issue(name, lambda seq, chk: self._eager(
+            seq, name, lambda: call(main(device)), outputs, device, chk), sig, opts, device,
+            pair_bytes=pair_bytes, outputs=outputs)
 
     def barrier(self, opts: Any) -> Any:
         """A barrier, in sequence order after everything issued before it.
@@ -130,13 +162,20 @@ class Issue:
         main = self._transport_for
         solo = self._solo.existing("cpu") if self._solo is not None else None
         if solo is None:
-            return self._issue("barrier", lambda seq: self._eager(
-                seq, "barrier", lambda: main(cpu).barrier(opts), [], cpu), None, opts, cpu)
+            return self._issue("barrier", lambda seq, chk: self._eager(
+                seq, "barrier", lambda: main(cpu).barrier(opts), [], cpu, chk), None, opts, cpu)
 
-        def submit(seq: int) -> Any:
+        def submit(seq: int, chk: Check | None) -> Any:
+            # The solo part goes at once, in the solo channel's issue order; a round that
+            # refused the barrier afterwards would leave it there, so such a mismatch fails
+            # the group instead (Claim.refusable).
             first = solo.barrier(opts)
-            return BothWork(first, self._eager(seq, "barrier", lambda: main(cpu).barrier(opts),
-                                               [], cpu))
+            second = self._eager(seq, "barrier", lambda: main(cpu).barrier(opts), [], cpu, chk,
+                                 refusable=False)
+            if isinstance(second, Claim):
+                second.wrap = lambda work: BothWork(first, work)
+                return second
+            return BothWork(first, second)
 
         return self._issue("barrier", submit, None, opts, cpu)
 
@@ -205,6 +244,85 @@ class Issue:
             insp.attach(work, seq, _DEFERRED_AR)
         return work
 
+    def _issue_solo(self, tensors: list, opts: Any, tensor: torch.Tensor, reduce_op: Any,
+                    tp: Any) -> Any:
+        """A solo allreduce: numbered and recorded, checked by a round on the solo channel's
+        own transport (solo calls pair only with solo calls there), then sent at once."""
+        key = signature("all_reduce", tensor, None, None, reduce_op)
+        with self._solo_lock:
+            insp = self._insp
+            if insp is not None and insp.debug is not None:
+                with self._debug_lock:
+                    insp.debug.check(self.seq, "all_reduce", tensor, None, reduce_op)
+            claim = Claim(None, lambda: None)
+            with self._lock:
+                seq = self._take("all_reduce")
+                self.checking.add(seq)
+                if insp is not None:
+                    insp.record(seq, "all_reduce", tensor, None, reduce_op, claim)
+            try:
+                self._settle(self._solo_round(tensor.device), Check(seq, key), True)
+            finally:
+                with self._lock:
+                    self.checking.discard(seq)
+            with self._lock:
+                work = claim.work = self._send_solo(lambda: tp.allreduce(tensors, opts), tensor)
+        if insp is not None:
+            if insp.sliced and not getattr(opts, "asyncOp", True):
+                insp.wait_sync(work, seq, "all_reduce")
+        return work
+
+    def _solo_round(self, device: torch.device) -> Rounds:
+        """The rounds of the solo channel, on its CPU transport (made at the first solo)."""
+        if self._solo_rounds is None:
+            eng = self._engine
+            self._solo_rounds = Rounds(eng.rank, eng.world_size, self._solo.existing("cpu"),
+                                       self._stats, f"{eng._name} (solo channel)")
+            self._solo_rounds.fault = eng.rounds.fault
+        return self._solo_rounds
+
+    def _settle(self, rounds: Rounds, chk: Check, refusable: bool) -> None:
+        """Run `chk`'s round; a refused call is forgotten by the inspector and raised; any
+        other failure of the round fails the group."""
+        try:
+            rounds.check(chk)
+        except CollectiveMismatchError as err:
+            if refusable and getattr(err, "refused", None):
+                if self._insp is not None:
+                    with self._lock:
+                        self._insp.refuse([chk.seq])
+                raise
+            raise self._engine.fail(err) from None
+        except Exception as exc:  # noqa: BLE001 - a peer died, a fault: the group is broken
+            raise self._engine.fail(exc) from None
+
+    def _run_claim(self, claim: Claim) -> Any:
+        """Run a claimed eager call: its round, then its launch, on the caller's thread; the
+        floor is released after (what queued behind it meanwhile then goes)."""
+        seq = claim.check.seq
+        try:
+            self._settle(self._engine.rounds, claim.check, claim.refusable)
+            work = claim.launch()
+        finally:
+            with self._lock:
+                self._queue.floor = False
+                self.checking.discard(seq)
+                self._cv.notify_all()
+        claim.work = work
+        return claim.wrap(work) if claim.wrap is not None else work
+
+    def frontier(self) -> int:
+        """The lowest sequence number the rounds have not settled yet (the inspector compares
+        what is below it; see Inspector.find_mismatch)."""
+        with self._lock:
+            seqs = list(self.checking)
+            issued = self._queue.issued
+            if issued:
+                seqs.append(issued[0].seq)
+            seqs.extend(op.seq for op in self._queue.agreed
+                        if isinstance(op, EagerOp) and op.check is not None)
+            return min(seqs, default=self.seq)
+
     def _send_solo(self, launch: Callable[[], Any], tensor: torch.Tensor) -> Any:
         """Send a solo allreduce now, on the caller's thread (lock held): `launch()` hands it to
         the solo channel's transport and returns that Work."""
@@ -218,35 +336,41 @@ class Issue:
         return work
 
     def _eager(self, seq: int, name: str, launch: Callable[[], Any], outputs: Any,
-               device: torch.device | None = None) -> Any:
-        """Run a collective in sequence order (lock held); returns a Work.
+               device: torch.device | None = None, chk: Check | None = None,
+               refusable: bool = True) -> Any:
+        """Run a collective in sequence order (lock held); returns a Work, or a Claim.
 
-        When nothing is queued or running, the transport call is made right here on the
-        caller's thread (no hand-off, no round): this is what keeps synchronous collectives
-        as fast as plain gloo. Otherwise it queues behind what was issued before it.
+        When nothing is queued or running, the call goes right here on the caller's thread
+        (no hand-off): with a check, as a Claim that holds the queue's floor, whose round and
+        launch run once the lock is released (_run_claim). This is what keeps synchronous
+        collectives close to plain gloo. Otherwise it queues behind what was issued before it,
+        and the engine thread runs its round just before sending it.
         `device`: where its tensors live (CUDA: ordered with this thread's stream).
         """
         queue = self._queue
-        if not queue.issued and not queue.agreed and not queue.busy:
+        if not queue.issued and not queue.agreed and not queue.busy and not queue.floor:
             self._stats.record_eager(True)
-            return launch()
+            if chk is None:
+                return launch()
+            queue.floor = True
+            self.checking.add(seq)
+            return Claim(chk, launch, refusable=refusable)
         dev = device if device is not None else torch.device("cpu")
         fut = completion.new_source(streams.future_devices(dev))
-        queue.issued.append(EagerOp(seq, name, launch, outputs, fut, dev, streams.mark(dev)))
+        queue.issued.append(EagerOp(seq, name, launch, outputs, fut, dev, streams.mark(dev),
+                                    chk, refusable))
         self._stats.record_eager(False)
         self._cv.notify_all()
         return FutureWork(fut, self._engine, seq, name)
 
-    def _issue(self, name: str, submit: Callable[[int], Any], sig: Any, opts: Any,
-               device: torch.device, reduce_op: Any = _UNSET,
-               pair_bytes: Callable[[], tuple[list, list]] | None = None) -> Any:
-        """Number the call and `submit(seq)` it under the engine's lock, recording it for the
-        inspector (checking it first under GRADIENTFLOW_DEBUG); a synchronous CPU call is
-        waited on here, in slices, so a fault found meanwhile ends it with its own error."""
-        insp = self._insp
-        if insp is None:
-            with self._lock:
-                return submit(self._take(name))
+    def _issue(self, name: str, submit: Callable[[int, Check | None], Any], sig: Any,
+               opts: Any, device: torch.device, reduce_op: Any = _UNSET,
+               pair_bytes: Callable[[], tuple[list, list]] | None = None,
+               outputs: Any = None) -> Any:
+        """Number the call and `submit(seq, check)` it under the engine's lock, recording it for
+        the inspector (checking it first under GRADIENTFLOW_DEBUG); run its round if it claimed
+        the floor; a synchronous CPU call is waited on here, in slices, so a fault found
+        meanwhile ends it with its own error."""
         fields = _OPT_FIELDS.get(type(opts))
         if fields is None:
             fields = _OPT_FIELDS[type(opts)] = tuple(
@@ -254,20 +378,36 @@ class Issue:
         root = opts.rootRank if fields[0] else None
         if reduce_op is _UNSET:
             reduce_op = opts.reduceOp if fields[1] else None
-        if insp.debug is not None:
+        key = signature(name, sig, outputs, root, reduce_op)
+        insp = self._insp
+        waited = fields[2] and not opts.asyncOp
+        if insp is not None and insp.debug is not None:
             with self._debug_lock:
                 insp.debug.check(self.seq, name, sig, root, reduce_op, pair_bytes)
-                with self._lock:
-                    seq = self._take(name)
-                    work = submit(seq)
-                    insp.record(seq, name, sig, root, reduce_op, work)
+                seq, work = self._submit(name, submit, key, pair_bytes, waited, sig, root,
+                                         reduce_op)
         else:
-            with self._lock:
-                seq = self._take(name)
-                work = submit(seq)
-                insp.record(seq, name, sig, root, reduce_op, work)
+            seq, work = self._submit(name, submit, key, pair_bytes, waited, sig, root,
+                                     reduce_op)
+        if insp is None:
+            return work
         if isinstance(work, FutureWork):
             insp.attach(work, seq, name)
         elif insp.sliced and fields[2] and not opts.asyncOp and device.type == "cpu":
             insp.wait_sync(work, seq, name)
         return work
+
+    def _submit(self, name: str, submit: Callable[[int, Check | None], Any], key: tuple,
+                pair_bytes: Any, waited: bool, sig: Any, root: Any,
+                reduce_op: Any) -> tuple[int, Any]:
+        """Take the call's number, submit it and record it (under the engine's lock); then
+        run its round and launch if it claimed the floor. Returns (seq, its Work)."""
+        insp = self._insp
+        with self._lock:
+            seq = self._take(name)
+            work = submit(seq, Check(seq, key, pair_bytes, waited))
+            if insp is not None:
+                insp.record(seq, name, sig, root, reduce_op, work)
+        if isinstance(work, Claim):
+            work = self._run_claim(work)
+        return seq, work

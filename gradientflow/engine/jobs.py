@@ -22,7 +22,7 @@ from typing import Any, Callable
 import torch
 from torch._C._distributed_c10d import AllreduceOptions, ReduceOp
 
-from gradientflow.errors import StepFailed
+from gradientflow.errors import CollectiveMismatchError, StepFailed
 from gradientflow.engine import completion
 from gradientflow.engine.fusion import FusableOp, Message
 from gradientflow.engine.stages import StagesOp, unwrap
@@ -37,7 +37,19 @@ class AgreeBatch:
     candidates: list[FusableOp]
 
     def run(self, engine: Any) -> None:
-        n = engine.rounds.agree(self.candidates)
+        cands = self.candidates
+        with engine.cv:  # every candidate is waited on, and nothing is queued behind them
+            queue = engine.queue
+            waited = (queue.wanted_upto >= cands[-1].seq and len(queue.issued) == len(cands)
+                      and isinstance(cands[0], FusableOp))
+        try:
+            n = engine.rounds.agree(cands, waited)
+        except CollectiveMismatchError as err:
+            refused = getattr(err, "refused", None)
+            if not refused:
+                raise
+            engine.refuse_batch(refused, err)  # alike on every rank: the group goes on
+            return
         with engine.cv:
             engine.queue.take_batch(n)
 
@@ -72,7 +84,8 @@ class SendMessage:
 
 @dataclass
 class EagerOp:
-    """A collective sent as issued, in sequence order: launch() hands it to the transport."""
+    """A collective sent as issued, in sequence order: its round (checks.py) on the engine
+    thread, then launch() hands it to the transport."""
 
     seq: int
     name: str
@@ -81,8 +94,34 @@ class EagerOp:
     fut: torch.futures.Future
     device: torch.device | None = None
     ready: Any = None  # CUDA: streams.mark() of the submitting thread's stream
+    check: Any = None  # its Check, agreed in a round before anything is sent
+    refusable: bool = True  # False: a mismatch fails the group (part of it was sent)
 
     def run(self, engine: Any) -> None:
+        if self.check is not None and not self._checked(engine):
+            return
+        self._launch(engine)
+
+    def _checked(self, engine: Any) -> bool:
+        """Run the round; False if it refused the call (its Work then raises why)."""
+        with engine.cv:
+            engine.issue.checking.add(self.seq)
+        with engine.cv:
+            waited = self.check.waited or engine.queue.wanted_upto >= self.seq
+        try:
+            engine.rounds.check(self.check, waited)
+        except CollectiveMismatchError as err:
+            if not (self.refusable and getattr(err, "refused", None)):
+                raise
+            engine.refuse_batch(0, err, [self.seq])
+            completion.complete(self.fut, error=err)
+            return False
+        finally:
+            with engine.cv:
+                engine.issue.checking.discard(self.seq)
+        return True
+
+    def _launch(self, engine: Any) -> None:
         if self.device is not None and self.device.type == "cuda":
             with engine.streams.after(self.device, [self.ready]) as stream:
                 try:

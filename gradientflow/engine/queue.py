@@ -58,6 +58,9 @@ class OrderedQueue:
         self.last_submit = 0.0  # when the last deferred or solo op was issued (the quiet rule)
         self.wanted_upto = -1  # highest seq somebody waits on (or flushed)
         self.busy = False  # the engine thread is running a job
+        # A caller runs an eager call's round and launch itself (issue.Claim): no other round
+        # or send may start until it is done, so the engine thread waits.
+        self.floor = False
 
     def configure(self, config: Any) -> None:
         """Take the cut and the cycle time of `config` (at creation, or Engine.reconfigure)."""
@@ -120,6 +123,16 @@ class OrderedQueue:
             return
         self.agreed.extend(plan_messages(batch, self._threshold, self._solo_threshold))
 
+    def refuse(self, n: int) -> list:
+        """The first `n` issued ops, removed: a round refused them on every rank."""
+        batch = [self.issued.popleft() for _ in range(n)]
+        if self.to_prepare:
+            gone = {id(op) for op in batch}
+            self.to_prepare = collections.deque(op for op in self.to_prepare
+                                                if id(op) not in gone)
+        self._recount_run()
+        return batch
+
     def drain(self) -> list:
         """Everything not yet handed to the transport, removed (to fail it)."""
         items = list(self.agreed) + list(self.issued)
@@ -176,6 +189,8 @@ class OrderedQueue:
 
     def next_job(self) -> tuple[Any, float | None]:
         """The engine's next job, or None to wait (lock held); also the wait's timeout."""
+        if self.floor:
+            return None, None
         agreed = self.agreed
         if agreed:
             head = agreed[0]

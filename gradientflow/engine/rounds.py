@@ -1,38 +1,60 @@
-"""The agreement round on the side group: which deferred ops every rank has queued.
+"""The agreement rounds on the side group: which deferred ops every rank has queued, and
+whether every rank issued the same eager collective.
 
-Runs on the engine thread. The words and their reading are pure (agreement.py); this module
-sends them, and when the ranks queued different allreduces, gathers every rank's view of the
-batch for the error.
+Runs on the engine thread, and on a caller's thread for an eager collective issued while the
+engine is idle (the caller then holds the queue's floor, so rounds never overlap). The words
+and their reading are pure (agreement.py, checks.py); this module sends them, and when the
+ranks disagree, gathers every rank's view for the error.
+
+Every round carries at least one op, so every rank reads the same words and reaches the same
+verdict: a mismatch refuses the same ops on every rank, before any of their data moved, and
+the group stays usable (`CollectiveMismatchError.refused`).
 """
 from __future__ import annotations
 
+import datetime
 import pickle
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch._C._distributed_c10d import AllreduceOptions, ReduceOp
 
 from gradientflow.engine.agreement import batch_fingerprint, read_round, round_words, verdict
+from gradientflow.engine.checks import Check, pair_word, pairs_agree
 from gradientflow.engine.fusion import FusableOp
-from gradientflow.errors import EngineError
+from gradientflow.errors import CollectiveMismatchError, EngineError
 from gradientflow.observability import timeline as tl
 from gradientflow.observability.timeline import TIMELINE, now_us
+
+_SLICE = datetime.timedelta(seconds=0.2)  # how often a blocked round looks for a fault
 
 
 class Rounds:
     """Agreement rounds of one process group, on its side group `group` (never the data's)."""
 
-    def __init__(self, rank: int, world_size: int, group: Any, stats: Any) -> None:
+    def __init__(self, rank: int, world_size: int, group: Any, stats: Any,
+                 name: str = "gradientflow") -> None:
         self.rank = rank
         self.world_size = world_size
         self._group = group
         self._stats = stats
+        self._name = name
+        # The group's fault, if any (the inspector's: a mismatch across the agreement and solo
+        # streams, a stall abort): a round blocked on a rank that will never join ends with it.
+        self.fault: Callable[[], BaseException | None] = lambda: None
 
-    def agree(self, candidates: list) -> int:
+    def agree(self, candidates: list, waited: bool = False) -> int:
         """How many of `candidates` (this rank's leading run: deferred allreduces or stage ops,
-        each with `seq`, `fingerprint` and `describe()`) every rank has queued;
-        raises a mismatch error (every rank's view) when the ranks queued different ones.
+        or one eager collective's Check; each with `seq`, `fingerprint` and `describe()`)
+        every rank has queued; raises CollectiveMismatchError (every rank's view) when the
+        ranks queued different ones.
+
+        `waited`: this rank's caller is blocked on these candidates (the round's third word,
+        MIN-reduced). When it is so on every rank, a mismatch refuses them alike on every rank
+        (`CollectiveMismatchError.refused`, the count refused) and the group goes on: every
+        caller gets the error at once. Otherwise the error fails the group, since a rank whose
+        later calls were issued from callbacks would wait on peers that stopped at the error.
 
         When every rank has the same count (the usual case: the batch is closed by waits at
         the end of a step) one round is the whole check. Otherwise a second round compares the
@@ -41,8 +63,9 @@ class Rounds:
         t0 = time.perf_counter()
         k = len(candidates)
         first = candidates[0].seq
-        n, n_max, lo, hi = read_round(*self._min(round_words(k, batch_fingerprint(candidates)),
-                                                 first))
+        a, b, all_waited = self._reduce(
+            round_words(k, batch_fingerprint(candidates)) + [int(waited)], ReduceOp.MIN, first)
+        n, n_max, lo, hi = read_round(a, b)
         rounds = 1
         if n != n_max and 1 <= n <= k:
             h = batch_fingerprint(candidates[:n])
@@ -50,7 +73,10 @@ class Rounds:
             hi = -neg
             rounds = 2
         dt = time.perf_counter() - t0
-        self._stats.record_agreement(dt, rounds)
+        if isinstance(candidates[0], Check):
+            self._stats.record_check(dt)
+        else:
+            self._stats.record_agreement(dt, rounds)
         if TIMELINE.enabled:
             TIMELINE.complete(tl.AGREE, tl.CAT_AGREE, now_us() - dt * 1e6, dt * 1e6, tid="engine",
                               args={"candidates": k, "rounds": rounds})
@@ -58,57 +84,155 @@ class Rounds:
         if wrong == "range":
             raise self._mismatch(candidates, first + n, None)
         if wrong is not None:
-            raise self._mismatch(candidates[:n], first + n, (lo, hi))
+            raise self._mismatch(candidates[:n], first + n, (lo, hi), bool(all_waited))
         return n
+
+    def check(self, chk: Check, waited: bool = True) -> None:
+        """The round of one eager collective (and, for all-to-all, its pair round); raises
+        CollectiveMismatchError on every rank, before any data moved, if the ranks differ
+        (`waited`: as in agree)."""
+        self.agree([chk], waited)
+        if chk.pairs is None:
+            return
+        send, recv = chk.pairs()
+        total = self._reduce([pair_word(self.rank, send, recv)], ReduceOp.SUM, chk.seq)[0]
+        if not pairs_agree(total):
+            raise self._pairs_mismatch(chk, send, recv)
 
     def _min(self, words: list[int], first_seq: int) -> tuple[int, int]:
         """MIN-allreduce two int64 words on the agreement group (blocking)."""
+        vec = self._reduce(words, ReduceOp.MIN, first_seq)
+        return vec[0], vec[1]
+
+    def _reduce(self, words: list[int], op: Any, first_seq: int) -> list[int]:
+        """Allreduce int64 words on the agreement group; blocks, ending early on a fault."""
         vec = torch.tensor(words, dtype=torch.int64)
         opts = AllreduceOptions()
-        opts.reduceOp = ReduceOp.MIN
+        opts.reduceOp = op
         work = self._group.allreduce([vec], opts)
         try:
-            work.wait()
+            self._wait(work)
+        except CollectiveMismatchError:
+            raise
         except Exception as exc:
             raise EngineError(
-                f"gradientflow: rank {self.rank}: agreement round for the fused allreduces from "
+                f"gradientflow: rank {self.rank}: agreement round for the collectives from "
                 f"sequence number {first_seq} failed (a peer may have died or stopped "
                 f"issuing the same collectives): {exc}"
             ) from exc
-        return int(vec[0]), int(vec[1])
+        return [int(v) for v in vec.tolist()]
 
-    def _mismatch(self, ops: list[FusableOp], agreed: int, fps) -> EngineError:
-        """Name what differs: every rank's view of the batch, gathered on the side group."""
-        mine = [op.describe() for op in ops]
-        views = None
+    def _wait(self, work: Any) -> None:
+        """Wait for a round's Work in slices, raising the group's fault if one is found."""
+        while True:
+            try:
+                work.wait(_SLICE)
+                return
+            except RuntimeError:
+                if work.is_completed():
+                    # It may have completed just after the slice ran out: its own outcome.
+                    work.wait()
+                    return
+                fault = self.fault()
+                if fault is not None:
+                    raise fault from None
+
+    def _views(self, mine: list[str]) -> list | None:
         try:
-            if fps is None:  # not every rank saw this: a gather could hang
-                raise LookupError
-            views = self._gather(mine)
-        except Exception:  # noqa: BLE001 - the error below is still clear without the views
-            pass
-        detail = f"fingerprints differ ({fps[0]} vs {fps[1]})" if fps else (
-            f"the agreed batch end {agreed} does not fall inside this rank's queued allreduces")
-        what = "async allreduces" if not ops or isinstance(ops[0], FusableOp) else (
-            "compressed (multi-stage) ops")
-        text = (f"gradientflow: rank {self.rank}: collective mismatch in the {what} "
-                f"from sequence number {ops[0].seq if ops else '?'}: {detail}. Every rank must "
-                "issue the same collectives (op, dtype, shape, reduce op) in the same order; "
-                "async allreduces issued from callbacks or threads in timing-dependent order "
-                "break that (e.g. powerSGD_hook with several DDP buckets).")
+            return self._gather(mine)
+        except Exception:  # noqa: BLE001 - the error is still clear without the views
+            return None
+
+    def _mismatch(self, ops: list, agreed: int, fps,
+                  refusable: bool = False) -> CollectiveMismatchError:
+        """Name what differs: every rank's view of the batch, gathered on the side group.
+
+        With `fps` every rank read the same words; `refusable` (every caller waits on these
+        ops): every rank refuses the same `len(ops)` ops and the group stays usable. Else the
+        error fails the group (so also without `fps`: a batch end outside this rank's
+        candidates, which the rounds' words rule out).
+        """
+        mine = [op.describe() for op in ops]
+        views = self._views(mine) if fps is not None else None  # (else a gather could hang)
+        if ops and isinstance(ops[0], Check) and views is not None:
+            err = self._eager_mismatch(ops[0], views)
+        else:
+            detail = f"fingerprints differ ({fps[0]} vs {fps[1]})" if fps else (
+                f"the agreed batch end {agreed} does not fall inside this rank's queued "
+                "allreduces")
+            what = "async allreduces" if not ops or isinstance(ops[0], FusableOp) else (
+                "compressed (multi-stage) ops")
+            text = (f"gradientflow: rank {self.rank}: collective mismatch in the {what} "
+                    f"from sequence number {ops[0].seq if ops else '?'}: {detail}. Every rank "
+                    "must issue the same collectives (op, dtype, shape, reduce op) in the same "
+                    "order; async allreduces issued from callbacks or threads in "
+                    "timing-dependent order break that (e.g. powerSGD_hook with several DDP "
+                    "buckets).")
+            if views is not None:
+                text += "".join(f"\n  rank {r}: {v}" for r, v in enumerate(views))
+            if fps is not None:
+                text += ("\nNothing of these calls was sent; " + (
+                    "they were refused on every rank." if refusable else
+                    "since not every rank was waiting on them, the group is failed."))
+            err = CollectiveMismatchError(text)
+        err.refused = len(ops) if fps is not None and refusable else None
+        return err
+
+    def _eager_mismatch(self, chk: Check, views: list) -> CollectiveMismatchError:
+        """The error of an eager collective that another rank issued differently."""
+        from gradientflow.fingerprint import text_fingerprint
+
+        mine = views[self.rank]
+        other = next((r for r, v in enumerate(views) if v != mine), self.rank)
+
+        def said(r: int) -> str:
+            v = views[r]
+            text = "; ".join(s.split(" ", 1)[1] if s.startswith("#") else s for s in v)
+            if len(v) > 1:
+                text = f"async allreduces: {text}"
+            return f"{text} [fingerprint {text_fingerprint(text)}]"
+
+        return CollectiveMismatchError(
+            f"gradientflow: rank {self.rank}: collective mismatch at sequence number "
+            f"{chk.seq} on process group {self._name}: rank {self.rank} issued "
+            f"{said(self.rank)}, rank {other} issued {said(other)}. Every rank must issue the "
+            "same collectives (op, dtype, every dimension, root, reduce op) in the same "
+            "order; the call was refused on every rank before any data moved."
+            + "".join(f"\n  rank {r}: {'; '.join(v)}" for r, v in enumerate(views)))
+
+    def _pairs_mismatch(self, chk: Check, send: list, recv: list) -> CollectiveMismatchError:
+        """All-to-all sizes that do not pair up: name the pairs (gathered on the side group)."""
+        w = self.world_size
+        views = self._views([list(map(int, send)), list(map(int, recv))])
+        bad = []
         if views is not None:
-            text += "".join(f"\n  rank {r}: {v}" for r, v in enumerate(views))
-        return EngineError(text)
+            bad = [(i, j, views[i][0][j], views[j][1][i]) for i in range(w) for j in range(w)
+                   if views[i][0][j] != views[j][1][i]]
+        pairs = "; ".join(f"rank {i} sends {sb} bytes to rank {j}, which expects {rb}"
+                          for i, j, sb, rb in bad[:8]) or "the sizes do not pair up"
+        err = CollectiveMismatchError(
+            f"gradientflow: rank {self.rank}: collective mismatch at sequence number "
+            f"{chk.seq} on process group {self._name}: {describe_op(chk)} sizes disagree "
+            f"between ranks: {pairs}{' ...' if len(bad) > 8 else ''}. Make each rank's input "
+            "split sizes match the output split sizes of the ranks it sends to; the call was "
+            "refused on every rank before any data moved.")
+        err.refused = 1
+        return err
 
     def _gather(self, mine: list[str]) -> list:
         """Every rank's `mine`, gathered on the side group (sizes first, then the padded bytes)."""
         data = torch.frombuffer(bytearray(pickle.dumps(mine)), dtype=torch.uint8)
         size = torch.tensor([data.numel()], dtype=torch.int64)
         sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
-        self._group.allgather([sizes], [size]).wait()
+        self._wait(self._group.allgather([sizes], [size]))
         cap = int(max(x.item() for x in sizes))
         padded = torch.zeros(cap, dtype=torch.uint8)
         padded[:data.numel()] = data
         outs = [torch.zeros(cap, dtype=torch.uint8) for _ in range(self.world_size)]
-        self._group.allgather([outs], [padded]).wait()
+        self._wait(self._group.allgather([outs], [padded]))
         return [pickle.loads(bytes(o[:int(sz.item())].tolist())) for o, sz in zip(outs, sizes)]
+
+
+def describe_op(chk: Check) -> str:
+    """The op of a Check, as named in errors."""
+    return chk.key[0]

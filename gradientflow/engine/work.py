@@ -51,7 +51,9 @@ class FutureWork(Work):
         return self._fut
 
     def _nudge(self) -> None:
-        """Somebody blocks on this op (FusedWork: close its batch soon)."""
+        """Somebody blocks on this op: the batch before it closes soon, and a round that
+        refuses it may keep the group usable (the caller gets the error at once)."""
+        self._owner.want(self._seq)
 
     def wait(self, timeout: datetime.timedelta | None = None) -> bool:  # noqa: D401
         """Block until the operation finished; raise its error, or a timeout naming the op."""

@@ -10,7 +10,9 @@ from gradientflow.fingerprint import DEFERRED, text_fingerprint
 
 
 def first_mismatch(rank: int, name: str, hist: list, marks: list,
-                   peers: dict[int, dict | None], kept: int) -> CollectiveMismatchError | None:
+                   peers: dict[int, dict | None], kept: int, refused: set | None = None,
+                   chain_upto: int | None = None,
+                   below: int | None = None) -> CollectiveMismatchError | None:
     """The first sequence number at which another rank issued a different collective, as the
     error to raise, or None.
 
@@ -18,7 +20,9 @@ def first_mismatch(rank: int, name: str, hist: list, marks: list,
     (n, seq, chain) checkpoints; `peers`: the other ranks' check-ins (None: never checked in).
     A differing descriptor at a common sequence number is named; failing that, two chains
     that differ at a common count n mean the calls differed at or before n, older than the
-    history.
+    history. Calls an agreement round refused on every rank (`refused`, and each peer's) are
+    not compared, nor the chains from the count of the first refused call on (`chain_upto`);
+    with `below`, only sequence numbers below it are.
     """
     mine = {seq: desc for seq, _n, _h, desc in hist}
     chain = {n: (seq, h) for seq, n, h, _d in hist}
@@ -28,12 +32,19 @@ def first_mismatch(rank: int, name: str, hist: list, marks: list,
     for r, c in peers.items():
         if not c:
             continue
+        skip = set(refused or ()) | set(c.get("refused") or ())
+        upto = min((u for u in (chain_upto, c.get("chain_upto")) if u is not None),
+                   default=None)
         for seq, _n, _h, desc in c["hist"]:
+            if seq in skip or (below is not None and seq >= below):
+                continue
             if seq in mine and mine[seq] != desc and (first is None or seq < first[0]):
                 first = (seq, r, desc)
         theirs = {n: (seq, h) for seq, n, h, _d in c["hist"]}
         theirs.update({n: (seq, h) for n, seq, h in c.get("marks", [])})
-        common = sorted(set(chain) & set(theirs))
+        common = sorted(n for n in set(chain) & set(theirs)
+                        if (upto is None or n < upto)
+                        and (below is None or chain[n][0] < below))
         bad = [n for n in common if chain[n][1] != theirs[n][1]]
         if bad and diverged is None:
             good = [n for n in common if n < bad[0]]

@@ -17,22 +17,17 @@ pending longer than one interval does the thread read the other ranks' check-ins
 A transport error (a peer died, a connection reset) is explained the same way, at the moment
 it happens: the failing rank reads the check-ins and names a dead peer or a mismatch.
 
-With `debug` (GRADIENTFLOW_DEBUG=1) every collective is also checked *before* it reaches the
-transport: a small allgather of (sequence number, fingerprint) on a side group, so a mismatched
-call is refused on every rank with the group still usable (all-to-all, whose sizes may differ
-between ranks, gets a second round checking what each rank sends against what its peer
-expects).
+Before any data moves, every collective is already checked by the engine's rounds
+(engine/checks.py): a call the ranks issued differently is refused there on every rank, and
+the inspector forgets it (`refuse`). What the rounds cannot see is a mismatch across two of
+their streams (a solo allreduce on one rank where another issued a collective of the agreement
+stream: each waits in a round the other never joins); the check-ins find it once it stalls
+for an interval, compare only what the rounds settled before that (`frontier`), and end the
+blocked rounds with the fault.
 
-Size mismatches on the default path. gloo aborts the process (std::terminate in its I/O
-thread: "Received data size doesn't match expected size") that receives more bytes than it
-posted, for all_reduce, reduce, reduce_scatter(_tensor), all_gather(_into_tensor), gather and
-all_to_all(_single); broadcast and scatter return silently with the receiver's tail untouched
-(the check-ins name the mismatch a couple of intervals later). Preventing that needs each
-rank to know its peers' sizes before gloo posts its buffers: a round per call, which is the
-debug check (one small collective's latency per call; benchmarks/soak.py --overhead
-measures it). So it stays in debug mode; on the default path the fused allreduces are
-checked by their agreement round, and a survivor's PeerFailureError says how to recognise a
-size mismatch and to rerun with GRADIENTFLOW_DEBUG=1.
+With `debug` (GRADIENTFLOW_DEBUG=1) every collective, each deferred allreduce included, is
+also checked on its own before it is queued: a small allgather of (sequence number,
+fingerprint) on a side group, which names the one call that differs inside a fused batch.
 """
 from __future__ import annotations
 
@@ -95,6 +90,15 @@ class Inspector:
         self._h = 0
         self._n = 0
         self._marks: collections.deque = collections.deque(maxlen=64)
+        # Collectives the agreement rounds refused on every rank (their signatures differed,
+        # nothing was sent): never compared, and the chains only before the first of them.
+        self._seq_n: collections.deque = collections.deque(maxlen=HISTORY * MARK_EVERY)
+        self._refused: collections.deque = collections.deque(maxlen=HISTORY)
+        self._chain_upto: int | None = None
+        # The lowest sequence number the rounds have not settled yet (set by the engine):
+        # what is below it was agreed or refused on every rank; above it a round may still be
+        # about to refuse a call, so it is compared only once it stalls.
+        self.frontier: Callable[[], int] | None = None
         # (seq, name, work, t_issued) of the newest collective: the one a stall shows on.
         self.last: tuple | None = None
         self.fault: BaseException | None = None
@@ -140,9 +144,18 @@ class Inspector:
         self._h = h = mix(self._h, fp)
         self._n = n = self._n + 1
         self._hist.append((seq, n, h, name, sig, root, reduce_op))
+        self._seq_n.append((seq, n))
         if n % MARK_EVERY == 0:
             self._marks.append((n, seq, h))
         self.last = (seq, name, work, time.monotonic())
+
+    def refuse(self, seqs: list[int]) -> None:
+        """Collectives `seqs` were refused alike on every rank by an agreement round (nothing
+        was sent): their records no longer count as a mismatch (engine lock held)."""
+        first = min(seqs)
+        n = next((n for s_, n in self._seq_n if s_ >= first), self._n + 1)
+        self._chain_upto = n if self._chain_upto is None else min(self._chain_upto, n)
+        self._refused.extend(seqs)
 
     def wait_sync(self, work: Any, seq: int, name: str) -> None:
         """Wait on a transport Work of a synchronous call in slices, so a fault found meanwhile
@@ -151,11 +164,16 @@ class Inspector:
             try:
                 work.wait(self.slice)
                 return
-            except RuntimeError as exc:
+            except RuntimeError:
                 if not work.is_completed():  # one slice elapsed; the operation goes on
                     if self.fault is not None:
                         raise self.fault from None
                     continue
+            # Completed, maybe just after the slice ran out: its own outcome.
+            try:
+                work.wait()
+                return
+            except RuntimeError as exc:
                 raise self.explain(exc, seq, name) from exc
 
     def attach(self, work: Any, seq: int, name: str) -> Any:
@@ -168,7 +186,10 @@ class Inspector:
 
     def probe_error(self, error: BaseException, seq: int, name: str) -> BaseException | None:
         """What a wait on op `seq`, which failed with `error`, should raise instead, if anything:
-        the group's first explanation (made once, under a lock) or its fault."""
+        the group's first explanation (made once, under a lock) or its fault. A call a round
+        refused on every rank raises its own error: the group is fine."""
+        if getattr(error, "refused", None):
+            return None
         if self.fault is None and not self._stop.is_set():
             return self.explain(error, seq, name)
         return self.fault
@@ -187,7 +208,8 @@ class Inspector:
         value = {"seq": last[0] if last else -1, "op": last[1] if last else None,
                  "pending": pending, "age": round(age, 3), "t": time.time(),
                  "pid": os.getpid(), "host": self._host, "hist": self._history(),
-                 "marks": [list(m) for m in list(self._marks)]}
+                 "marks": [list(m) for m in list(self._marks)],
+                 "refused": list(self._refused), "chain_upto": self._chain_upto}
         self._store.set(f"{_KEY}{self.rank}", json.dumps(value))
         self._published = (value["seq"], pending)
         self._published_at = time.monotonic()
@@ -210,10 +232,22 @@ class Inspector:
                 out[r] = self._peer_cache.get(r)
         return out
 
-    def find_mismatch(self, peers: dict[int, dict | None]) -> CollectiveMismatchError | None:
-        """The first sequence number at which another rank issued a different collective."""
+    def find_mismatch(self, peers: dict[int, dict | None],
+                      settled_only: bool = False) -> CollectiveMismatchError | None:
+        """The first sequence number at which another rank issued a different collective.
+
+        `settled_only`: compare only what the rounds settled (below the frontier), since a
+        round may be refusing the newer calls right now.
+        """
+        below = None
+        if settled_only and self.frontier is not None:
+            try:
+                below = self.frontier()
+            except Exception:  # noqa: BLE001 - e.g. the engine is closing: compare everything
+                below = None
         return first_mismatch(self.rank, self.name, self._history(), list(self._marks), peers,
-                              HISTORY)
+                              HISTORY, refused=set(self._refused),
+                              chain_upto=self._chain_upto, below=below)
 
     def _missing(self, seq: int, peers: dict[int, dict | None]) -> tuple[list[int], list[str]]:
         """Ranks that have not issued collective `seq` yet, with what is known of each."""
@@ -255,7 +289,7 @@ class Inspector:
         peers = self.read_peers(neighbours_only=not stalled)
         self._compared_n = self._n
         self._read_at = now
-        err = self.find_mismatch(peers)
+        err = self.find_mismatch(peers, settled_only=not stalled)
         if err is not None:
             self.set_fault(err)
             return

@@ -187,18 +187,19 @@ class GroupStats:
     ``rounds`` / ``round_s`` agreement rounds and their engine time, ``messages`` transport
     messages sent (fused, in place, and on the solo channel), ``fused_tensors`` tensors in
     them, and per route the operations issued: ``deferred`` (queued for fusion), ``eager``
-    (of which ``fast_path``: sent on the caller's thread) and ``solo_channel``. They are
-    plain increments: the issuing side counts under the engine's lock, the engine thread its
-    own.
+    (of which ``fast_path``: sent on the caller's thread) and ``solo_channel``; ``checks`` /
+    ``check_s`` the signature rounds of eager and solo collectives and their time. They are
+    plain increments: the issuing side counts under the engine's lock (or the floor), the
+    engine thread its own.
     """
 
     __slots__ = ("rounds", "round_s", "messages", "fused_tensors", "deferred", "eager",
-                 "fast_path", "solo_channel", "_totals")
+                 "fast_path", "solo_channel", "checks", "check_s", "_totals")
 
     def __init__(self, totals: Stats | None = None) -> None:
         self.rounds = self.messages = self.fused_tensors = 0
-        self.deferred = self.eager = self.fast_path = self.solo_channel = 0
-        self.round_s = 0.0
+        self.deferred = self.eager = self.fast_path = self.solo_channel = self.checks = 0
+        self.round_s = self.check_s = 0.0
         self._totals = totals if totals is not None else STATS
 
     # ---- issuing (one operation each) ----
@@ -230,6 +231,11 @@ class GroupStats:
         self.rounds += rounds
         self.round_s += seconds
         self._totals.record_agreement(seconds, rounds)
+
+    def record_check(self, seconds: float) -> None:
+        """An eager collective's signature round (engine/checks.py) and the time it took."""
+        self.checks += 1
+        self.check_s += seconds
 
     def record_send(self, tensors: int) -> None:
         """A message handed to the transport, carrying `tensors` tensors."""

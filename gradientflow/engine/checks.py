@@ -1,0 +1,109 @@
+"""What every rank must agree on before a collective that is not fused moves any data.
+
+A deferred allreduce is checked by its batch's agreement round (agreement.py: dtype, every
+dimension, reduce op). Every other collective, the eager ones, gets a round of its own on the
+same side group, in issue order, before it reaches the transport: the round carries the
+fingerprint of its signature (`Check`), so a rank that issued something else (another op, a
+dtype, a dimension, a root, a reduce op, or a deferred allreduce where the others issued an
+eager op) is found on every rank at once and the call is refused with the group still usable.
+All-to-all, whose sizes may differ between ranks, then has a second round (`pair_word`): what
+each rank sends to each other must be what that rank expects.
+
+Pure: the rounds themselves run in rounds.py.
+"""
+from __future__ import annotations
+
+import functools
+import zlib
+from typing import Any, Iterator
+
+import torch
+
+from gradientflow.fingerprint import describe as _describe, redop_name
+
+# Collectives whose outputs differ between ranks by design, and what of them is compared:
+# gather's list exists on the root only; all-to-all's per-rank tensors may have any sizes.
+_SIG_ONLY = frozenset({"gather"})
+_DTYPES_ONLY = frozenset({"all_to_all"})
+_ROWS_FREE = frozenset({"all_to_all_single"})
+_PAIR_BITS = 40
+_PAIR_MASK = (1 << _PAIR_BITS) - 1
+
+
+class Check:
+    """One eager collective as an agreement round's candidate (`seq`, `fingerprint`,
+    `describe()`), with what each rank sends and expects for all-to-all (`pairs`)."""
+
+    __slots__ = ("seq", "key", "fingerprint", "pairs", "waited")
+
+    def __init__(self, seq: int, key: tuple, pairs: Any = None, waited: bool = False) -> None:
+        self.seq = seq
+        self.key = key
+        self.fingerprint = key_fingerprint(key)
+        self.pairs = pairs  # () -> (bytes sent to each rank, bytes expected from each rank)
+        self.waited = waited  # a synchronous call: its caller blocks on it
+
+    def describe(self) -> str:
+        return f"#{self.seq} {describe_key(self.key)}"
+
+
+def _tensors(x: Any) -> Iterator[torch.Tensor]:
+    if isinstance(x, torch.Tensor):
+        yield x
+    elif isinstance(x, (list, tuple)):
+        for item in x:
+            yield from _tensors(item)
+
+
+def signature(name: str, sig: torch.Tensor | None, outputs: Any, root: Any,
+              reduce_op: Any) -> tuple:
+    """The key of a collective: what every rank must pass alike (hashable, no tensors)."""
+    head = (sig.dtype, tuple(sig.shape)) if isinstance(sig, torch.Tensor) else None
+    if name in _SIG_ONLY:
+        outs: tuple = ()
+    elif name in _DTYPES_ONLY:
+        outs = tuple(sorted({str(t.dtype) for t in _tensors(outputs)}))
+    elif name in _ROWS_FREE:
+        outs = tuple((t.dtype, tuple(t.shape[1:])) for t in _tensors(outputs))
+    else:
+        outs = tuple((t.dtype, tuple(t.shape)) for t in _tensors(outputs))
+    r = -1 if root is None else int(root)
+    op = None if reduce_op is None else redop_name(reduce_op)
+    return (name, head, outs, r, op)
+
+
+@functools.lru_cache(maxsize=4096)
+def key_fingerprint(key: tuple) -> int:
+    """A process-independent fingerprint of a signature key (CRC-32 of its repr, cached: a
+    program repeats the same few signatures)."""
+    return zlib.crc32(repr(key).encode())
+
+
+def describe_key(key: tuple) -> str:
+    """The signature as a sentence fragment: op, dtype and shape, root, reduce op, outputs."""
+    name, head, outs, root, op = key
+    text = _describe(name, head, root if root >= 0 else None, op)
+    if outs and (head is None or any(o != head for o in outs)):
+        parts = [o if isinstance(o, str) else
+                 f"{str(o[0]).replace('torch.', '')} {o[1]}" for o in outs]
+        text += " -> " + ", ".join(parts[:4]) + (" ..." if len(parts) > 4 else "")
+    return text
+
+
+def _pair_hash(src: int, dst: int, nbytes: int) -> int:
+    s = f"{src}>{dst}:{nbytes}".encode()
+    return ((zlib.crc32(s) << 8) ^ zlib.crc32(s[::-1])) & _PAIR_MASK
+
+
+def pair_word(rank: int, send: list, recv: list) -> int:
+    """This rank's word of the all-to-all pair round: SUM-allreduced over the ranks, it is
+    0 modulo 2**40 when what each rank sends to each other is what that rank expects (and
+    otherwise with probability 2**-40)."""
+    out = sum(_pair_hash(rank, j, int(b)) for j, b in enumerate(send))
+    into = sum(_pair_hash(j, rank, int(b)) for j, b in enumerate(recv))
+    return (out - into) & _PAIR_MASK
+
+
+def pairs_agree(total: int) -> bool:
+    """Whether the SUM of every rank's pair_word says the sizes pair up."""
+    return total & _PAIR_MASK == 0
