@@ -243,6 +243,39 @@ def test_dtypes_gloo_lacks_are_moved_and_reduced_exactly(pools):
     assert len(checked[0]) == 7, checked
 
 
+def every_work_has_a_future(rank, world):
+    """Rank body: the Work of every collective has a future that completes with the result,
+    also queued behind a deferred allreduce (the engine's queued path waits on futures)."""
+    import torch
+    import torch.distributed as dist
+
+    done = []
+    for queued in (False, True):
+        pending = dist.all_reduce(torch.ones(3), async_op=True) if queued else None
+        calls = {
+            "reduce_scatter": lambda: dist.reduce_scatter(
+                torch.empty(2), [torch.ones(2) * (r + 1) for r in range(world)], async_op=True),
+            "reduce_scatter_tensor": lambda: dist.reduce_scatter_tensor(
+                torch.empty(2), torch.ones(2 * world), async_op=True),
+            "all_gather": lambda: dist.all_gather([torch.empty(2) for _ in range(world)],
+                                                  torch.ones(2), async_op=True),
+            "broadcast": lambda: dist.broadcast(torch.ones(2), src=0, async_op=True),
+            "barrier": lambda: dist.barrier(async_op=True),
+        }
+        for name, call in calls.items():
+            work = call()
+            work.get_future().wait()
+            done.append((queued, name))
+        if pending is not None:
+            pending.wait()
+    return done
+
+
+def test_every_work_has_a_future(pools):
+    done = pools(2).run(every_work_has_a_future)
+    assert len(done[0]) == 10, done
+
+
 def bad_inputs(rank, world):
     """Rank body: each bad call raises a clear error on the spot and leaves the group usable."""
     import torch

@@ -1,4 +1,5 @@
-"""Every dtype on every collective, whatever the transport lacks.
+"""Every dtype on every collective, whatever the transport lacks (the arithmetic; the
+transport adapter, adapter.py, applies it).
 
 gloo has no kernel for int16, the unsigned types wider than a byte or the float8 types
 ("Invalid scalar type"), nor complex numbers in its gathers and all-to-alls; NCCL has no int16
@@ -46,11 +47,11 @@ _ORDERED = (ReduceOp.MIN, ReduceOp.MAX)
 
 # Which arguments of each transport method hold tensors, and for reductions which of them
 # are written (copied back after a widened reduction).
-_MOVE = {"broadcast": (0,), "allgather": (0, 1), "_allgather_base": (0, 1),
+MOVE = {"broadcast": (0,), "allgather": (0, 1), "_allgather_base": (0, 1),
          "allgather_coalesced": (0, 1), "allgather_into_tensor_coalesced": (0, 1),
          "alltoall": (0, 1), "alltoall_base": (0, 1), "gather": (0, 1), "scatter": (0, 1),
          "send": (0,), "recv": (0,)}
-_REDUCE = {"allreduce": ((0,), (0,)), "allreduce_coalesced": ((0,), (0,)),
+REDUCE = {"allreduce": ((0,), (0,)), "allreduce_coalesced": ((0,), (0,)),
            "reduce": ((0,), (0,)), "reduce_scatter": ((0, 1), (0,)),
            "_reduce_scatter_base": ((0, 1), (0,)),
            "reduce_scatter_tensor_coalesced": ((0, 1), (0,))}
@@ -136,60 +137,30 @@ class NarrowedWork(Work):
         return self._fut.done()
 
 
-class AnyDtype:
-    """A transport (a c10d process group) that takes every dtype (see the module doc); every
-    other method and attribute is the transport's own."""
-
-    def __init__(self, pg: Any) -> None:
-        self._pg = pg
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._pg, name)
-
-    def _move(self, name: str, args: tuple) -> Any:
-        indices = _MOVE[name]
-        if any(_special(args[i], _BITS) for i in indices if i < len(args)):
-            args = tuple(_map(a, as_bits) if i in indices else a for i, a in enumerate(args))
-        return getattr(self._pg, name)(*args)
-
-    def _reduce(self, name: str, args: tuple) -> Any:
-        tensors, outputs = _REDUCE[name]
-        if not any(_special(args[i], _WIDE) for i in tensors):
-            return getattr(self._pg, name)(*args)
-        ordered = _reduce_op(args[-1] if len(args) > max(tensors) + 1 else None) in _ORDERED
-        pairs: list = []
-
-        def wide_out(t: torch.Tensor) -> torch.Tensor:
-            w = widen(t, ordered)
-            pairs.append((t, w))
-            return w
-
-        staged = tuple(_map(a, wide_out if i in outputs else (lambda t: widen(t, ordered)))
-                       if i in tensors else a for i, a in enumerate(args))
-        work = getattr(self._pg, name)(*staged)
-        return NarrowedWork(work, pairs, ordered, args[outputs[0]])
+def bits_args(name: str, args: tuple) -> tuple:
+    """The arguments of data-movement method `name` with every tensor of a dtype the
+    transports cannot move replaced by a view of its bytes (`args` itself if there is none)."""
+    indices = MOVE[name]
+    if not any(_special(args[i], _BITS) for i in indices if i < len(args)):
+        return args
+    return tuple(_map(a, as_bits) if i in indices else a for i, a in enumerate(args))
 
 
-def _method(name: str, reduce: bool) -> Callable:
-    def call(self: AnyDtype, *args: Any) -> Any:
-        return self._reduce(name, args) if reduce else self._move(name, args)
+def widen_args(name: str, args: tuple) -> tuple[tuple, list, bool] | None:
+    """For reduction method `name`: (its arguments on wider copies, the (tensor, copy) pairs
+    to narrow back, whether the op is MIN or MAX), or None if no tensor needs widening."""
+    tensors, outputs = REDUCE[name]
+    if not any(_special(args[i], _WIDE) for i in tensors if i < len(args)):
+        return None
+    opts = args[max(tensors) + 1] if len(args) > max(tensors) + 1 else None
+    ordered = _reduce_op(opts) in _ORDERED
+    pairs: list = []
 
-    call.__name__ = name
-    call.__doc__ = f"The transport's {name}, for every dtype (module doc)."
-    return call
+    def wide_out(t: torch.Tensor) -> torch.Tensor:
+        w = widen(t, ordered)
+        pairs.append((t, w))
+        return w
 
-
-for _n in _MOVE:
-    setattr(AnyDtype, _n, _method(_n, False))
-for _n in _REDUCE:
-    setattr(AnyDtype, _n, _method(_n, True))
-
-
-def any_dtype(factory: Callable[..., Any]) -> Callable[..., Any]:
-    """A transport factory whose transports take every dtype."""
-
-    def make(*args: Any, **kwargs: Any) -> AnyDtype:
-        return AnyDtype(factory(*args, **kwargs))
-
-    make.__name__ = getattr(factory, "__name__", "make")
-    return make
+    staged = tuple(_map(a, wide_out if i in outputs else (lambda t: widen(t, ordered)))
+                   if i in tensors else a for i, a in enumerate(args))
+    return staged, pairs, ordered

@@ -1,7 +1,8 @@
 """The transports under the engine: torch's own process groups, one per device type.
 
 gloo for CPU tensors, NCCL for CUDA tensors (created lazily on first CUDA use, on the same
-store), each taking every dtype (dtypes.py). gradientflow never writes sockets.
+store), each adapted (adapter.py: every dtype, a future on every Work). gradientflow never
+writes sockets.
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from typing import Any, Callable
 import torch
 from torch._C._distributed_c10d import PrefixStore, ProcessGroupGloo
 
-from gradientflow.backend.dtypes import any_dtype
+from gradientflow.backend.adapter import adapted
 from gradientflow.config import restart_attempt
 from gradientflow.stores import own_connection
 
@@ -65,8 +66,8 @@ class Transports:
     """
 
     # Factories are class attributes so tests can substitute fakes for the CUDA path.
-    factories: dict[str, Callable[..., Any]] = {"cpu": any_dtype(make_gloo),
-                                                "cuda": any_dtype(make_nccl)}
+    factories: dict[str, Callable[..., Any]] = {"cpu": adapted(make_gloo),
+                                                "cuda": adapted(make_nccl)}
 
     def __init__(self, store, rank: int, size: int, timeout: datetime.timedelta,
                  prefix: str = "gradientflow/", connect_cpu: bool = True) -> None:
