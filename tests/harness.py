@@ -10,6 +10,7 @@ that did not answer; the pool restarts on next use.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import multiprocessing as mp
 import os
@@ -17,7 +18,7 @@ import socket
 import sys
 import time
 import traceback
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 _CTX = mp.get_context("spawn")
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -32,6 +33,21 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def environ(env: dict) -> Iterator[None]:
+    """os.environ with `env` set, as it was again afterwards."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def _load(path: str, qualname: str) -> Callable:
@@ -64,29 +80,22 @@ def _worker(rank: int, world_size: int, conn) -> None:
         if msg is None:
             return
         path, qualname, port, backend, env, pg_timeout_s, args, kwargs = msg
-        saved = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)
         try:
-            fn = _load(path, qualname)
-            if backend:
-                import datetime
+            with environ(env):
+                fn = _load(path, qualname)
+                if backend:
+                    import datetime
 
-                dist.init_process_group(
-                    backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                    world_size=world_size, timeout=datetime.timedelta(seconds=pg_timeout_s))
-            try:
-                result = ("ok", fn(rank, world_size, *args, **kwargs))
-            finally:
-                if backend and dist.is_initialized():
-                    dist.destroy_process_group()
+                    dist.init_process_group(
+                        backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                        world_size=world_size, timeout=datetime.timedelta(seconds=pg_timeout_s))
+                try:
+                    result = ("ok", fn(rank, world_size, *args, **kwargs))
+                finally:
+                    if backend and dist.is_initialized():
+                        dist.destroy_process_group()
         except BaseException as exc:  # noqa: BLE001 - reported to the parent
             result = ("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
         try:
             conn.send(result)
         except Exception as exc:  # noqa: BLE001 - e.g. an unpicklable result

@@ -1,7 +1,8 @@
 """Engine entry points for the layers above (hooks, optimizer), by process group."""
 from __future__ import annotations
 
-from typing import Hashable
+import contextlib
+from typing import Hashable, Iterator
 
 import torch
 
@@ -65,3 +66,21 @@ def scheduler_of(group=None):
     """
     backend = backend_of(group)
     return None if backend is None else backend.scheduler()
+
+
+@contextlib.contextmanager
+def waited(group=None) -> Iterator[None]:
+    """Issue allreduces that the caller waits on together, right after the block.
+
+    On a gradientflow group their batch is agreed only once the block ends (so they fuse,
+    however slow the caller is), and as the caller waits on them, a round that finds the ranks
+    issued them differently refuses them on every rank and the group stays usable. Only
+    deferred allreduces may be issued inside: anything else waits for the block to end.
+    Elsewhere it does nothing.
+    """
+    backend = backend_of(group)
+    if backend is None:
+        yield
+        return
+    with backend.engine.waited():
+        yield

@@ -28,9 +28,10 @@ Entry points (one per operation kind, bound from Issue): `allreduce`, `collectiv
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -147,6 +148,20 @@ class Engine:
         with self.cv:
             self.queue.wanted_upto = max(self.queue.wanted_upto, self.issue.seq - 1)
             self.cv.notify_all()
+
+    @contextlib.contextmanager
+    def waited(self) -> Iterator[None]:
+        """Allreduces issued inside are agreed as one batch when the block ends, waited on
+        (backend.api.waited says what for)."""
+        with self.cv:
+            self.queue.held += 1
+        try:
+            yield
+        finally:
+            with self.cv:
+                self.queue.held -= 1
+                self.queue.wanted_upto = max(self.queue.wanted_upto, self.issue.seq - 1)
+                self.cv.notify_all()
 
     def drain(self, timeout_s: float | None = None) -> None:
         """Wait until nothing is queued or in flight (everything issued so far is finished).

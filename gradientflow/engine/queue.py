@@ -61,6 +61,9 @@ class OrderedQueue:
         # A caller runs an eager call's round and launch itself (issue.Claim): no other round
         # or send may start until it is done, so the engine thread waits.
         self.floor = False
+        # Blocks of allreduces the caller will wait on as one (Engine.waited): their round
+        # waits for the block's end.
+        self.held = 0
 
     def configure(self, config: Any) -> None:
         """Take the cut and the cycle time of `config` (at creation, or Engine.reconfigure)."""
@@ -164,6 +167,8 @@ class OrderedQueue:
 
     def _should_round(self, now: float) -> tuple[bool, float | None]:
         """Whether to start the agreement round for the leading batch now (local reasons)."""
+        if self.held:  # the caller is still issuing a block it will wait on (Engine.waited)
+            return False, None
         if self.run_len < len(self.issued):  # another collective is queued behind the batch
             return True, None
         if self.wanted_upto >= self.issued[0].seq or self.run_bytes >= self._threshold:

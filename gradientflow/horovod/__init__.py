@@ -31,7 +31,8 @@ from gradientflow.horovod.mpi_ops import (Adasum, Average, Max, Min, Product, Re
                                           grouped_allreduce_, grouped_allreduce_async,
                                           grouped_allreduce_async_, grouped_reducescatter,
                                           grouped_reducescatter_async, join, poll,
-                                          reducescatter, reducescatter_async, synchronize)
+                                          reducescatter, reducescatter_async,
+                                          sparse_allreduce_async, synchronize)
 from gradientflow.horovod.functions import (allgather_object, broadcast_object,
                                             broadcast_optimizer_state, broadcast_parameters)
 from gradientflow.horovod.optimizer import DistributedOptimizer
@@ -48,7 +49,8 @@ __all__ = [
     "grouped_allreduce", "grouped_allreduce_async", "grouped_allreduce_",
     "grouped_allreduce_async_", "allgather", "allgather_async", "grouped_allgather",
     "grouped_allgather_async", "broadcast", "broadcast_async", "broadcast_", "broadcast_async_",
-    "alltoall", "alltoall_async", "reducescatter", "reducescatter_async",
+    "alltoall", "alltoall_async", "sparse_allreduce_async", "reducescatter",
+    "reducescatter_async",
     "grouped_reducescatter", "grouped_reducescatter_async", "poll", "synchronize", "join",
     "barrier", "broadcast_parameters", "broadcast_optimizer_state", "broadcast_object",
     "allgather_object", "DistributedOptimizer", "SyncBatchNorm", "start_timeline",

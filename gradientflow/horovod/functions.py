@@ -39,8 +39,10 @@ def broadcast_parameters(params, root_rank) -> None:
 def broadcast_optimizer_state(optimizer, root_rank, model=None) -> None:
     """Give every rank root_rank's optimizer state and hyperparameters (e.g. after a resume).
 
-    `model` is accepted for Horovod's signature; the state travels as one object, so sparse
-    parameters need no special case.
+    As in Horovod, an optimizer with no state yet is first stepped once, on this rank alone,
+    with a zero gradient for every parameter that requires one (sparse for SparseAdam, and for
+    the sparse embeddings of `model` under SGD): its state then exists to be overwritten, and
+    those parameters keep the zero gradient. The state then travels as one object.
     """
     from gradientflow.optim import broadcast_optimizer_state as _broadcast
 
@@ -48,7 +50,32 @@ def broadcast_optimizer_state(optimizer, root_rank, model=None) -> None:
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ValueError(f"broadcast_optimizer_state: expected a torch.optim.Optimizer, got "
                          f"{type(optimizer).__name__}")
+    if not optimizer.state_dict()["state"]:
+        _initialize_state(optimizer, model)
     _broadcast(optimizer, root_rank=root_rank)
+
+
+def _initialize_state(optimizer, model) -> None:
+    """Horovod's zero step: zero gradients, then the wrapped optimizer's own step, locally."""
+    sparse = set()
+    if model is not None:
+        for m in model.modules():
+            if isinstance(m, torch.nn.Embedding) and m.sparse:
+                sparse.update(id(p) for p in m.parameters())
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.requires_grad:
+                p.grad = torch.zeros_like(p)
+                if isinstance(optimizer, torch.optim.SparseAdam) or (
+                        isinstance(optimizer, torch.optim.SGD) and id(p) in sparse):
+                    p.grad = p.grad.to_sparse()
+    # A distributed optimizer's own step would average over the ranks, which only works if
+    # every rank steps: the wrapped class's step runs here instead.
+    local = getattr(optimizer, "_base_step", None)
+    if local is not None:
+        local(None)
+    else:
+        optimizer.step()
 
 
 def _dumps(obj) -> bytes:

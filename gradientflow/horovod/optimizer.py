@@ -5,6 +5,7 @@ options of GradientFlow's optimizer, which overlaps the averaging with backward.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
 
@@ -74,6 +75,14 @@ def _partition_bytes(groups, optimizer) -> int | None:
     return max(1, math.ceil(total / groups))
 
 
+def _local(optimizer):
+    """`optimizer` itself, with the distributed optimizer's synchronize() and
+    skip_synchronize(), which have nothing to do on a rank outside the process set."""
+    optimizer.synchronize = lambda: None
+    optimizer.skip_synchronize = contextlib.nullcontext
+    return optimizer
+
+
 def DistributedOptimizer(optimizer, named_parameters=None, compression=Compression.none,
                          backward_passes_per_step=1, op=Average, gradient_predivide_factor=1.0,
                          num_groups=0, groups=None, sparse_as_dense=False,
@@ -93,7 +102,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
         groups: an integer N cuts the gradients into N partitions of equal bytes, each one
             message; a list of lists of parameters is validated and then cut by bytes too.
         sparse_as_dense: densify sparse gradients before averaging.
-        process_set: average over this set's ranks only.
+        process_set: average over this set's ranks only; on a rank outside the set the
+            optimizer is returned as it is (it steps on its own gradients), as in Horovod.
 
     Example::
 
@@ -122,8 +132,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
         raise ValueError("process_set must be an hvd.ProcessSet")
     group = process_set.group()
     if not process_set.included():
-        raise ValueError(f"DistributedOptimizer: this rank is not a member of {process_set}; "
-                         "build the optimizer only on the set's ranks")
+        # Horovod's: a rank outside the set averages nothing; it steps on its own gradients.
+        return _local(optimizer)
     if named_parameters is not None:
         named_parameters = _check_named(named_parameters, optimizer)
     kwargs = {}

@@ -49,7 +49,7 @@ class SyncBatchNorm(_BatchNorm):
         x = input.float() if input.dtype in (torch.float16, torch.bfloat16) else input
         count = torch.full((1,), float(input.numel() // c), dtype=x.dtype, device=x.device)
         local = torch.cat([count, x.sum(dims), (x * x).sum(dims)])
-        total = _Allreduce.apply(local, Sum, 1.0, 1.0, self.process_set)
+        total = _Allreduce.apply(local, Sum, 1.0, 1.0, self.process_set, None)
         n = total[0]
         mean = total[1:1 + c] / n
         var = (total[1 + c:] / n - mean * mean).clamp_min(0)

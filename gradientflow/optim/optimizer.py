@@ -136,6 +136,7 @@ class _DistributedOptimizer:
         self._finish_updates()
         self._reducer.submit_rest()
         self._reducer.wait_all()
+        self._reducer.resparsify()
         self._reducer.reset_step()
         self._reducer.end_step()
         if self._overlap is not None:
@@ -166,10 +167,11 @@ class _DistributedOptimizer:
                 loss = closure()
         if not self._should_synchronize or self._synchronized:
             if self._should_synchronize:
-                warnings.warn(f"{_PREFIX}: step() after synchronize() without "
-                              "`with optimizer.skip_synchronize():` steps on the gradients "
-                              "synchronize() averaged; use the context manager to say so",
-                              stacklevel=2)
+                # Horovod's words lead the sentence: scripts and tests look for them.
+                warnings.warn(f"{_PREFIX}: optimizer.step() called without "
+                              "optimizer.skip_synchronize() after synchronize(): it steps on "
+                              "the gradients synchronize() averaged; use `with "
+                              "optimizer.skip_synchronize():` to say so", stacklevel=2)
             self._synchronized = False
             self._base_step(None)
             return loss

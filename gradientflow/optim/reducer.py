@@ -208,6 +208,10 @@ class GradientReducer:
         self._begun = False
         self.seen_grads = False  # a hook fired since the last synchronize
         self._sparse = [False] * len(self.params)  # sticky: a sparse gradient was seen
+        # sparse_as_dense: parameters whose sparse gradient was densified, made sparse again
+        # once averaged (resparsify), so that optimizers that take only sparse gradients
+        # (SparseAdam) still can, as Horovod does.
+        self.densified: set[int] = set()
         self._buffers: dict[int, torch.Tensor] = {}  # partition key -> its flat buffer
         # Dense partitions in flight: key -> the StageGen that unpacks its summed buffer, run
         # by whoever waits for its future (settle), on the waiting thread.
@@ -226,6 +230,7 @@ class GradientReducer:
         if p.grad is not None and p.grad.is_sparse:
             if self.options.sparse_as_dense:
                 p.grad = p.grad.to_dense()
+                self.densified.add(i)
             elif self.compressor is not None:
                 raise RuntimeError(f"{_PREFIX}: parameter {self.names[i]!r} has a sparse "
                                    "gradient, which compression cannot take: pass "
@@ -327,6 +332,13 @@ class GradientReducer:
         for seg, u in zip(segs, used):
             self.target.write(seg, flat[off:off + seg.numel].view(seg.shape), u)
             off += seg.numel
+
+    def resparsify(self) -> None:
+        """Make the averaged gradients of densified parameters sparse again (after wait_all)."""
+        for i in self.densified:
+            p = self.params[i]
+            if p.grad is not None and not p.grad.is_sparse:
+                p.grad = p.grad.to_sparse()
 
     def _grad_inputs(self, part: Partition):
         """Split a partition's segments into dense (gradient view or None) and sparse ones.

@@ -9,21 +9,9 @@ from __future__ import annotations
 import itertools
 
 import pytest
+from hvd_common import session as _session
 
 TIMEOUT = 150
-
-
-def _session(fn):
-    """Run fn(hvd, torch) between hvd.init() and hvd.shutdown() (the harness owns the group)."""
-    import torch
-
-    import gradientflow.horovod as hvd
-
-    hvd.init()
-    try:
-        return fn(hvd, torch)
-    finally:
-        hvd.shutdown()
 
 
 def _raises(exc, text, fn, *args, **kwargs):

@@ -138,7 +138,8 @@ def errors_body(rank, world):
                 compression=Mine)
         with pytest.warns(DeprecationWarning):
             make(num_groups=2).close()
-        # A process set: its members average among themselves, others may not build one.
+        # A process set: its members average among themselves; on the others the optimizer
+        # steps on its own gradients (Horovod's rule).
         last = hvd.add_process_set([world - 1])
         if rank == world - 1:
             opt = make(named_parameters=model.named_parameters(), process_set=last)
@@ -150,7 +151,18 @@ def errors_body(rank, world):
                 torch.testing.assert_close(p.grad, w)
             opt.close()
         else:
-            _raises(ValueError, "is not a member of", make, process_set=last)
+            base = torch.optim.SGD(model.parameters(), lr=0.1)
+            opt = hvd.DistributedOptimizer(base, process_set=last)
+            assert opt is base, "a rank outside the set steps with the optimizer itself"
+            x, y = _batch(torch, 0, 0, rank)
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.synchronize()  # nothing to average here
+            before = [p.detach().clone() for p in model.parameters()]
+            grads = [p.grad.clone() for p in model.parameters()]
+            with opt.skip_synchronize():
+                opt.step()
+            for p, b, g in zip(model.parameters(), before, grads):
+                torch.testing.assert_close(p.detach(), b - 0.1 * g)
         hvd.remove_process_set(last)
         return True
     finally:
