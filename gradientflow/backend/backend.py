@@ -47,10 +47,12 @@ class GradientFlowBackend(_CBackend):
         # Before any transport: a setting such as debug decides which groups get connected.
         agreement_check.check(store, rank, size, config, timeout.total_seconds())
         self.transports = Transports(store, rank, size, timeout)
-        # The solo channel (engine/issue.py): a second gloo group, connected by every rank at
-        # its first solo allreduce, which is the same call on every rank.
-        self.solo_transports = Transports(store, rank, size, timeout,
-                                          prefix="gradientflow/solo-", connect_cpu=False)
+        # The solo channel (engine/issue.py): a second gloo group, connected here when the
+        # channel is on (at a first solo allreduce that another rank issued differently, a
+        # connection made then would wait for it in the store, out of reach of any check).
+        self.solo_transports = Transports(
+            store, rank, size, timeout, prefix="gradientflow/solo-",
+            connect_cpu=config.solo_channel and config.fusion_threshold > 0 and size > 1)
         # A side group for the agreement rounds, so that they never pair with data messages.
         agree = make_gloo(store, rank, size, timeout, "gradientflow/agree/")
         self._agree = agree

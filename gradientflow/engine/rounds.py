@@ -171,9 +171,9 @@ class Rounds:
             if views is not None:
                 text += "".join(f"\n  rank {r}: {v}" for r, v in enumerate(views))
             if fps is not None:
-                text += ("\nNothing of these calls was sent; " + (
-                    "they were refused on every rank." if refusable else
-                    "since not every rank was waiting on them, the group is failed."))
+                text += ("\nThey were refused on every rank before any data moved" + (
+                    "." if refusable else "; since not every rank was waiting on them, "
+                    "the group is failed."))
             err = CollectiveMismatchError(text)
         err.refused = len(ops) if fps is not None and refusable else None
         return err

@@ -205,3 +205,118 @@ def test_debug_refuses_every_fatal_size_mismatch_on_every_rank(pools, solo):
             assert "collective mismatch" in msg and "GRADIENTFLOW_DEBUG" in msg, (rank, name, msg)
             assert name in msg and "rank 0" in msg and "rank 1" in msg, (rank, name, msg)
             assert "80000" in msg or "(20000,)" in msg, (rank, name, msg)
+
+
+# ---------------------------------------------------------------------------------------
+# The default path (no GRADIENTFLOW_DEBUG): every collective, every way two ranks can differ,
+# every dtype Horovod takes, refused on every rank before the transport (group still usable).
+SAME_WIDTH = {"float32": "int32", "int32": "float32", "int16": "float16", "float16": "int16",
+              "int64": "float64", "float64": "int64", "uint8": "int8", "int8": "uint8"}
+ROOTED = {"reduce", "broadcast", "gather", "scatter"}
+REDUCING = {"all_reduce", "reduce", "reduce_scatter", "reduce_scatter_tensor"}
+COLLECTIVES = sorted(FATAL_SIZE_MISMATCH)
+
+
+def _call(dist, torch, name, shape, dt, root, op, w):
+    """The collective `name` on tensors of `shape` and `dt`, with `root` and reduce `op`."""
+    one = (lambda: torch.ones(shape, dtype=dt)) if dt != torch.bool else (
+        lambda: torch.ones(shape, dtype=dt))
+    rows = (w * shape[0],) + tuple(shape[1:])
+    me = dist.get_rank()
+    calls = {
+        "all_reduce": lambda: dist.all_reduce(one(), op=op),
+        "reduce": lambda: dist.reduce(one(), dst=root, op=op),
+        "broadcast": lambda: dist.broadcast(one(), src=root),
+        "all_gather": lambda: dist.all_gather([one() for _ in range(w)], one()),
+        "all_gather_into_tensor": lambda: dist.all_gather_into_tensor(
+            torch.empty(rows, dtype=dt), one()),
+        "gather": lambda: dist.gather(one(), [one() for _ in range(w)] if me == root else None,
+                                      dst=root),
+        "scatter": lambda: dist.scatter(one(), [one() for _ in range(w)] if me == root else None,
+                                        src=root),
+        "reduce_scatter": lambda: dist.reduce_scatter(one(), [one() for _ in range(w)], op=op),
+        "reduce_scatter_tensor": lambda: dist.reduce_scatter_tensor(
+            one(), torch.ones(rows, dtype=dt), op=op),
+        "all_to_all_single": lambda: dist.all_to_all_single(torch.empty(rows, dtype=dt),
+                                                            torch.ones(rows, dtype=dt)),
+        "all_to_all": lambda: dist.all_to_all([one() for _ in range(w)],
+                                              [one() for _ in range(w)]),
+    }
+    return calls[name]()
+
+
+def default_mismatches(rank, world, dtypes):
+    """Rank body: for each dtype and collective, rank 1 differs in one thing at a time (size,
+    same-width dtype, dimensions of the same size, root, reduce op); returns every error text
+    by (dtype, collective, kind)."""
+    import torch
+    import torch.distributed as dist
+
+    from gradientflow.errors import CollectiveMismatchError
+
+    sum_, max_ = dist.ReduceOp.SUM, dist.ReduceOp.MAX
+    msgs = {}
+    for name in dtypes:
+        dt, other = getattr(torch, name), getattr(torch, SAME_WIDTH[name])
+        for coll in COLLECTIVES:
+            kinds = {"size": ((4 + rank, 6), dt, 0, sum_),
+                     "dtype": ((4, 6), dt if rank == 0 else other, 0, sum_)}
+            if coll != "all_to_all":  # its per-rank tensors may have any shapes of that size
+                kinds["dims"] = ((4, 6) if rank == 0 else (4, 3, 2), dt, 0, sum_)
+            if coll in ROOTED:
+                kinds["root"] = ((4, 6), dt, rank, sum_)
+            if coll in REDUCING:
+                kinds["op"] = ((4, 6), dt, 0, sum_ if rank == 0 else max_)
+            for kind, (shape, t, root, op) in kinds.items():
+                if coll == "all_to_all_single" and kind == "size":
+                    shape = (4, 6 + rank)  # rows may differ there: the row size may not
+                try:
+                    _call(dist, torch, coll, shape, t, root, op, world)
+                    msgs[(name, coll, kind)] = "no error"
+                except CollectiveMismatchError as exc:
+                    msgs[(name, coll, kind)] = str(exc)
+                t = torch.ones(3)
+                dist.all_reduce(t)  # nothing was sent: the group is usable
+                assert t.tolist() == [world] * 3, (name, coll, kind, t)
+    return msgs
+
+
+@pytest.mark.parametrize("dtypes", [["float32", "int16", "uint8", "float64"],
+                                    ["int32", "float16", "int8", "int64"]])
+def test_default_path_refuses_every_mismatch_of_every_collective(pools, dtypes):
+    results = pools(2).run(default_mismatches, dtypes, pg_timeout_s=20, timeout=300)
+    for rank, msgs in enumerate(results):
+        assert len(msgs) >= len(dtypes) * (len(COLLECTIVES) * 3 - 1)
+        for (name, coll, kind), msg in msgs.items():
+            where = (rank, name, coll, kind)
+            assert "collective mismatch" in msg, (where, msg)
+            assert coll in msg and "rank 0" in msg and "rank 1" in msg, (where, msg)
+            assert "before any data moved" in msg, (where, msg)
+        for coll in COLLECTIVES:
+            msg = msgs[(dtypes[0], coll, "dtype")]
+            assert dtypes[0] in msg and SAME_WIDTH[dtypes[0]] in msg, (coll, msg)
+
+
+def cross_stream_mismatch(rank, world):
+    """Rank body: a solo allreduce (above the solo threshold) on rank 0 where rank 1 queues
+    a deferred one: the two wait in rounds of different streams; the check-ins find it."""
+    import torch
+    import torch.distributed as dist
+
+    from gradientflow.errors import CollectiveMismatchError, EngineError
+
+    n = 1_250_000 if rank == 0 else 250_000  # 5 MB: solo; 1 MB: deferred
+    try:
+        dist.all_reduce(torch.ones(n), async_op=True).wait()
+    except CollectiveMismatchError as exc:
+        return str(exc)
+    except EngineError as exc:
+        return f"engine: {exc}"
+    return "no error"
+
+
+def test_a_mismatch_across_the_solo_and_agreement_streams_is_found(pools):
+    msgs = pools(2).run(cross_stream_mismatch, env=FAST, pg_timeout_s=30, timeout=120)
+    for rank, msg in enumerate(msgs):
+        assert "collective mismatch" in msg, (rank, msg)
+        assert "(1250000,)" in msg and "(250000,)" in msg, (rank, msg)
