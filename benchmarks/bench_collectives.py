@@ -5,7 +5,7 @@ op and size the two are timed alternately, rep by rep, so both see the same mach
 busbw follows nccl-tests: allreduce 2(n-1)/n, all_gather and reduce_scatter (n-1)/n,
 broadcast 1, times the algorithm bandwidth (bytes / time).
 
-    python benchmarks/bench_collectives.py [--quick] [--out DIR]
+    python benchmarks/bench_collectives.py [--quick] [--out DIR] [--sizes 4096,65536 --reps 50]
 """
 from __future__ import annotations
 
@@ -82,6 +82,10 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="4 KB-1 MB, 2 ranks, few reps")
     ap.add_argument("--out", default=results_dir("collectives"))
     ap.add_argument("--worlds", default=None, help="comma-separated world sizes")
+    ap.add_argument("--sizes", default=None,
+                    help="comma-separated message sizes in bytes (e.g. 4096,65536: the per-call "
+                         "cost of small collectives)")
+    ap.add_argument("--reps", type=int, default=None, help="timed reps per op and size")
     args = ap.parse_args(argv)
     if args.quick:
         sizes, worlds, reps = [2**12, 2**16, 2**20], [2], 5
@@ -90,6 +94,9 @@ def main(argv=None) -> int:
         worlds, reps = [2, 4], 20
     if args.worlds:
         worlds = [int(w) for w in args.worlds.split(",")]
+    if args.sizes:
+        sizes = [int(x) for x in args.sizes.split(",")]
+    reps = args.reps or reps
     rows, raw = [], {}
     for n in worlds:
         res = launch("benchmarks.bench_collectives:worker", world_size=n,
@@ -110,11 +117,13 @@ def main(argv=None) -> int:
                              "overhead us": (t["gradientflow"] - t["gloo"]) * 1e6})
     cols = ["ranks", "op", "size", "gloo ms", "gf ms", "gloo busbw GB/s", "gf busbw GB/s",
             "gf/gloo busbw", "overhead us"]
-    big = [r["gf/gloo busbw"] for r in rows if not r["size"].endswith("KB")]
-    small = [r["overhead us"] for r in rows if r["size"] == "4 KB"]
-    summary = (f"Synchronous collectives, medians. Across sizes >= 1 MB the median gf/gloo busbw "
-               f"ratio is {fmt(median(big))} (min {fmt(min(big))}); the per-call overhead at 4 KB "
-               f"is {fmt(median(small))} us (median over ops and world sizes).")
+    big = [r["gf/gloo busbw"] for r in rows if not r["size"].endswith(("KB", " B"))]
+    small = [r["overhead us"] for r in rows if r["size"] == _label(min(sizes))]
+    summary = ("Synchronous collectives, medians."
+               + (f" Across sizes >= 1 MB the median gf/gloo busbw ratio is {fmt(median(big))} "
+                  f"(min {fmt(min(big))});" if big else "")
+               + f" The per-call overhead at {_label(min(sizes))} is {fmt(median(small))} us "
+               "(median over ops and world sizes).")
     md = (f"## Collectives: gradientflow vs gloo\n\n{machine_line()}\n\n{summary}\n\n"
           + markdown_table(cols, rows))
     print(md)

@@ -61,6 +61,8 @@ def _special(arg: Any, table: dict) -> bool:
     if isinstance(arg, torch.Tensor):
         return arg.dtype in table
     if isinstance(arg, (list, tuple)):
+        if len(arg) == 1 and isinstance(arg[0], torch.Tensor):  # the usual [tensor]
+            return arg[0].dtype in table
         return any(_special(a, table) for a in arg)
     return False
 
@@ -141,7 +143,11 @@ def bits_args(name: str, args: tuple) -> tuple:
     """The arguments of data-movement method `name` with every tensor of a dtype the
     transports cannot move replaced by a view of its bytes (`args` itself if there is none)."""
     indices = MOVE[name]
-    if not any(_special(args[i], _BITS) for i in indices if i < len(args)):
+    n = len(args)
+    for i in indices:
+        if i < n and _special(args[i], _BITS):
+            break
+    else:
         return args
     return tuple(_map(a, as_bits) if i in indices else a for i, a in enumerate(args))
 
@@ -150,7 +156,11 @@ def widen_args(name: str, args: tuple) -> tuple[tuple, list, bool] | None:
     """For reduction method `name`: (its arguments on wider copies, the (tensor, copy) pairs
     to narrow back, whether the op is MIN or MAX), or None if no tensor needs widening."""
     tensors, outputs = REDUCE[name]
-    if not any(_special(args[i], _WIDE) for i in tensors if i < len(args)):
+    n = len(args)
+    for i in tensors:
+        if i < n and _special(args[i], _WIDE):
+            break
+    else:
         return None
     opts = args[max(tensors) + 1] if len(args) > max(tensors) + 1 else None
     ordered = _reduce_op(opts) in _ORDERED

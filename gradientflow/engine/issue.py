@@ -305,9 +305,11 @@ class Issue:
             work = claim.launch()
         finally:
             with self._lock:
-                self._queue.floor = False
+                queue = self._queue
+                queue.floor = False
                 self.checking.discard(seq)
-                self._cv.notify_all()
+                if queue.issued or queue.agreed:  # what queued behind it goes now
+                    self._cv.notify_all()
         claim.work = work
         return claim.wrap(work) if claim.wrap is not None else work
 
