@@ -7,8 +7,9 @@ load, and writes one table of the added cost per call.
 
     python benchmarks/check_cost.py --before DIR [--runs 2] [--lock /work/timing.lock]
 
-DIR is a checkout of the commit before the per-call check (git worktree add DIR <commit>);
-this checkout's bench_collectives.py is used in both, so only the backend differs.
+DIR is a throwaway checkout of the commit before the per-call check (git worktree add DIR
+<commit>): this checkout's bench_collectives.py and bench_fusion.py are copied into it, so only
+the package differs. `--no-run` only writes the table from the run folders already there.
 """
 from __future__ import annotations
 
