@@ -143,28 +143,9 @@ class EagerOp:
             completion.complete(self.fut, self.outputs)
             return
 
-        def done(f, op=self):
-            completion.follow(f, op.fut, op.outputs, engine.fail)
-
-        try:
-            fut = work.get_future()
-        except RuntimeError:  # "getFuture not implemented": gloo's reduce_scatter_tensor Work
-            engine.messages.later(lambda: done(_Waited(work)))
-            return
-        fut.then(done)
-
-
-class _Waited:
-    """A Work without a future, seen as a done future: value() waits for it (the reaper's
-    thread, in launch order) and raises its error."""
-
-    __slots__ = ("_work",)
-
-    def __init__(self, work: Any) -> None:
-        self._work = work
-
-    def value(self) -> Any:
-        self._work.wait()
+        # Every transport Work has a future (backend/adapter.py gives one to gloo's that lack it).
+        work.get_future().then(
+            lambda f, op=self: completion.follow(f, op.fut, op.outputs, engine.fail))
 
 
 @dataclass
