@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from gradientflow.errors import StepFailed
+
 # Big enough that blocked callbacks (each waiting on a later collective) cannot starve the
 # pool in any realistic program; threads are only created when none is idle.
 _MAX_THREADS = 512
@@ -180,8 +182,6 @@ def follow(done: Any, fut: torch.futures.Future, outputs: Any,
     """Complete `fut` with `outputs` from the transport's finished future `done`: a StepFailed
     (agreed on every rank) fails only this op; any other error fails the group (`fail(exc)`
     returns the group's error)."""
-    from gradientflow.errors import StepFailed
-
     try:
         done.value()
         complete(fut, outputs)
