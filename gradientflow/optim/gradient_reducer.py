@@ -105,8 +105,11 @@ class GradTarget:
         # A result already sits in its partition's buffer: point the gradient at it.
         self._bucket_view = bucket_view
         # Parameter index -> its whole gradient in a buffer where its row blocks' results lie
-        # back to back (the fused path's): a row-split parameter points there too.
+        # back to back (the fused path's): a row-split parameter points there too, once every
+        # block of it was delivered (blocks: how many; delivered: so far, modulo blocks).
         self.homes: dict[int, torch.Tensor] = {}
+        self.blocks: dict[int, int] = {}
+        self._delivered: dict[int, int] = {}
         self._lock = threading.Lock()  # held only inside write: it never calls out
 
     def write(self, seg, value: torch.Tensor, used: bool) -> None:
@@ -115,12 +118,18 @@ class GradTarget:
         # parameter must not both find no buffer and each allocate one (a lost block).
         with self._lock:
             p = self._params[seg.index]
+            home = self.homes.get(seg.index) if self._bucket_view else None
+            if home is not None:
+                # This block's result is already in `home`. Point the gradient there only once
+                # every block was delivered: a block not issued yet still copies its gradient
+                # from p.grad, and must find the gradient there, not this buffer.
+                i = seg.index
+                done = self._delivered[i] = (self._delivered.get(i, 0) + 1) % self.blocks[i]
+                if done == 0:
+                    p.grad = home if used else None
+                return
             if not used:
                 p.grad = None  # no rank had a gradient: leave it alone, as DDP does
-                return
-            home = self.homes.get(seg.index)
-            if home is not None and self._bucket_view:
-                p.grad = home  # this block's result is already in it, the others will be
                 return
             if seg.whole and not value.is_sparse and self._bucket_view:
                 # The result already sits in this partition's buffer: point the gradient at it
@@ -423,6 +432,7 @@ class GradientReducer:
                     if homes is not None and not seg.whole and seg.row0 == 0:
                         p = self.params[seg.index]
                         homes[seg.index] = flat[off:off + p.numel()].view(p.shape)
+                        self.target.blocks[seg.index] = len(self._parts_of[seg.index])
                     off += seg.numel
         return self._slices[k]
 
