@@ -9,8 +9,9 @@ computation: both are printed) with:
 - DDP: torch DDP on the gradientflow group (its own buckets and hooks overlap with backward);
 - FIFO overlap: DistributedOptimizer(priority=False): partitions launched during backward in
   the order backward makes them ready;
-- priority: DistributedOptimizer(priority=True): the partition the next forward needs first
-  goes first (TicTac's TIC order), among those ready on every rank;
+- priority: DistributedOptimizer(priority=True): among the partitions one agreement round
+  finds issued on every rank, the one the next forward needs first goes first (TicTac's TIC
+  order);
 - FIFO + next forward / priority + next forward: as FIFO / priority, and step() returns at
   once; each layer is updated just before the next forward uses it (forward pre-hooks wait per
   layer). The pair shows what the order buys: the next forward needs the first layer first,
@@ -53,7 +54,7 @@ def worker(rank: int, world: int, width: int, depth: int, batch: int, blocks: in
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    import gradientflow  # noqa: F401  (registers the backend)
+    import gradientflow  # registers the backend
     import gradientflow.optim as gfo
 
     gf = dist.new_group(backend="gradientflow")
@@ -123,7 +124,7 @@ def worker(rank: int, world: int, width: int, depth: int, batch: int, blocks: in
             ts.append(time.perf_counter() - t0)
         calib[name] = median(ts) * 1e3
 
-    for v in VARIANTS:  # warm-up: first-step allocations, scheduler and DDP start-up
+    for v in VARIANTS:  # warm-up: first-step allocations, buffers and DDP start-up
         for _ in range(2):
             one_step(v)
         opt = setups[v][1]
@@ -131,14 +132,12 @@ def worker(rank: int, world: int, width: int, depth: int, batch: int, blocks: in
             opt.finish_updates()
     times = {v: [] for v in VARIANTS}
     cpu = {v: [] for v in VARIANTS}  # process CPU time (every thread of this rank)
-    rounds = dict.fromkeys(VARIANTS, 0)  # agreement rounds of the keyed scheduler
-    logs: dict[str, list[int]] = {}  # launch order of each variant's last timed iteration
+    rounds = dict.fromkeys(VARIANTS, 0)  # the engine's agreement rounds (every kind)
     for _ in range(blocks):
         for v in VARIANTS:
             dist.barrier(group=gf)
             opt = setups[v][1]
-            sched = getattr(opt, "_sched", None)
-            r0 = sched.rounds if sched is not None else 0
+            r0 = gradientflow.stats()["agreement_rounds"]
             for i in range(steps_per_block):
                 t0, c0 = time.perf_counter(), time.process_time()
                 one_step(v)
@@ -146,13 +145,11 @@ def worker(rank: int, world: int, width: int, depth: int, batch: int, blocks: in
                     opt.finish_updates()  # the deferred update of the last step counts too
                 times[v].append(time.perf_counter() - t0)
                 cpu[v].append(time.process_time() - c0)
-            if sched is not None:
-                rounds[v] += sched.rounds - r0
-                logs[v] = list(opt.launch_log)  # the group's scheduler is shared: copy it now
+            rounds[v] += gradientflow.stats()["agreement_rounds"] - r0
     return {"rank": rank, "times": times, "cpu": cpu, "calib": calib, "nparams": nparams,
             "rounds": rounds,
             "partitions": len(setups["priority"][1].plan),
-            "coarse_partitions": len(setups[COARSE][1].plan), "last_launch_logs": logs}
+            "coarse_partitions": len(setups[COARSE][1].plan)}
 
 
 def main(argv=None) -> int:
@@ -202,15 +199,6 @@ def main(argv=None) -> int:
     ddp = next(r for r in rows if r["variant"] == "DDP")
     per_iter = {v: r0["rounds"][v] / max(1, len(r0["times"][v])) for v in VARIANTS}
     coarse = next(r for r in rows if r["variant"] == COARSE)
-    logs = r0["last_launch_logs"]
-    backward_order = list(range(r0["partitions"] - 1, -1, -1))
-    unordered = [v for v in ("priority", "priority + next forward")
-                 if logs.get(v) == backward_order]
-    reorder_note = (
-        f" In the last iteration {' and '.join(unordered)} launched in backward order, as FIFO "
-        "does: no partition of a better priority was agreed while another one was held for "
-        "credit, so there was nothing to reorder (an iteration's order depends on its timing)."
-        if unordered else "")
     md = f"""## Overlap and priority scheduling (DistributedOptimizer)
 
 `python -m benchmarks.bench_overlap{' --quick' if quick else ''}`: 2 ranks on loopback, one thread
@@ -232,41 +220,29 @@ next forward vs no overlap: {nf['speed-up vs no overlap']:.2f}x, vs DDP:
 {ddp['p50 ms'] / nf['p50 ms']:.2f}x. Priority with two layers per partition vs one:
 {prio['p50 ms'] / coarse['p50 ms']:.2f}x (> 1: the coarser plan faster), vs no overlap
 {coarse['speed-up vs no overlap']:.2f}x.
-Agreement rounds per iteration: FIFO {per_iter['FIFO overlap']:.1f}, priority
-{per_iter['priority']:.1f}, priority with two layers per partition {per_iter[COARSE]:.1f}.
-Launch order of the last iteration: FIFO {logs.get('FIFO overlap')}, priority
-{logs.get('priority')}, FIFO + next forward {logs.get('FIFO + next forward')}, priority + next
-forward {logs.get('priority + next forward')}, two layers per partition {logs.get(COARSE)}
-(partition 0 holds the first layer).{reorder_note}
+Agreement rounds per iteration (every round of the engine, DDP's too): DDP
+{per_iter['DDP']:.1f}, FIFO {per_iter['FIFO overlap']:.1f}, priority {per_iter['priority']:.1f},
+priority with two layers per partition {per_iter[COARSE]:.1f}.
 
 How to read it. Every overlapped variant packs a partition on backward's thread as soon as its
-last gradient arrives (divided by the world size as it is copied) and sends it as one
-asynchronous allreduce once every rank has it ready; the transport's thread only counts it done
-and completes its future, and the thread that waits for it (step(), or the next forward's
-pre-hook) unpacks it, so little Python competes with backward for the GIL.
-Readiness is agreed in one chain of rounds per step: a round is due while some partition is not
-agreed ready everywhere, and a rank issues it once it has seen the previous round's result and
-has something new (a partition ready here, or a completion that frees held credit), so
-partitions that become ready during a round travel together in the next one and no rank polls.
-A round costs each rank about 0.3-0.7 ms of CPU on these cores (measured alone), and each
-partition also costs a message: the last row halves both (see its CPU per iteration), but its
-last partition, sent after backward ends, is twice as large, and with four partitions, three of
-which are launched before the first layer's is ready, priority can at most put the first
-layer's partition ahead of the second's. The credit keeps at least three partitions in flight
-and holds an agreed partition back only while a partition not agreed yet has a better priority,
-so in FIFO order (where nothing can overtake) nothing is ever held, and in priority order a
-partition that becomes ready later, with a higher priority, overtakes the held ones. When
-step() waits for every partition (FIFO, priority), the order only
-decides which transfer ends last, not when the last one ends, so the two are within noise of
-each other. The order pays when the next iteration can start before everything has arrived:
-backward makes the first layer ready last, and the next forward needs it first. FIFO sends it
-last, so the next forward waits for the whole exchange; priority sends it as soon as credit
-frees, and the first layers' updates and forward run while the later layers are still in flight
-(compare the two next-forward rows). That is the mechanism of TicTac's +19.2% training
-throughput (GPU workers whose next iteration's first layers could start as soon as their
-parameters arrived). TicTac's 2.3x smaller straggler effect came from replacing a random,
-per-worker order by one order on every worker; here both orders are the same on every rank by
-construction (the keyed agreement), so there is no random-order straggling to remove. On this
+last gradient arrives (divided by the world size as it is copied) and issues it as one
+asynchronous allreduce into the group's one ordered stream, in backward's order on every rank
+(one partition complete early waits for those after it); the thread that waits for it (step(),
+or the next forward's pre-hook) unpacks it, so little Python competes with backward for the GIL.
+The engine's agreement rounds close batches of the partitions every rank has issued (a batch
+grows while a round is in flight, so partitions that become ready meanwhile travel together),
+and a batch is sent in priority order: FIFO gives each partition its backward position, so a
+batch leaves as issued; priority gives the first layer's partition the best, so of the
+partitions agreed together it leaves first. When step() waits for every partition (FIFO,
+priority), the order only decides which transfer ends last, not when the last one ends. The
+order can pay when the next iteration can start before everything has arrived: backward makes
+the first layer ready last, and the next forward needs it first (compare the two next-forward
+rows). It can reorder only what one round agrees: a partition already handed to the transport
+is not overtaken (gloo sends in order), which is why TicTac's gain (+19.2% throughput, GPU
+workers with a NIC) needs the transfers to queue behind each other in a batch. TicTac's 2.3x
+smaller straggler effect came from replacing a random, per-worker order by one order on every
+worker; here the order is the same on every rank by construction, so there is no random-order
+straggling to remove. On this
 machine the two ranks share {machine_info()['nproc']} cores with their communication threads
 (loopback copies and reductions are CPU work, and other jobs may load the machine: see the load
 average below), so overlap competes with computation for the same cores, and the gains are

@@ -139,11 +139,6 @@ class Config:
     # idle, which sends most tensors alone. 3 ms, not 1: a per-tensor loop of 161 allreduces
     # takes 5-10 ms to issue on a loaded machine, and must not be cut into several rounds.
     cycle_time_ms: float = 3.0
-    # Priority scheduling (DistributedOptimizer): ByteScheduler's credit, the bytes in flight,
-    # as agreed by the rounds at each ready partition and each completed transfer (at least 3
-    # transfers are always allowed: 2 in flight beat 1 and all at once, a 3rd covers the round
-    # that frees the credit).
-    schedule_credit: int = 4 * 10**6
     # Threads of the numba compression kernels per rank; 0: the cores divided among the ranks
     # of this host (torchrun's LOCAL_WORLD_SIZE, else the group's size), at least 1: ranks that
     # share cores must not oversubscribe them.
@@ -208,7 +203,6 @@ class Config:
             "sync_fusion_limit": lambda v, n: parse_size(v, n),
             "fusion_segments": lambda v, n: _parse_int(v, n, 1, 8),
             "cycle_time_ms": lambda v, n: _parse_float(v, n, 0.0, 1000.0),
-            "schedule_credit": lambda v, n: parse_size(v, n),
             "kernel_threads": lambda v, n: _parse_int(v, n, 0, 1024),
             "local_world_size": lambda v, n: _parse_int(v, n, 0, 1 << 20),
             "cuda_transport": lambda v, n: _parse_choice(v, n, CUDA_TRANSPORTS),

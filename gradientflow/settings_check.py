@@ -27,7 +27,6 @@ AGREED = {
     "solo_threshold": lambda c: c.solo_threshold,
     "solo_channel": lambda c: c.solo_channel,
     "sync_fusion_limit": lambda c: c.sync_fusion_limit,
-    "schedule_credit": lambda c: c.schedule_credit,
     "debug": lambda c: c.debug,
     # Ranks on different transports would wait in different process groups.
     "cuda_transport": lambda c: c.cuda_transport,

@@ -1,6 +1,5 @@
 """The agreement rounds' words, as pure functions: the fused engine's two MIN words
-(engine.round_words / read_round) and the keyed scheduler's BAND bits (scheduler.round_bits /
-read_bits).
+(engine.round_words / read_round).
 
 Every rank contributes round_words(k, fingerprint); the transport MIN-reduces them element by
 element. What the engine reads back must be the smallest and largest k over the ranks and, when
@@ -8,14 +7,11 @@ every rank has the same k, the smallest and largest fingerprint: the round's who
 """
 from __future__ import annotations
 
-import functools
-import operator
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gradientflow.engine.agreement import (_FP_MASK, MAX_BATCH, read_bits, read_round,
-                                          round_bits, round_words)
+from gradientflow.engine.agreement import _FP_MASK, MAX_BATCH, read_round, round_words
 
 ranks = st.lists(st.tuples(st.integers(1, MAX_BATCH), st.integers(0, 2**61 - 1)),
                  min_size=1, max_size=8)
@@ -45,28 +41,3 @@ def test_same_count_agrees_exactly_when_every_fingerprint_matches(k, fps):
     n, n_max, lo, hi = read_round(*_allreduce_min([(k, f) for f in fps]))
     assert n == n_max == k
     assert (lo == hi) == (len({f & _FP_MASK for f in fps}) == 1)
-
-
-# The keyed scheduler's rounds (scheduler.round_bits / read_bits): every rank contributes its
-# ready keys and its completion count; the transport BAND-reduces the words element by element.
-@st.composite
-def keyed_rounds(draw):
-    n = draw(st.integers(1, 200))
-    span = draw(st.integers(0, 200))
-    ranks = draw(st.lists(st.tuples(st.sets(st.integers(0, n - 1)), st.integers(0, span)),
-                          min_size=1, max_size=8))
-    return n, span, ranks
-
-
-@settings(max_examples=500, deadline=None)
-@given(case=keyed_rounds())
-def test_keyed_round_reads_keys_ready_everywhere_and_the_smallest_count(case):
-    n, span, ranks = case
-    words = [round_bits(n, ready, done, span) for ready, done in ranks]
-    assert len({len(w) for w in words}) == 1  # the same length on every rank
-    assert all(0 <= x < 2**63 for w in words for x in w)  # each fits a signed int64
-    banded = [functools.reduce(operator.and_, column) for column in zip(*words)]
-    mask, done = read_bits(banded, n, span)
-    everywhere = set.intersection(*(set(r) for r, _ in ranks))
-    assert mask == sum(1 << k for k in everywhere)
-    assert done == min(d for _, d in ranks)

@@ -51,7 +51,6 @@ PARAMS: dict[str, Param] = {p.name: p for p in (
     Param("solo_threshold", 2**18, 64 * 2**20),
     Param("cycle_time_ms", 0.25, 10.0, integer=False),
     Param("fusion_segments", 1, 4, log=False),
-    Param("schedule_credit", 2**18, 64 * 2**20),
     # CSC chunk size: 256-4096 elements around the 1024 default (compression/config.py says
     # why 1024), only with a compression state to apply it to. The chunk is the unit CSC
     # selects, so, like density, it moves accuracy: the range is the one whose accuracy was
@@ -62,9 +61,8 @@ PARAMS: dict[str, Param] = {p.name: p for p in (
     # (algorithm_choices); only tuned where there are two that differ.
     Param("algorithm", choices=("ring", "auto", "hierarchical", "reduction_server")),
 )}
-# Tuned unless the caller names others: the scheduler's credit only matters where the keyed
-# scheduler runs (DistributedOptimizer), so it is searched there only; the chunk size is added
-# when the tuner is given a compression state, the algorithm where the topology offers a choice.
+# Tuned unless the caller names others: the chunk size is added when the tuner is given a
+# compression state, the algorithm where the topology offers a choice.
 DEFAULT_PARAMS = ("fusion_threshold", "solo_threshold", "cycle_time_ms", "fusion_segments")
 
 

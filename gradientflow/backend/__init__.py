@@ -1,9 +1,9 @@
 """The torch.distributed backend over the engine, and how the layers above reach it.
 
 `backend_of(group)` (its `.config`, `.engine`, `.inspector`), `submit_stages`, `flush` and
-`scheduler_of` are what hooks and the optimizer use; backend.py is the Backend class itself.
+`allreduce_async` are what hooks and the optimizer use; backend.py is the Backend class itself.
 """
-from gradientflow.backend.api import flush, scheduler_of, submit_stages
+from gradientflow.backend.api import allreduce_async, flush, submit_stages
 from gradientflow.backend.registry import backend_of, config_of
 
-__all__ = ["backend_of", "config_of", "flush", "scheduler_of", "submit_stages"]
+__all__ = ["allreduce_async", "backend_of", "config_of", "flush", "submit_stages"]

@@ -59,13 +59,25 @@ def flush(group=None) -> None:
         backend.engine.flush()
 
 
-def scheduler_of(group=None):
-    """The keyed priority scheduler of a gradientflow `group`, or None on other backends.
+def allreduce_async(group, tensor: torch.Tensor,
+                    priority: int | None = None) -> torch.futures.Future:
+    """A SUM allreduce of `tensor`, in place and asynchronous; the future completes with it.
 
-    Every rank must call this at the same point the first time (it connects a new group).
+    On a gradientflow group it joins the engine's ordered stream, `priority` placing it among
+    the ops one round agrees (lower first; the optimizer's partitions: first layer first). On
+    any other group it is torch's asynchronous all_reduce; without torch.distributed
+    initialised, a one-rank group's identity.
     """
+    import torch.distributed as dist
+
     backend = backend_of(group)
-    return None if backend is None else backend.scheduler()
+    if backend is not None:
+        return backend.allreduce([tensor], None, priority=priority).get_future()
+    if dist.is_available() and dist.is_initialized():
+        return dist.all_reduce(tensor, group=group, async_op=True).get_future()
+    fut = torch.futures.Future()
+    fut.set_result([tensor])
+    return fut
 
 
 def monitored_barrier(group=None, timeout=None, wait_all_ranks: bool = False) -> None:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import datetime
 import functools
 import inspect
-import threading
 from typing import Any
 
 import torch
@@ -30,7 +29,6 @@ from gradientflow.backend.transports import (Transports, attempt_store, incarnat
 from gradientflow.config import Config, current_overrides
 from gradientflow.engine.engine import Engine
 from gradientflow.inspector import Inspector, check_world
-from gradientflow.stores import own_connection
 
 
 def _python_constructible(base: type) -> bool:
@@ -92,7 +90,7 @@ class GradientFlowBackend(BACKEND_BASE):
             rank, size, store, timeout.total_seconds(), config, group_name or "gradientflow",
             on_fault=self._abort,
             make_group=lambda prefix: make_gloo(store, rank, size, timeout, prefix))
-        # [algorithms] Fused, solo, stage and scheduler messages are allreduced under the
+        # [algorithms] Fused, solo and stage messages are allreduced under the
         # group's algorithm (ring: the transport, bytes counted); subgroups on the same
         # transports.
         self.algorithms = Algorithms(
@@ -104,11 +102,6 @@ class GradientFlowBackend(BACKEND_BASE):
                              name=group_name or "gradientflow",
                              solo=self.algorithms.transports("solo", self.solo_transports),
                              inspector=self.inspector, solo_agree_group=self._solo_agree)
-        # The keyed scheduler is a second ordered stream (see engine/scheduler.py): its own
-        # agreement group and its own transports, created on first use by every rank.
-        self._store = store
-        self._scheduler = None
-        self._scheduler_lock = threading.Lock()
         self.tuner = None  # gradientflow.autotune's Tuner of this group, if any
 
     # ------------------------------------------------------------------ plumbing
@@ -142,36 +135,11 @@ class GradientFlowBackend(BACKEND_BASE):
     def _set_sequence_number_for_group(self, *args) -> None:
         self._seq_for_group = 0
 
-    def scheduler(self):
-        """The keyed priority scheduler of this group (created on first call, on every rank)."""
-        with self._scheduler_lock:
-            if self._scheduler is None:
-                from gradientflow.engine.scheduler import KeyedScheduler
-
-                # created on a user thread while the engine's may wait in the store: a
-                # connection of its own (gradientflow/stores.py)
-                store = own_connection(self._store)
-                rank, size, timeout = self._rank, self._size, self._timeout
-                self._sched_agree = make_gloo(store, rank, size, timeout,
-                                              "gradientflow/sched-agree/")
-                self._sched_transports = Transports(store, rank, size, timeout,
-                                                    prefix="gradientflow/sched-",
-                                                    cuda_transport=self.config.cuda_transport)
-                self._scheduler = KeyedScheduler(
-                    rank, size, self._sched_agree,
-                    self.algorithms.channel("sched", self._sched_transports.get),  # [algorithms]
-                    self.config.schedule_credit,
-                    timeout.total_seconds(), name=self.group_name or "gradientflow")
-            return self._scheduler
-
     def shutdown(self) -> None:
         """Close the engine (failing queued operations clearly) and the transports."""
         if self.tuner is not None:
             self.tuner.close()
         self.inspector.close()
-        if self._scheduler is not None:
-            self._scheduler.close()
-            self._sched_transports.shutdown()
         self.engine.close()
         self.transports.shutdown()
         self.solo_transports.shutdown()
@@ -196,8 +164,6 @@ class GradientFlowBackend(BACKEND_BASE):
         """
         self.engine.drain()
         self.engine.reconfigure(config)
-        if self._scheduler is not None:
-            self._scheduler.set_credit(config.schedule_credit)
         self.config = config
 
     def _abort(self, err: BaseException) -> None:
@@ -233,7 +199,8 @@ class GradientFlowBackend(BACKEND_BASE):
         return dev
 
     # ------------------------------------------------------------------ reductions
-    def allreduce(self, tensors, opts=None):
+    def allreduce(self, tensors, opts=None, priority: int | None = None):
+        """torch's allreduce; `priority`: the optimizer's partition order (Issue.allreduce)."""
         opts = opts if isinstance(opts, AllreduceOptions) else _allreduce_opts(opts)
         t = V.check_single(self._rank, "all_reduce", tensors)
         rop = opts.reduceOp  # read once: each read of this pybind property costs microseconds
@@ -241,7 +208,7 @@ class GradientFlowBackend(BACKEND_BASE):
         self._seq_for_group += 1
         # The engine routes it (solo channel, fused, eager) from its byte size.
         return self.engine.allreduce(tensors, opts, t, rop, t.numel() * t.element_size(),
-                                     getattr(opts, "asyncOp", True))
+                                     getattr(opts, "asyncOp", True), priority)
 
     def allreduce_coalesced(self, tensors, opts=None):
         dev = V.check_tensors(self._rank, "all_reduce_coalesced", tensors)

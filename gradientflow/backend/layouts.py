@@ -142,10 +142,10 @@ def _wrap(name: str, method: Callable) -> Callable:
 
 def _wrap_sparse(method: Callable) -> Callable:
     @functools.wraps(method)
-    def allreduce(self, tensors, opts=None):
+    def allreduce(self, tensors, opts=None, **kwargs):
         t = tensors[0] if len(tensors) == 1 else None
         if t is None or not isinstance(t, torch.Tensor) or t.layout != torch.sparse_coo:
-            return method(self, tensors, opts)
+            return method(self, tensors, opts, **kwargs)
         return sparse_allreduce(self, t, tensors, opts)
 
     return allreduce

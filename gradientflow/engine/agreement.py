@@ -1,9 +1,5 @@
 """The agreement rounds' arithmetic: pure functions of what a rank has locally.
 
-Two kinds of round. The sequence engine's (below first) closes a batch of deferred
-allreduces; the keyed scheduler's (round_bits, read_bits) agrees which partitions are ready
-on every rank.
-
 Each batch of deferred allreduces is closed by one round on the agreement group: every rank
 contributes two int64 words, MIN-allreduced, from which every rank reads the same batch end
 and whether the ranks queued the same allreduces (rounds.py runs it; plan_messages in
@@ -21,7 +17,7 @@ wakes every rank several times).
 """
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from typing import Sequence
 
 from gradientflow.fingerprint import mix
 
@@ -60,40 +56,3 @@ def verdict(k: int, n: int, lo: int, hi: int) -> str | None:
     if not 1 <= n <= k:
         return "range"
     return "fingerprints" if lo != hi else None
-
-
-# ------------------------------------------------------------------ keyed rounds
-MAX_KEYS = 1024  # most partitions one step may declare (the round carries one bit per key)
-_BITS = 63  # bits used per int64 word of a keyed round (the sign bit stays clear)
-
-
-def round_bits(n: int, ready: Iterable[int], done: int, span: int) -> list[int]:
-    """A rank's keyed round as int64 words to BAND-allreduce.
-
-    Bit k < n is set iff key k is ready here. The next `span` bits hold `done` in a thermometer
-    code (its lowest `done` bits set): the AND of such codes over the ranks is the code of the
-    smallest count, so one BAND carries both the AND of the ready bits and the MIN of the
-    counts. `span` must be the same on every rank (the scheduler uses the launches not yet
-    agreed complete, a function of the rounds processed so far).
-
-    Bits, not a slot per key: like the sequence engine's two words, a gloo allreduce of a
-    word or two costs a fraction of one of 10 or more at 4 ranks.
-    """
-    if not 0 <= done <= span:
-        raise ValueError(f"round_bits: completion count {done} outside [0, {span}]")
-    x = ((1 << done) - 1) << n
-    for k in ready:
-        x |= 1 << k
-    words = max(1, -(-(n + span) // _BITS))
-    mask = (1 << _BITS) - 1
-    return [(x >> (_BITS * i)) & mask for i in range(words)]
-
-
-def read_bits(words: Iterable[int], n: int, span: int) -> tuple[int, int]:
-    """The BAND-reduced words of round_bits as (ready mask: bit k set iff key k is ready on
-    every rank, the smallest completion count)."""
-    x = 0
-    for i, w in enumerate(words):
-        x |= int(w) << (_BITS * i)
-    code = (x >> n) & ((1 << span) - 1)
-    return x & ((1 << n) - 1), ((code + 1) & ~code).bit_length() - 1

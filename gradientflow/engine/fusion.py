@@ -10,7 +10,7 @@ from typing import Any, Hashable, Sequence
 
 import torch
 
-from gradientflow.fingerprint import redop_name, tensor_fingerprint
+from gradientflow.fingerprint import mix, redop_name, tensor_fingerprint
 
 
 class FusableOp:
@@ -29,10 +29,11 @@ class FusableOp:
     """
 
     __slots__ = ("seq", "tensor", "key", "reduce_op", "fut", "ready", "name", "queued_us",
-                 "numel", "nbytes", "done", "error", "chained")
+                 "numel", "nbytes", "done", "error", "chained", "priority")
 
     def __init__(self, seq: int, tensor: torch.Tensor, key: Hashable, reduce_op: object,
-                 fut: torch.futures.Future | None = None, ready: Any = None) -> None:
+                 fut: torch.futures.Future | None = None, ready: Any = None,
+                 priority: int | None = None) -> None:
         self.seq = seq
         self.tensor = tensor
         self.key = key  # (device, dtype, reduce op): one fusion queue per key
@@ -46,6 +47,8 @@ class FusableOp:
         self.done = False  # CPU: finished (values written back, or failed with `error`)
         self.error: BaseException | None = None
         self.chained = False  # its public future was handed out: settle `fut` on the pool
+        # Lower leaves first among the ops one round agrees (plan_messages); None: issue order.
+        self.priority = priority
 
     @property
     def reduce_op_name(self) -> str:
@@ -57,8 +60,10 @@ class FusableOp:
 
     @property
     def fingerprint(self) -> int:
-        """A process-independent hash of what must match across ranks: dtype, shape, op."""
-        return tensor_fingerprint(self.tensor.dtype, self.tensor.shape, self.key[2])
+        """A process-independent hash of what must match across ranks: dtype, shape, op, and
+        the priority (it decides the message order, so it must be the same everywhere)."""
+        fp = tensor_fingerprint(self.tensor.dtype, self.tensor.shape, self.key[2])
+        return fp if self.priority is None else mix(fp, self.priority + 1)
 
 
 @dataclass(slots=True)
@@ -103,7 +108,14 @@ def plan_messages(batch: Sequence[FusableOp], threshold: int,
     the fused message of its key, which collects the small tensors around it. Messages still
     open at the end of the batch follow, in order of their keys' first appearance. Separate
     keys keep an fp16 tensor between fp32 ones from breaking the fp32 fusion.
+
+    Priority (TicTac's order): where ops carry one, the batch is taken in priority order (ops
+    without one first, in issue order), so of the partitions every rank agreed ready at once,
+    the one the next forward needs first leaves first. The batch is the same on every rank,
+    so the order is too.
     """
+    if any(op.priority is not None for op in batch):
+        batch = sorted(batch, key=_priority_key)
     solo = solo_cut(threshold, solo_bytes)
     out: list[Message] = []
     open_msgs: dict[Hashable, Message] = {}
@@ -121,3 +133,7 @@ def plan_messages(batch: Sequence[FusableOp], threshold: int,
         cur.nbytes += op.nbytes
         cur.numel += op.numel
     return out + list(open_msgs.values())
+
+
+def _priority_key(op: FusableOp) -> tuple[int, int]:
+    return (-1 if op.priority is None else op.priority, op.seq)

@@ -122,16 +122,24 @@ class Issue:
 
     # ------------------------------------------------------------------ entry points
     def allreduce(self, tensors: list, opts: Any, tensor: torch.Tensor, reduce_op: Any,
-                  nbytes: int, async_op: bool) -> Any:
-        """An allreduce of `tensor` (`tensors` == [tensor], validated), routed; its Work."""
-        route = self.route(tensor.device, nbytes, async_op)
+                  nbytes: int, async_op: bool, priority: int | None = None) -> Any:
+        """An allreduce of `tensor` (`tensors` == [tensor], validated), routed; its Work.
+
+        `priority` (the optimizer's partitions): its place among the ops agreed in the same
+        round (fusion.plan_messages); such an allreduce is deferred whatever its size below
+        the fusion threshold (a large one still leaves alone, in place).
+        """
+        if priority is not None and async_op and nbytes < self._threshold:
+            route = FUSED  # agreed in rounds, so that priority can order what one round agrees
+        else:
+            route = self.route(tensor.device, nbytes, async_op)
         if route is FUSED:
             insp = self._insp
             if insp is not None and insp.debug is not None:
                 with self._debug_lock:
                     insp.debug.check(self.seq, _DEFERRED_AR, tensor, None, reduce_op)
-                    return self._fused(tensor, reduce_op, not async_op)
-            return self._fused(tensor, reduce_op, not async_op)
+                    return self._fused(tensor, reduce_op, not async_op, priority)
+            return self._fused(tensor, reduce_op, not async_op, priority)
         if route is SOLO:
             # Connected here on first use, outside the engine's lock: a rank that arrives first
             # waits for the others, whose engine threads must still run their rounds.
@@ -217,7 +225,8 @@ class Issue:
         self.seq = seq + 1
         return seq
 
-    def _fused(self, tensor: torch.Tensor, reduce_op: Any, waited: bool) -> FusedWork:
+    def _fused(self, tensor: torch.Tensor, reduce_op: Any, waited: bool,
+               priority: int | None = None) -> FusedWork:
         """Queue an allreduce for fusion; its Work at once.
 
         `waited`: the caller waits on it right away (a synchronous call), so its batch is
@@ -234,7 +243,7 @@ class Issue:
             seq = self._take("allreduce")
             # hash() of a ReduceOp or RedOpType is its op number (cheaper than reading .op).
             op = FusableOp(seq, tensor, (dev, tensor.dtype, hash(reduce_op)), reduce_op, fut,
-                           ready)
+                           ready, priority)
             wake, crossed = self._queue.push_fused(op, waited)
             if wake:
                 self._cv.notify_all()

@@ -5,28 +5,27 @@ It knows nothing of torch.optim: it is given parameters and names, watches their
 into `p.grad`; next-forward overlap gives its own buffers). The optimizer wrapper
 (optimizer.py) decides when to wait and what to step.
 
-How a step flows (on a gradientflow process group):
-1. backward: each parameter's hook marks it ready; a partition (see plan.py) whose parameters
-   are all ready is submitted to the group's keyed scheduler at once; a dense one is packed into
-   its persistent flat buffer there, on the hook's thread (already divided by the world size
-   for Average, as DDP does), and later sent as one asynchronous allreduce whose result the
-   gradients then point into (no copy back). The transport's thread only counts it done and
-   completes its future; the thread that waits for it unpacks it, so little Python competes
-   with backward for the GIL.
-2. the scheduler launches, among the partitions ready on EVERY rank, the one the next forward
-   needs first (priority = position of its first parameter in registration order, our proxy for
-   forward order; TicTac's TIC for a chain), within a byte credit; so the launch order is the
-   same on every rank although readiness timing differs (engine/scheduler.py).
-3. `submit_rest()` submits what backward did not complete (unused parameters: zeros, as DDP's
+How a step flows:
+1. backward: each parameter's hook marks it ready; partitions (see plan.py) are issued in one
+   fixed order, backward's (the last partition first; one complete early waits for those
+   after it), so every rank issues the same operations in the same order whatever its timing.
+   A dense partition is packed into its persistent flat buffer on the hook's thread (already
+   divided by the world size for Average, as DDP does) and sent as one asynchronous allreduce
+   whose result the gradients then point into (no copy back); the thread that waits for it
+   unpacks it, so little Python competes with backward for the GIL. A compressed partition is
+   queued as one part of a fused compressor op (as DDP's compressed buckets are: a batch is one
+   compressor op, 3 collectives for all its partitions); a partition with a sparse gradient is
+   a multi-stage op (backend.api.submit_stages).
+2. on a gradientflow group every partition is an operation of the group's one ordered stream
+   (the engine): the rounds that agree which operations every rank has issued also take the
+   partitions, and among the partitions one round agrees, the one the next forward needs first
+   leaves first (priority = position of its first parameter in registration order, our proxy
+   for forward order; TicTac's TIC for a chain; fusion.plan_messages). On any other group the
+   same operations go to torch.distributed in the same order (compressed and sparse ones
+   synchronously, on the thread that issues them); without torch.distributed they are the
+   identity of one rank, issued at step().
+3. `submit_rest()` issues what backward did not complete (unused parameters: zeros, as DDP's
    find_unused_parameters) and `wait_all()` waits only for what is still in flight.
-
-Compressed partitions skip the scheduler: they are queued in the engine's fused stage batches,
-as DDP's compressed buckets are, in backward's fixed order (a batch is one compressor op, 3
-collectives for all its partitions; see docs/DESIGN.md, the keyed scheduler).
-
-On any other group (plain gloo, or no torch.distributed at all) nothing is launched during
-backward: `submit_rest()` reduces every partition in priority order, synchronously. That static
-order needs no agreement, but it is the "no overlap" baseline.
 """
 from __future__ import annotations
 
@@ -42,11 +41,9 @@ import torch.distributed as dist
 
 from gradientflow.compression import (CompressionConfig, QueuedBuffer, make_compressor,
                                       queue_name, reduce_queued)
-from gradientflow.backend.api import scheduler_of, submit_part, submit_stages
-from gradientflow.engine.scheduler import MAX_KEYS
+from gradientflow.backend.api import allreduce_async, submit_part, submit_stages
 from gradientflow.optim.plan import ParamSpec, Partition, build_plan, plan_fingerprint
-from gradientflow.optim.stages import (compressed_average, dense_average, fill_flat,
-                                       sparse_allgather)
+from gradientflow.optim.stages import dense_average, fill_flat, sparse_allgather
 
 __all__ = ["ReduceOp", "ReducerOptions", "GradTarget", "GradientReducer"]
 
@@ -69,12 +66,12 @@ class ReducerOptions:
     backward_passes_per_step: int = 1
     op: ReduceOp = ReduceOp.Average
     gradient_predivide_factor: float = 1.0
-    priority: bool = True  # TicTac order; False: FIFO (the order backward makes them ready)
-    # 25 MiB, DDP's bucket size. Each partition costs a message and up to one agreement round
-    # (the scheduler batches what becomes ready while a round is in flight), so many small
-    # partitions cost more than ordering buys (docs/DECISIONS.md, "partition size"). A model
-    # with few large layers wants smaller partitions for priority to reorder anything (the
-    # overlap benchmark uses one per layer).
+    # TicTac order among the partitions one round agrees; False: FIFO (backward's order)
+    priority: bool = True
+    # 25 MiB, DDP's bucket size. Each partition costs a message (small ones fuse into one per
+    # round), so many small partitions cost more than ordering buys (docs/DECISIONS.md,
+    # "partition size"). A model with few large layers wants smaller partitions for priority
+    # to reorder anything (the overlap benchmark uses one per layer).
     partition_bytes: int = 25 << 20
     sparse_as_dense: bool = False
 
@@ -173,10 +170,6 @@ class GradientReducer:
         self.params = [p for _, p in named]
         specs = [ParamSpec(n, tuple(p.shape), p.dtype, p.device) for n, p in named]
         self.plan: list[Partition] = build_plan(specs, options.partition_bytes)
-        if len(self.plan) > MAX_KEYS:
-            raise ValueError(f"{_PREFIX}: partition_bytes={options.partition_bytes} cuts the "
-                             f"model into {len(self.plan)} partitions, more than the "
-                             f"scheduler's {MAX_KEYS}: use a larger partition_bytes")
         self.compressor = None
         if options.compression is not None:
             for n, p in named:
@@ -192,12 +185,13 @@ class GradientReducer:
                 self._parts_of[i].append(part.key)
         n = len(self.plan)
         # TicTac: partition k holds the k-th parameters in forward order, so its priority is k
-        # (lower runs first). FIFO runs them in the order backward makes them ready: reversed.
+        # (lower leaves first). FIFO: backward's order, the order they are issued in.
         self.priority = list(range(n)) if options.priority else [n - 1 - k for k in range(n)]
         if initialized and self.world_size > 1:
             _check_same_everywhere(specs, options, process_group, self.rank, self.world_size)
-        # Every rank calls scheduler_of here, at the same point (it connects a new group).
-        self._sched = scheduler_of(process_group) if initialized else None
+        # Partitions are issued during backward wherever torch.distributed runs; without it
+        # (one process) at step().
+        self._live = initialized
         # Dense or compressed, a result sits in its partition's reused buffer: the gradients
         # point into it rather than take a copy (one pass over the model fewer per step).
         self.target: Any = GradTarget(self.params, bucket_view=True)
@@ -205,19 +199,16 @@ class GradientReducer:
         self._sgd_terms = sgd_terms
         # Compressed partitions go through the engine's fused pipeline, as DDP's compressed
         # buckets do: the partitions queued together are one compressor op (2 collectives for
-        # all of them, plus one for the used flags), prepared ahead on the engine thread. They
-        # are queued in one fixed order (backward's: the last partition first), so that every
-        # rank queues the same ops in the same order; priority then orders dense partitions.
-        self._fused = self._sched is not None and self.compressor is not None
+        # all of them, plus one for the used flags), prepared ahead on the engine thread.
         self._op_name = (queue_name(options.compression, "DistributedOptimizer partition")
-                         if self._fused else "")
+                         if self.compressor is not None else "")
 
         # --- internal, per step ---
         self._lock = threading.Lock()
         self._counts = [0] * len(self.params)  # backward passes seen since the last sync
         self._missing = [set(part.params) for part in self.plan]  # not ready yet, per partition
-        self.futures: dict[int, torch.futures.Future] = {}  # submitted partitions of this step
-        self._begun = False
+        self.futures: dict[int, torch.futures.Future] = {}  # issued partitions of this step
+        self.launch_log: list[int] = []  # the keys of the last step, in issue order
         self.seen_grads = False  # a hook fired since the last synchronize
         self._sparse = [False] * len(self.params)  # sticky: a sparse gradient was seen
         # sparse_as_dense: parameters whose sparse gradient was densified, made sparse again
@@ -225,12 +216,12 @@ class GradientReducer:
         # (SparseAdam) still can, as Horovod does.
         self.densified: set[int] = set()
         self._buffers: dict[int, torch.Tensor] = {}  # partition key -> its flat buffer
-        # Dense partitions in flight: key -> the StageGen that unpacks its summed buffer, run
-        # by whoever waits for its future (settle), on the waiting thread.
-        self._unpack: dict[int, Any] = {}
+        # Dense partitions in flight: key -> (the StageGen that unpacks its summed buffer, the
+        # buffer), run by whoever waits for its future (settle), on the waiting thread.
+        self._unpack: dict[int, tuple[Any, torch.Tensor]] = {}
         self.step_open = False  # compressor step not closed yet
-        self._next_fused = len(self.plan) - 1  # the fused path's next partition to queue
-        self._ready_fused: set[int] = set()  # complete partitions waiting for their turn
+        self._next = len(self.plan) - 1  # the next partition to issue (backward's order)
+        self._ready: set[int] = set()  # complete partitions waiting for their turn
         self._slices: list[torch.Tensor] = []  # the fused path's buffers (_fused_buffer)
         ref = weakref.ref(self)
         self._hooks = [p.register_post_accumulate_grad_hook(
@@ -252,7 +243,7 @@ class GradientReducer:
                 if self._before_first_grad is not None:
                     self._before_first_grad()
                 if self.compressor is not None:
-                    self.compressor.check_schedule()  # here, not on the scheduler's thread
+                    self.compressor.check_schedule()  # here, not on the engine's thread
             self.seen_grads = True
             self._counts[i] += 1
             bpps = self.options.backward_passes_per_step
@@ -263,49 +254,47 @@ class GradientReducer:
                     f"{self._counts[i] + 1} times, more than backward_passes_per_step="
                     f"{bpps}, before step(): call step() after each backward(), or increase "
                     "backward_passes_per_step to accumulate gradients locally")
-            if self._counts[i] < bpps or self._sched is None:
-                return  # on a non-gradientflow group everything waits for step()
+            if self._counts[i] < bpps or not self._live:
+                return  # without torch.distributed everything waits for step()
             for k in self._parts_of[i]:
                 self._missing[k].discard(i)
-                if not self._missing[k] and k not in self.futures:
-                    if self._fused:
-                        self._ready_fused.add(k)
-                    else:
-                        self._submit(k)
-            if self._fused:
-                while self._next_fused in self._ready_fused:
-                    self._submit_fused(self._next_fused)
+                if not self._missing[k]:
+                    self._ready.add(k)
+            while self._next in self._ready:
+                self._issue(self._next)
 
-    def _submit(self, k: int) -> None:
-        """Submit partition k (its gradients as they are now: None means no gradient here)."""
+    def _issue(self, k: int) -> None:
+        """Issue partition k, the next in backward's order (its gradients as they are now:
+        None means no gradient here)."""
+        if k == len(self.plan) - 1:
+            self.launch_log = []
         part = self.plan[k]
-        if self._sched is not None and not self._begun:
-            self._sched.begin(len(self.plan), self.priority)
-            self._begun = True
-        self.step_open = self.compressor is not None
-        dense, sparse = self._grad_inputs(part)
-        gen = self._stages(part, dense, sparse)
-        if self._sched is not None and self.compressor is None and not sparse:
-            # The dense average is one allreduce: packed here (the hook's thread) and sent
-            # asynchronously; its result is unpacked by the thread that waits for it, not on
-            # the transport's thread, where the Python work of every partition competed with
-            # backward for the GIL.
-            flat = next(gen)
-            fut = self._sched.submit_tensor(k, self.priority[k], flat, part.nbytes)
-            self._unpack[k] = gen
-        elif self._sched is not None:
-            # Compressed and sparse partitions run their stages in sequence, on the scheduler.
-            fut = self._sched.submit(k, self.priority[k], gen, part.device, part.nbytes)
+        if self.compressor is not None:
+            self.futures[k] = self._issue_compressed(k)
         else:
-            fut = submit_stages(self.process_group, ("optim", id(self), k), gen, part.device,
-                                name="optim", dense_bytes=part.nbytes)
-        self.futures[k] = fut
+            dense, sparse = self._grad_inputs(part)
+            gen = self._stages(part, dense, sparse)
+            if sparse:
+                self.futures[k] = submit_stages(self.process_group, ("optim", id(self), k), gen,
+                                                part.device, name="optim",
+                                                dense_bytes=part.nbytes)
+            else:
+                # The dense average is one allreduce: packed here (the hook's thread) and sent
+                # asynchronously; its result is unpacked by the thread that waits for it, not
+                # on a transport's thread, where the Python work of every partition competed
+                # with backward for the GIL.
+                flat = next(gen)
+                self.futures[k] = allreduce_async(self.process_group, flat, self.priority[k])
+                self._unpack[k] = (gen, flat)
+        self.launch_log.append(k)
+        self._ready.discard(k)
+        self._next = k - 1
 
-    def _submit_fused(self, k: int) -> None:
-        """Queue partition k, the fused path's next, in the engine (gradients as they are now).
+    def _issue_compressed(self, k: int) -> torch.futures.Future:
+        """Queue compressed partition k as one part of its fused compressor op.
 
-        Its gradients are copied into its buffer here, on the submitting thread, so a
-        zero_grad() while it waits for its batch cannot take them away.
+        Its gradients are copied into its buffer here, on the issuing thread, so a zero_grad()
+        while it waits for its batch cannot take them away.
         """
         part = self.plan[k]
         self.step_open = True
@@ -316,11 +305,8 @@ class GradientReducer:
                          buffer=self._fused_buffer(k), scale=pre)
         op = _PartitionOp(self.compressor, flat, layout, [seg for _, seg in dense],
                           [g is not None for g, _ in dense], self._terms(part))
-        self.futures[k] = submit_part(
-            self.process_group, ("optim", id(self), k), op, self._fuse, part.device,
-            self._op_name, part.nbytes, close=k == 0)
-        self._ready_fused.discard(k)
-        self._next_fused = k - 1
+        return submit_part(self.process_group, ("optim", id(self), k), op, self._fuse,
+                           part.device, self._op_name, part.nbytes, close=k == 0)
 
     def _fuse(self, ops: list["_PartitionOp"]):
         """The StageGen of a fused batch of compressed partitions (the engine's fuser): one
@@ -403,15 +389,14 @@ class GradientReducer:
         return 1.0 / f, f / n
 
     def _stages(self, part: Partition, dense, sparse):
-        """The StageGen of one partition: reduce, then write the results.
+        """The StageGen of one uncompressed partition: reduce, then write the results.
 
-        The gradients are picked here, on the submitting thread, not inside the generator:
-        a multi-stage one starts later, on the scheduler's thread, after the user may have
-        zeroed p.grad (next-forward overlap lets zero_grad() run while partitions are in flight).
+        The gradients are picked here, on the issuing thread, not inside the generator: a
+        multi-stage one starts later, on the engine's thread, after the user may have zeroed
+        p.grad (next-forward overlap lets zero_grad() run while partitions are in flight).
         """
         sparse_grads = {seg.index: self.params[seg.index].grad for seg in sparse}
-        terms = self._terms(part) if self.compressor is not None and dense else None
-        return self._run_stages(part, dense, sparse, sparse_grads, terms)
+        return self._run_stages(part, dense, sparse, sparse_grads)
 
     def _fused_buffer(self, k: int) -> torch.Tensor:
         """Partition k's slice of one FP32 buffer holding every partition in key order, so a
@@ -443,18 +428,13 @@ class GradientReducer:
             buf = self._buffers[part.key] = torch.empty(numel, dtype=dtype, device=part.device)
         return buf
 
-    def _run_stages(self, part: Partition, dense, sparse, sparse_grads, terms=None):
+    def _run_stages(self, part: Partition, dense, sparse, sparse_grads):
         pre, post = self._scales()
         flat = None
         # One buffer per partition, reused every step (a fresh one costs a page fault per 4 kB
         # of gradient, every step): a partition runs once per step and its results are
         # delivered to the target before its future completes.
-        if self.compressor is not None and dense:
-            layout = self._layouts[part.key]
-            gen = compressed_average(self.compressor, layout, [g for g, _ in dense], pre, post,
-                                     buffer=self._buffer(part, sum(layout.numels), torch.float32),
-                                     terms=terms)
-        elif dense:
+        if dense:
             numels = [seg.numel for _, seg in dense]
             gen = dense_average([g for g, _ in dense], numels, part.dtype, part.device, pre, post,
                                 buffer=self._buffer(part, sum(numels) + len(numels), part.dtype))
@@ -466,9 +446,6 @@ class GradientReducer:
             used = []
         self._deliver([seg for _, seg in dense], flat, used)
         for seg in sparse:
-            if self.compressor is not None:
-                raise RuntimeError(f"{_PREFIX}: parameter {seg.name!r} has a sparse gradient, "
-                                   "which compression cannot take: pass sparse_as_dense=True")
             if seg.row0 != 0 and not seg.whole:
                 continue  # a row-split sparse parameter travels whole with its first block
             p = self.params[seg.index]
@@ -479,7 +456,7 @@ class GradientReducer:
 
     # ------------------------------------------------------------------ step side
     def submit_rest(self) -> None:
-        """Submit every partition backward did not complete (static priority order)."""
+        """Issue every partition backward did not complete (in backward's order)."""
         with self._lock:
             if not self.seen_grads:
                 raise RuntimeError(
@@ -487,22 +464,17 @@ class GradientReducer:
                     "there are no gradients to average. Call loss.backward() before step(); to "
                     "step on gradients you already averaged (e.g. clipped after synchronize()), "
                     "call step() inside `with optimizer.skip_synchronize():`")
-            if self._fused:
-                while self._next_fused >= 0:
-                    self._submit_fused(self._next_fused)
-                return
-            order = sorted(range(len(self.plan)), key=lambda k: (self.priority[k], k))
-            for k in order:
-                if k not in self.futures:
-                    self._submit(k)
+            while self._next >= 0:
+                self._issue(self._next)
 
     def settle(self, k: int, fut: torch.futures.Future) -> None:
         """Wait for partition k's future; unpack a dense partition's result (this thread)."""
-        gen = self._unpack.pop(k, None)
-        value = fut.wait()
-        if gen is not None:
+        entry = self._unpack.pop(k, None)
+        fut.wait()
+        if entry is not None:
+            gen, flat = entry
             try:
-                gen.send(value)
+                gen.send(flat)  # the allreduce summed it in place
             except StopIteration:
                 pass
             else:
@@ -536,10 +508,9 @@ class GradientReducer:
         """Start counting the next step's gradients (after its partitions were submitted)."""
         self._counts = [0] * len(self.params)
         self._missing = [set(part.params) for part in self.plan]
-        self._begun = False
         self.seen_grads = False
-        self._next_fused = len(self.plan) - 1
-        self._ready_fused.clear()
+        self._next = len(self.plan) - 1
+        self._ready.clear()
 
     def end_step(self) -> None:
         """Close the compressor's step once every partition of it has been reduced."""
@@ -552,11 +523,6 @@ class GradientReducer:
         for h in self._hooks:
             h.remove()
         self._hooks = []
-
-    @property
-    def launch_log(self) -> list[int]:
-        """The partition keys of the last step in launch order (gradientflow groups only)."""
-        return [] if self._sched is None else list(self._sched.launch_log)
 
 
 class _PartitionOp(QueuedBuffer):

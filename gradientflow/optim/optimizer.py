@@ -325,8 +325,8 @@ class _DistributedOptimizer:
 
     @property
     def launch_log(self) -> list[int]:
-        """The partition keys of the last step in launch order (gradientflow groups only)."""
-        return self._reducer.launch_log
+        """The partition keys of the last step in issue order (the same on every rank)."""
+        return list(self._reducer.launch_log)
 
     @property
     def plan(self) -> list[Partition]:

@@ -1,14 +1,15 @@
-"""The StageGens of one partition: dense average, compressed average, sparse allgather.
+"""The StageGens of one uncompressed partition: dense average, sparse allgather.
 
 Each is a generator in the engine's multi-stage contract (gradientflow.engine.stages): it yields
-tensors to be SUM-allreduced in place and returns the result, so it runs unchanged on the keyed
-scheduler's thread, synchronously on a plain gloo group, or N-ranks-in-one-process under
-`drive_lockstep` in the tests. None of them writes a parameter: the optimizer reads gradients
+tensors to be SUM-allreduced in place and returns the result, so it runs unchanged on the
+engine's thread, synchronously on a plain gloo group, or N-ranks-in-one-process under
+`drive_lockstep` in the tests. (A compressed partition is a part of its compressor's fused op:
+gradient_reducer._fuse.) None of them writes a parameter: the optimizer reads gradients
 before and writes results after, so what crosses threads is only these tensors (and, under
 momentum correction, the parameters' values the weight decay reads, unchanged until the step).
 
 A used-flag per segment travels with the gradients (one extra element per segment at the end of
-the dense buffer, one small stage for compressed partitions): a parameter that got no gradient on
+the dense buffer, one small stage of a compressed batch): a parameter that got no gradient on
 any rank keeps `grad = None`, as DDP's find_unused_parameters leaves it, instead of receiving a
 zero that momentum or weight decay would act on.
 """
@@ -20,7 +21,7 @@ import torch
 
 from gradientflow.engine.stages import StageGen
 
-__all__ = ["dense_average", "compressed_average", "fill_flat", "sparse_allgather"]
+__all__ = ["dense_average", "fill_flat", "sparse_allgather"]
 
 
 def fill_flat(inputs: Sequence[torch.Tensor | None], numels: Sequence[int], dtype: torch.dtype,
@@ -69,39 +70,6 @@ def dense_average(inputs: Sequence[torch.Tensor | None], numels: Sequence[int],
     if postscale != 1.0:
         flat[:n].mul_(postscale)
     return flat[:n], (flat[n:] > 0).tolist()
-
-
-def compressed_average(compressor, layout, inputs: Sequence[torch.Tensor | None],
-                       prescale: float, postscale: float,
-                       buffer: torch.Tensor | None = None, terms=None) -> StageGen:
-    """Average `inputs` with a gradientflow compressor (its own stages), then agree on used flags.
-
-    The compressor returns the average over ranks; postscale turns it into what the op asks for
-    (world_size * predivide for Sum, predivide for Average). `buffer`: the flat FP32 buffer to
-    fill, reused every step (as dense_average's). `terms`: the optimizer's SGD settings for a
-    compressor with momentum correction (compression/sgd.py).
-    """
-    numels = layout.numels
-    flat = fill_flat(inputs, numels, torch.float32, _device_of(inputs), 0, buffer=buffer,
-                     scale=prescale)
-    if terms is None:
-        out = yield from compressor.reduce(flat, layout)
-    else:  # the optimizer's settings enter through the compressor's local work
-        prepared = compressor.prepare(flat, layout, terms=terms)
-        out = (yield from compressor.reduce_many([flat], [layout], prepared=[prepared]))[0]
-    flags = torch.tensor([0.0 if g is None else 1.0 for g in inputs], dtype=torch.float32,
-                         device=flat.device)  # on CUDA, NCCL takes CUDA tensors only
-    flags = yield flags
-    if postscale != 1.0:
-        out.mul_(postscale)
-    return out, (flags > 0).tolist()
-
-
-def _device_of(inputs) -> torch.device:
-    for g in inputs:
-        if g is not None:
-            return g.device
-    return torch.device("cpu")
 
 
 def sparse_allgather(grad: torch.Tensor | None, shape: Sequence[int], dtype: torch.dtype,

@@ -288,7 +288,7 @@ def test_config_file_round_trip_and_precedence(tmp_path):
     env = {"GRADIENTFLOW_CONFIG": path, "GRADIENTFLOW_CYCLE_TIME_MS": "7"}
     cfg = Config.resolve({"fusion_segments": 1}, environ=env)
     assert (cfg.cycle_time_ms, cfg.fusion_segments, cfg.solo_threshold) == (7.0, 1, 2**20)
-    assert cfg.schedule_credit == Config().schedule_credit
+    assert cfg.sync_fusion_limit == Config().sync_fusion_limit
 
 
 @pytest.mark.parametrize("doc, words", [

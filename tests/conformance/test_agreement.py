@@ -12,7 +12,6 @@ MUST_AGREE = {
     "solo_threshold": ("1MB", "4MB"),
     "solo_channel": ("0", "1"),
     "sync_fusion_limit": ("256", "4096"),
-    "schedule_credit": ("1MB", "4MB"),
     "debug": ("1", "0"),
     "cuda_transport": ("gloo", "nccl"),
     "inspect_interval_s": ("0", "1"),

@@ -10,8 +10,8 @@ Two modes. "backend": ``init_process_group("gradientflow")`` (torch >= 2.14). "e
 the Python ``Backend`` subclass cannot be constructed (torch < 2.14 says "GradientFlowBackend:
 No constructor defined!"), the default group is torch's own ``cpu:gloo,cuda:nccl`` and the
 layers under the backend run as the backend would wire them: ``Transports`` (the real
-``ProcessGroupNCCL`` factory), the ``Engine`` (fusion, rounds, eager path) and the keyed
-scheduler, registered for the world group so the DDP hooks and the DistributedOptimizer use
+``ProcessGroupNCCL`` factory) and the ``Engine`` (fusion, rounds, eager path),
+registered for the world group so the DDP hooks and the DistributedOptimizer use
 them. Only the backend's thin validation layer is then left out.
 """
 from __future__ import annotations
@@ -110,32 +110,21 @@ class _EngineShim:
         from gradientflow.config import Config
         from gradientflow.engine.engine import Engine
 
-        self._args = (store, 0, 1, timeout)
         self.transports = Transports(store, 0, 1, timeout)
         self._agree = _make_gloo(store, 0, 1, timeout, "gradientflow/agree/")
         self.engine = Engine(0, 1, Config.resolve({}), timeout.total_seconds(), self.transports.get,
                              self._agree, name="gpu-check")
-        self._scheduler = None
 
-    def scheduler(self):
-        if self._scheduler is None:
-            from gradientflow.backend.transports import Transports
-            from gradientflow.backend.transports import make_gloo as _make_gloo
-            from gradientflow.engine.scheduler import KeyedScheduler
+    def allreduce(self, tensors, opts=None, priority=None):
+        """The backend's allreduce as the optimizer calls it (backend.api.allreduce_async)."""
+        from torch._C._distributed_c10d import AllreduceOptions
 
-            store, rank, size, timeout = self._args
-            cfg = self.engine.config
-            self._sched_transports = Transports(store, rank, size, timeout,
-                                                prefix="gradientflow/sched-")
-            self._scheduler = KeyedScheduler(
-                rank, size, _make_gloo(store, rank, size, timeout, "gradientflow/sched-agree/"),
-                self._sched_transports.get, cfg.schedule_credit,
-                timeout.total_seconds(), name="gpu-check")
-        return self._scheduler
+        t = tensors[0]
+        opts = opts or AllreduceOptions()
+        return self.engine.allreduce(tensors, opts, t, opts.reduceOp,
+                                     t.numel() * t.element_size(), True, priority)
 
     def close(self):
-        if self._scheduler is not None:
-            self._scheduler.close()
         self.engine.close()
         self.transports.shutdown()
 
@@ -597,7 +586,7 @@ def distributed_optimizer_csc():
 
 @check
 def distributed_optimizer_on_a_side_stream():
-    """Dense and FP16 partitions launched by the scheduler's threads, trained on a side stream."""
+    """Dense and FP16 partitions issued into the engine during backward, on a side stream."""
     return {"dense": _dist_opt(None, 1e-4, side=True), "fp16": _dist_opt("fp16", 5e-3, side=True)}
 
 

@@ -153,8 +153,8 @@ def test_equals_ddp(pools, world):
     _check(results, configs, world)
 
 
-def priority_order(rank, world):
-    """Rank body: partitions submitted all at once by step() launch in priority order."""
+def issue_order(rank, world):
+    """Rank body: partitions go out in backward's order whatever the priority setting."""
     import torch
 
     import gradientflow.optim as gfo
@@ -162,27 +162,28 @@ def priority_order(rank, world):
     model = _mlp(torch, (8, 16, 16, 16, 1))
     out = {}
     for prio in (True, False):
-        # One backward of two: no partition completes during backward, step() submits them
-        # all, in priority order, so every agreed set is a prefix of that order.
-        opt = gfo.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0),
-                                       named_parameters=model.named_parameters(),
-                                       partition_bytes=1, priority=prio,
-                                       backward_passes_per_step=2)
-        x, _ = _batch(torch, 0, 0, rank, 8)
-        model(x).sum().backward()
-        opt.step()
-        out[prio] = (opt.launch_log, len(opt.plan))
-        opt.zero_grad()
-        opt.close()
+        for bpps in (1, 2):
+            # bpps 2, one backward: no partition completes during backward, step() issues
+            # them all; bpps 1: backward issues them as they complete.
+            opt = gfo.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0),
+                                           named_parameters=model.named_parameters(),
+                                           partition_bytes=1, priority=prio,
+                                           backward_passes_per_step=bpps)
+            x, _ = _batch(torch, 0, 0, rank, 8)
+            model(x).sum().backward()
+            opt.step()
+            out[prio, bpps] = (opt.launch_log, len(opt.plan))
+            opt.zero_grad()
+            opt.close()
     return out
 
 
-def test_static_order_priority_and_fifo(pools):
-    res = pools(2).run(priority_order, timeout=60)
-    log, n = res[0][True]
-    assert log == list(range(n)), log
-    log, n = res[0][False]
-    assert log == list(reversed(range(n))), log
+def test_issue_order_is_backwards_on_every_rank(pools):
+    # One ordered stream: every rank issues the same partitions in the same order, backward's;
+    # priority acts among the partitions one round agrees (tests/test_fusion_plan.py).
+    res = pools(2).run(issue_order, timeout=60)
+    for log, n in res[0].values():
+        assert log == list(reversed(range(n))), log
     assert res[0] == res[1]
 
 
@@ -245,7 +246,7 @@ def test_unused_and_frozen_parameters_match_ddp(pools):
 
 
 def compressed(rank, world, method):
-    """Rank body: compressed averaging runs through the scheduler; fp16 stays close to DDP."""
+    """Rank body: compressed averaging runs through the engine; fp16 stays close to DDP."""
     import copy
 
     import torch
@@ -339,7 +340,7 @@ def test_compressed_partitions_fuse_into_three_collectives_per_step(pools):
 
 
 @pytest.mark.parametrize("method", ["fp16", "csc"])
-def test_compression_through_the_scheduler(pools, method):
+def test_compression_through_the_engine(pools, method):
     res = pools(2).run(compressed, method, timeout=60)
     assert res[0][1] == res[1][1]
     assert all(r[2] == 3 for r in res)  # one compressor step per optimizer step

@@ -9,15 +9,29 @@ from __future__ import annotations
 
 import torch
 
-from gradientflow.optim.stages import compressed_average, dense_average
+from gradientflow.optim.gradient_reducer import GradientReducer, _PartitionOp
+from gradientflow.optim.stages import dense_average
 
 
 class _PassThrough:
     """A compressor with one stage that sends its input as it is (enough to see devices)."""
 
-    def reduce(self, flat, layout):
-        out = yield flat
-        return out
+    def prepare(self, flat, layout, loss_scale=1.0, terms=None):
+        return None
+
+    def reduce_many(self, flats, layouts, loss_scale=1.0, prepared=None):
+        out = yield torch.cat(flats)
+        return list(out.split([f.numel() for f in flats]))
+
+
+class _Reducer:
+    """What GradientReducer._fuse reads of its reducer."""
+
+    def _scales(self):
+        return 1.0, 1.0
+
+    def _deliver(self, segs, flat, used):
+        pass
 
 
 def _yielded_devices(gen) -> list[torch.device]:
@@ -34,11 +48,12 @@ def _yielded_devices(gen) -> list[torch.device]:
     return devices
 
 
-def test_compressed_average_yields_on_the_inputs_device():
+def test_compressed_batch_yields_on_the_inputs_device():
     dev = torch.device("meta")
-    inputs = [torch.empty(3, device=dev), None, torch.empty(2, 2, device=dev)]
     layout = type("L", (), {"numels": (3, 5, 4)})()
-    devices = _yielded_devices(compressed_average(_PassThrough(), layout, inputs, 1.0, 1.0))
+    ops = [_PartitionOp(_PassThrough(), torch.empty(12, device=dev), layout, [None] * 3,
+                        [True, False, True]) for _ in range(2)]
+    devices = _yielded_devices(GradientReducer._fuse(_Reducer(), ops))
     assert len(devices) == 2 and all(d == dev for d in devices), devices
 
 
