@@ -2,7 +2,8 @@
 reduction_server, auto (docs/ALGORITHMS.md).
 
 The backend builds one `Algorithms` per process group and asks it for a `transport_for`
-per transport stream (a *channel*: the engine's fused and stage messages, the solo channel). What it returns stands in for the transport's own process group: its
+per transport stream (a *channel*: the engine's fused and stage messages, the solo channel).
+What it returns stands in for the transport's own process group: its
 `allreduce([tensor], opts)` returns a c10d Work, reduced under the group's algorithm.
 """
 from __future__ import annotations
