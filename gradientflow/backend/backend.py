@@ -102,6 +102,7 @@ class GradientFlowBackend(BACKEND_BASE):
                              name=group_name or "gradientflow",
                              solo=self.algorithms.transports("solo", self.solo_transports),
                              inspector=self.inspector, solo_agree_group=self._solo_agree)
+        self._store = store  # the group's store, as the transports use it (tests read it)
         self.tuner = None  # gradientflow.autotune's Tuner of this group, if any
 
     # ------------------------------------------------------------------ plumbing
