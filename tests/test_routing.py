@@ -6,24 +6,23 @@ byte size, async_op) and the group's Config: these properties pin that down with
 from __future__ import annotations
 
 import threading
-from types import SimpleNamespace
 
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gradientflow.config import Config
-from gradientflow.engine.issue import EAGER, FUSED, SOLO, Issue
+from gradientflow.engine.issue import EAGER, FUSED, SOLO, Issue, IssueParts
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)
 
 
 def issue_for(solo_transports=object(), **options) -> Issue:
-    """An Issue over a stand-in engine: route() reads only the Config and the solo channel."""
+    """An Issue over no engine: route() reads only the Config and the solo channel."""
     lock = threading.RLock()
-    engine = SimpleNamespace(lock=lock, cv=threading.Condition(lock), queue=None,
-                             messages=None, stats=None, name="test", fail=lambda exc: exc)
-    return Issue(engine, Config.resolve(options, environ={}), lambda d: None,
+    parts = IssueParts(0, 1, "test", lock, threading.Condition(lock), None, None, None, None,
+                       None, lambda what: None, lambda exc: exc)
+    return Issue(parts, Config.resolve(options, environ={}), lambda d: None,
                  solo_transports, None)
 
 

@@ -39,8 +39,8 @@ import torch
 from gradientflow.config import Config
 from gradientflow.engine import completion, streams
 from gradientflow.engine.fusion import FusableOp, Message
-from gradientflow.engine.issue import Issue
-from gradientflow.engine.jobs import StagesBatch
+from gradientflow.engine.issue import Issue, IssueParts
+from gradientflow.engine.jobs import JobParts, StagesBatch
 from gradientflow.engine.stages import StagesOp
 from gradientflow.engine.messages import Messages
 from gradientflow.engine.queue import OrderedQueue
@@ -69,7 +69,6 @@ class Engine:
         self.timeout_s = timeout_s
         self.transport_for = transport_for
         self.name = name  # the process group's name, for errors and thread names
-        self.solo_agree_group = solo_agree_group  # the solo channel's rounds (issue.py)
         self._name = name
         # The engine's state lock (reentrant, so a path that fails the group while holding it
         # cannot deadlock itself), and a condition on it for the engine thread. Hot paths take
@@ -93,12 +92,19 @@ class Engine:
             self.explain = inspector.explain_engine
             self._inspector = inspector
             self.rounds.fault = lambda: inspector.fault
-        issue = Issue(self, config, transport_for, solo, inspector)
+        issue = Issue(IssueParts(rank, world_size, name, self.lock, self.cv, self.queue,
+                                 self.messages, self.stats, self.rounds, self,
+                                 self.check_usable, self.fail, solo_agree_group),
+                      config, transport_for, solo, inspector)
         self.issue = issue
         self.allreduce = issue.allreduce
         self.collective = issue.collective
         self.barrier = issue.barrier
         self.stages = issue.stages
+        # What the engine thread's jobs work with (jobs.py), so none of them holds the engine.
+        self._parts = JobParts(rank, self.cv, self.queue, self.rounds, self.messages,
+                               self.streams, self.stats, transport_for, issue.checking,
+                               self.fail, self.refuse_batch)
         self._thread = threading.Thread(target=self._main, name=f"{name}-engine", daemon=True)
         self._thread.start()
 
@@ -299,7 +305,7 @@ class Engine:
                     self.cv.wait(delay)
                 queue.busy = True
             try:
-                job.run(self)
+                job.run(self._parts)
             except BaseException as exc:  # noqa: BLE001 - the engine must fail loudly, not die
                 self.fail(exc)
                 return

@@ -32,7 +32,8 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Callable, Hashable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Hashable
 
 import torch
 
@@ -43,16 +44,40 @@ from gradientflow.engine.jobs import EagerOp
 from gradientflow.engine.rounds import Rounds
 from gradientflow.engine.solo import SoloChannel, SoloOp
 from gradientflow.engine.stages import Fuser, StagesOp, fuse
-from gradientflow.engine.work import AllWork, FusedWork, FutureWork
+from gradientflow.engine.work import AllWork, FusedWork, FutureWork, WorkOwner
 from gradientflow.errors import CollectiveMismatchError
 from gradientflow.fingerprint import DEFERRED
+from gradientflow.observability.stats import GroupStats
 from gradientflow.observability.timeline import TIMELINE, now_us
+
+if TYPE_CHECKING:
+    from gradientflow.engine.messages import Messages
+    from gradientflow.engine.queue import OrderedQueue
 
 SOLO, FUSED, EAGER = "solo", "fused", "eager"
 _DEFERRED_AR = "all_reduce" + DEFERRED  # fused path: differs on the wire from an eager one
 _UNSET = object()
 # Which fields an options type has, cached: a getattr that misses costs microseconds.
 _OPT_FIELDS: dict[type, tuple[bool, bool, bool]] = {}
+
+
+@dataclass(frozen=True, slots=True)
+class IssueParts:
+    """What the front of the engine works with: the pipeline's parts, not the engine."""
+
+    rank: int
+    world_size: int
+    name: str  # the process group's, for errors and thread names
+    lock: threading.RLock  # the engine's state lock (hot paths take it directly)
+    cv: threading.Condition  # on `lock`: wakes the engine thread
+    queue: OrderedQueue
+    messages: Messages
+    stats: GroupStats
+    rounds: Rounds  # the engine's: an eager call's round on the caller's thread
+    works: WorkOwner  # what the Works handed back ask (the engine)
+    check_usable: Callable[[str], None]  # refuses new work on a failed or destroyed group
+    fail: Callable[[BaseException], BaseException]  # fails the group; returns its error
+    solo_agree_group: Any = None  # the side group of the solo channel's rounds
 
 
 class Claim:
@@ -77,21 +102,23 @@ class Claim:
 class Issue:
     """Numbering, inspector records and routing of one engine's collectives."""
 
-    def __init__(self, engine: Any, config: Any, transport_for: Callable[[torch.device], Any],
-                 solo: Any, inspector: Any) -> None:
-        self._engine = engine
-        self._lock = engine.lock
-        self._cv = engine.cv
-        self._queue = engine.queue
-        self._messages = engine.messages
-        self._stats = engine.stats
+    def __init__(self, parts: IssueParts, config: Any,
+                 transport_for: Callable[[torch.device], Any], solo: Any,
+                 inspector: Any) -> None:
+        self._parts = parts
+        self._works = parts.works
+        self._lock = parts.lock
+        self._cv = parts.cv
+        self._queue = parts.queue
+        self._messages = parts.messages
+        self._stats = parts.stats
         self._transport_for = transport_for
         self._solo = solo  # the solo channel's transports (None: no channel)
         self._insp = inspector if inspector is not None and inspector.enabled else None
         self._debug_lock = threading.Lock()  # the debug check and the submission in one order
         self._solo_rounds: Rounds | None = None
-        self._solo_ch = SoloChannel(engine.name, self._solo_round, self._solo_sent,
-                                    engine.fail, self._refused)
+        self._solo_ch = SoloChannel(parts.name, self._solo_round, self._solo_sent,
+                                    parts.fail, self._refused)
         self.checking: set = set()  # calls in their round right now (their sequence numbers)
         self.seq = 0  # the next sequence number
         if self._insp is not None:
@@ -183,7 +210,7 @@ class Issue:
             # the group instead (Claim.refusable).
             fut = completion.new_source(streams.future_devices(cpu))
             self._solo_ch.submit(SoloOp(None, lambda: solo.barrier(opts), [], fut))
-            first = FutureWork(fut, self._engine, seq, "barrier (solo channel)")
+            first = FutureWork(fut, self._works, seq, "barrier (solo channel)")
             second = self._eager(seq, "barrier", lambda: main(cpu).barrier(opts), [], cpu, chk,
                                  refusable=False)
             if isinstance(second, Claim):
@@ -220,7 +247,7 @@ class Issue:
 
     def _take(self, what: str) -> int:
         """The next sequence number (lock held), refused on a failed or destroyed group."""
-        self._engine.check_usable(what)
+        self._parts.check_usable(what)
         seq = self.seq
         self.seq = seq + 1
         return seq
@@ -247,7 +274,7 @@ class Issue:
             wake, crossed = self._queue.push_fused(op, waited)
             if wake:
                 self._cv.notify_all()
-            work = FusedWork(op, self._engine)
+            work = FusedWork(op, self._works)
             self._stats.record_deferred()
             if insp is not None:
                 insp.record(seq, _DEFERRED_AR, tensor, None, reduce_op, work)
@@ -277,7 +304,7 @@ class Issue:
         numel = tensor.numel()
         with self._lock:
             seq = self._take("all_reduce")
-            work = FutureWork(fut, self._engine, seq, "all_reduce")
+            work = FutureWork(fut, self._works, seq, "all_reduce")
             self._solo_ch.submit(SoloOp(Check(seq, key, None, waited),
                                         lambda: tp.allreduce(tensors, opts), tensors, fut,
                                         numel * tensor.element_size(), numel))
@@ -305,13 +332,16 @@ class Issue:
 
     def _solo_round(self) -> Rounds:
         """The rounds of the solo channel (made at the first solo), on the side group the
-        backend made for them, else on the solo channel's CPU transport."""
+        backend made for them (a round must not wait behind solo data on the wire)."""
         if self._solo_rounds is None:
-            eng = self._engine
-            group = getattr(eng, "solo_agree_group", None) or self._solo.existing("cpu")
-            self._solo_rounds = Rounds(eng.rank, eng.world_size, group, self._stats,
-                                       f"{eng.name} (solo channel)")
-            self._solo_rounds.fault = eng.rounds.fault
+            parts = self._parts
+            if parts.solo_agree_group is None:
+                raise RuntimeError(f"gradientflow: rank {parts.rank}: process group "
+                                   f"{parts.name} has a solo channel but no side group for "
+                                   "its check rounds (Engine's solo_agree_group)")
+            self._solo_rounds = Rounds(parts.rank, parts.world_size, parts.solo_agree_group,
+                                       self._stats, f"{parts.name} (solo channel)")
+            self._solo_rounds.fault = parts.rounds.fault
         return self._solo_rounds
 
     def _settle(self, rounds: Rounds, chk: Check, refusable: bool) -> None:
@@ -323,16 +353,16 @@ class Issue:
             if refusable and getattr(err, "refused", None):
                 self._refused([chk.seq])
                 raise
-            raise self._engine.fail(err) from None
+            raise self._parts.fail(err) from None
         except Exception as exc:  # noqa: BLE001 - a peer died, a fault: the group is broken
-            raise self._engine.fail(exc) from None
+            raise self._parts.fail(exc) from None
 
     def _run_claim(self, claim: Claim) -> Any:
         """Run a claimed eager call: its round, then its launch, on the caller's thread; the
         floor is released after (what queued behind it meanwhile then goes)."""
         seq = claim.check.seq
         try:
-            self._settle(self._engine.rounds, claim.check, claim.refusable)
+            self._settle(self._parts.rounds, claim.check, claim.refusable)
             work = claim.launch()
         finally:
             with self._lock:
@@ -382,7 +412,7 @@ class Issue:
                                     chk, refusable))
         self._stats.record_eager(False)
         self._cv.notify_all()
-        return FutureWork(fut, self._engine, seq, name)
+        return FutureWork(fut, self._works, seq, name)
 
     def _issue(self, name: str, submit: Callable[[int, Check | None], Any], sig: Any,
                opts: Any, device: torch.device, reduce_op: Any = _UNSET,

@@ -1,4 +1,4 @@
-"""The engine thread's jobs: each a small type whose `run(engine)` does one step of the pipeline.
+"""The engine thread's jobs: each a small type whose `run(parts)` does one step of the pipeline.
 
 The ordered queue (queue.py) holds issued ops and hands the engine thread one job at a time:
 
@@ -11,13 +11,17 @@ The ordered queue (queue.py) holds issued ops and hands the engine thread one jo
 - `StagesBatch`: an agreed batch of multi-collective ops (compressed buckets), fused: their
   stages back to back, the last one left in flight while the engine goes on.
 
-`run` may raise: the engine then fails the group with the error (Engine.fail).
+A job sees the pipeline's parts it works with (`JobParts`: the queue, the rounds, the messages,
+streams and statistics, and two callbacks into the engine), never the engine itself, so a job
+can be read, and run in a test, alone. `run` may raise: the engine then fails the group with
+the error (Engine.fail).
 """
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from torch._C._distributed_c10d import AllreduceOptions, ReduceOp
@@ -27,7 +31,33 @@ from gradientflow.engine import completion
 from gradientflow.engine.fusion import FusableOp, Message
 from gradientflow.engine.stages import StagesOp, unwrap
 from gradientflow.observability import timeline as tl
+from gradientflow.observability.stats import GroupStats
 from gradientflow.observability.timeline import TIMELINE, now_us
+
+if TYPE_CHECKING:  # the queue hands out these jobs, so it imports this module
+    from gradientflow.engine.messages import Messages
+    from gradientflow.engine.queue import OrderedQueue
+    from gradientflow.engine.rounds import Rounds
+    from gradientflow.engine.streams import EngineStreams
+
+
+@dataclass(frozen=True, slots=True)
+class JobParts:
+    """What the engine thread's jobs work with: the pipeline's parts, not the engine."""
+
+    rank: int
+    cv: threading.Condition  # the engine's state lock; the queue and `checking` live under it
+    queue: OrderedQueue
+    rounds: Rounds
+    messages: Messages
+    streams: EngineStreams
+    stats: GroupStats
+    transport_for: Callable[[torch.device], Any]
+    checking: set  # sequence numbers of the eager calls in their round now (Issue.checking)
+    # Fail the group with an error (explained once); returns the group's error.
+    fail: Callable[[BaseException], BaseException]
+    # A round refused the first n queued ops alike on every rank (n=0: the eager calls seqs).
+    refuse: Callable[[int, BaseException, list | None], None]
 
 
 @dataclass(slots=True)
@@ -36,22 +66,22 @@ class AgreeBatch:
 
     candidates: list[FusableOp]
 
-    def run(self, engine: Any) -> None:
+    def run(self, parts: JobParts) -> None:
         cands = self.candidates
-        with engine.cv:  # every candidate is waited on, and nothing is queued behind them
-            queue = engine.queue
+        with parts.cv:  # every candidate is waited on, and nothing is queued behind them
+            queue = parts.queue
             waited = (queue.wanted_upto >= cands[-1].seq and len(queue.issued) == len(cands)
                       and isinstance(cands[0], FusableOp))
         try:
-            n = engine.rounds.agree(cands, waited)
+            n = parts.rounds.agree(cands, waited)
         except CollectiveMismatchError as err:
             refused = getattr(err, "refused", None)
             if not refused:
                 raise
-            engine.refuse_batch(refused, err)  # alike on every rank: the group goes on
+            parts.refuse(refused, err, None)  # alike on every rank: the group goes on
             return
-        with engine.cv:
-            engine.queue.take_batch(n)
+        with parts.cv:
+            parts.queue.take_batch(n)
 
 
 @dataclass(slots=True)
@@ -62,11 +92,11 @@ class Prepare:
 
     op: StagesOp
 
-    def run(self, engine: Any) -> None:
+    def run(self, parts: JobParts) -> None:
         t0 = time.perf_counter()
         self.op.part.prepare()
         t1 = time.perf_counter()
-        engine.stats.record_codec_time(t1 - t0)
+        parts.stats.record_codec_time(t1 - t0)
         _stage_event(tl.COMPRESS, tl.CAT_CODEC, t0, t1, f"bucket {self.op.key}")
 
 
@@ -78,8 +108,8 @@ class SendMessage:
     seg: int | None
     buf: torch.Tensor
 
-    def run(self, engine: Any) -> None:
-        engine.messages.launch(self.msg, self.seg, self.buf)
+    def run(self, parts: JobParts) -> None:
+        parts.messages.launch(self.msg, self.seg, self.buf)
 
 
 @dataclass
@@ -97,35 +127,35 @@ class EagerOp:
     check: Any = None  # its Check, agreed in a round before anything is sent
     refusable: bool = True  # False: a mismatch fails the group (part of it was sent)
 
-    def run(self, engine: Any) -> None:
-        if self.check is not None and not self._checked(engine):
+    def run(self, parts: JobParts) -> None:
+        if self.check is not None and not self._checked(parts):
             return
-        self._launch(engine)
+        self._launch(parts)
 
-    def _checked(self, engine: Any) -> bool:
+    def _checked(self, parts: JobParts) -> bool:
         """Run the round; False if it refused the call (its Work then raises why)."""
-        with engine.cv:
-            engine.issue.checking.add(self.seq)
-        with engine.cv:
-            waited = self.check.waited or engine.queue.wanted_upto >= self.seq
+        with parts.cv:
+            parts.checking.add(self.seq)
+        with parts.cv:
+            waited = self.check.waited or parts.queue.wanted_upto >= self.seq
         try:
-            engine.rounds.check(self.check, waited)
+            parts.rounds.check(self.check, waited)
         except CollectiveMismatchError as err:
             if not (self.refusable and getattr(err, "refused", None)):
                 raise
-            engine.refuse_batch(0, err, [self.seq])
+            parts.refuse(0, err, [self.seq])
             completion.complete(self.fut, error=err)
             return False
         finally:
-            with engine.cv:
-                engine.issue.checking.discard(self.seq)
+            with parts.cv:
+                parts.checking.discard(self.seq)
         return True
 
-    def _launch(self, engine: Any) -> None:
+    def _launch(self, parts: JobParts) -> None:
         # A transport may return no Work for a synchronous call (the caller's asyncOp=False):
         # NCCL then runs it on the current stream, gloo before returning.
         if self.device is not None and self.device.type == "cuda":
-            with engine.streams.after(self.device, [self.ready]) as stream:
+            with parts.streams.after(self.device, [self.ready]) as stream:
                 try:
                     work = self.launch()
                     if work is not None:
@@ -134,7 +164,7 @@ class EagerOp:
                     completion.complete(self.fut, error=exc)
                     return
                 except BaseException as exc:  # noqa: BLE001 - the group is broken
-                    completion.complete(self.fut, error=engine.fail(exc))
+                    completion.complete(self.fut, error=parts.fail(exc))
                     return
             completion.complete(self.fut, self.outputs, stream=stream)
             return
@@ -145,7 +175,7 @@ class EagerOp:
 
         # Every transport Work has a future (backend/adapter.py gives one to gloo's that lack it).
         work.get_future().then(
-            lambda f, op=self: completion.follow(f, op.fut, op.outputs, engine.fail))
+            lambda f, op=self: completion.follow(f, op.fut, op.outputs, parts.fail))
 
 
 @dataclass
@@ -163,7 +193,7 @@ class StagesBatch:
 
     ops: list[StagesOp]
 
-    def run(self, engine: Any) -> None:
+    def run(self, parts: JobParts) -> None:
         ops = self.ops
         dev = ops[0].device
         opts = AllreduceOptions()
@@ -171,13 +201,13 @@ class StagesBatch:
         key = ops[0].key
         lane = f"bucket {key}" if key is not None and len(ops) == 1 else (
             f"stages {ops[0].seq}-{ops[-1].seq}")
-        with engine.streams.after(dev, [op.ready for op in ops]) as stream:
-            self._run(engine, engine.transport_for(dev), opts, lane, stream)
+        with parts.streams.after(dev, [op.ready for op in ops]) as stream:
+            self._run(parts, parts.transport_for(dev), opts, lane, stream)
 
-    def _run(self, engine: Any, transport: Any, opts: AllreduceOptions, lane: str,
+    def _run(self, parts: JobParts, transport: Any, opts: AllreduceOptions, lane: str,
              stream: Any) -> None:
         """run's body, with `stream` (CUDA: the engine's) current."""
-        stats = engine.stats
+        stats = parts.stats
         gen = self.ops[0].fuser([op.part for op in self.ops])
         t0 = time.perf_counter()
         codec_name = tl.COMPRESS
@@ -189,8 +219,8 @@ class StagesBatch:
                 stats.record_codec_time(t1 - t0)
                 work = transport.allreduce([tensor], opts)
                 if final and stream is None:
-                    engine.messages.later(
-                        lambda: self._finish(engine, gen, work, tensor, t1, lane))
+                    parts.messages.later(
+                        lambda: self._finish(parts, gen, work, tensor, t1, lane))
                     return
                 work.wait()
                 t0 = time.perf_counter()
@@ -200,43 +230,43 @@ class StagesBatch:
                 codec_name = tl.DECOMPRESS
                 tensor, final = unwrap(gen.send(tensor))
         except StopIteration as stop:
-            self._done(engine, stop.value, t0, codec_name, lane, stream)
+            self._done(parts, stop.value, t0, codec_name, lane, stream)
         except StepFailed as exc:  # [algorithms] agreed on every rank: the group goes on
             self.fail(exc)
         except BaseException as exc:
-            self.fail(engine.fail(exc))
+            self.fail(parts.fail(exc))
             raise
 
-    def _finish(self, engine: Any, gen: Any, work: Any, tensor: torch.Tensor, t1: float,
+    def _finish(self, parts: JobParts, gen: Any, work: Any, tensor: torch.Tensor, t1: float,
                 lane: str) -> None:
         """The last stage landed (the reaper's thread): the rest of the generator, then the
         futures."""
         try:
             work.wait()
             t0 = time.perf_counter()
-            engine.stats.record_message(len(self.ops), tensor.numel() * tensor.element_size(),
+            parts.stats.record_message(len(self.ops), tensor.numel() * tensor.element_size(),
                                         0, t0 - t1)
             _stage_event(tl.ALLREDUCE, tl.CAT_COMM, t1, t0, lane)
             gen.send(tensor)
             raise RuntimeError(
-                f"gradientflow: rank {engine.rank}: stage op {self.ops[0].describe()} yielded "
+                f"gradientflow: rank {parts.rank}: stage op {self.ops[0].describe()} yielded "
                 "another stage after one marked Final; mark only the last stage Final")
         except StopIteration as stop:
-            self._done(engine, stop.value, t0, tl.DECOMPRESS, lane, None)
+            self._done(parts, stop.value, t0, tl.DECOMPRESS, lane, None)
         except StepFailed as exc:
             self.fail(exc)
         except BaseException as exc:  # noqa: BLE001 - the group is broken
-            self.fail(engine.fail(exc))
+            self.fail(parts.fail(exc))
 
-    def _done(self, engine: Any, results: list, t0: float, codec_name: str, lane: str,
+    def _done(self, parts: JobParts, results: list, t0: float, codec_name: str, lane: str,
               stream: Any) -> None:
         t1 = time.perf_counter()
-        engine.stats.record_codec_time(t1 - t0)
-        engine.stats.record_bytes(0, sum(op.nbytes for op in self.ops))
+        parts.stats.record_codec_time(t1 - t0)
+        parts.stats.record_bytes(0, sum(op.nbytes for op in self.ops))
         _stage_event(codec_name, tl.CAT_CODEC, t0, t1, lane)
         if len(results) != len(self.ops):
-            self.fail(engine.fail(RuntimeError(
-                f"gradientflow: rank {engine.rank}: the fuser of {self.ops[0].describe()} "
+            self.fail(parts.fail(RuntimeError(
+                f"gradientflow: rank {parts.rank}: the fuser of {self.ops[0].describe()} "
                 f"returned {len(results)} results for {len(self.ops)} ops")))
             return
         completion.complete_all([(op.fut, r, None) for op, r in zip(self.ops, results)], stream)

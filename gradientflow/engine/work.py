@@ -4,13 +4,27 @@ from __future__ import annotations
 import datetime
 import threading
 import time
-from typing import Any
+from typing import Any, Callable, Protocol
 
 import torch
 from torch._C._distributed_c10d import Work
 
 from gradientflow.engine import completion
 from gradientflow.observability.stats import STATS
+
+
+class WorkOwner(Protocol):
+    """What a Work asks of the engine that made it (Engine has these)."""
+
+    timeout_s: float
+
+    def describe(self, seq: int, name: str) -> str: ...
+
+    def want(self, seq: int) -> None: ...
+
+    def check_not_engine_thread(self, describe: Callable[[], str]) -> None: ...
+
+    def future_of(self, op: Any, for_user: bool = False) -> torch.futures.Future | None: ...
 
 
 class FutureWork(Work):
@@ -30,11 +44,11 @@ class FutureWork(Work):
     inspector: Any = None
     slice_s = 1.0
 
-    def __init__(self, fut: torch.futures.Future | None, owner: Any, seq: int,
+    def __init__(self, fut: torch.futures.Future | None, owner: WorkOwner, seq: int,
                  name: str) -> None:
         super().__init__()
         self._fut = fut  # the source future the engine completes
-        self._owner = owner  # the Engine: describe(), want(), check_not_engine_thread(), timeout_s
+        self._owner = owner
         self._seq = seq
         self._name = name
         self._public: torch.futures.Future | None = None
@@ -142,7 +156,7 @@ class FusedWork(FutureWork):
     engine, which settles futures with user callbacks on the pool, never on its reaper.
     """
 
-    def __init__(self, op: Any, owner: Any) -> None:
+    def __init__(self, op: Any, owner: WorkOwner) -> None:
         super().__init__(op.fut, owner, op.seq, op.name)
         self._op = op
 

@@ -1,0 +1,90 @@
+"""The engine thread's jobs run alone, on stand-in parts (engine/jobs.py's JobParts): no
+engine, no group, no thread. What a job does with a round's answer is pinned down here."""
+from __future__ import annotations
+
+import threading
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from gradientflow.config import Config
+from gradientflow.engine.fusion import FusableOp, Message
+from gradientflow.engine.jobs import AgreeBatch, EagerOp, JobParts
+from gradientflow.engine.queue import OrderedQueue
+from gradientflow.errors import CollectiveMismatchError
+
+pytestmark = pytest.mark.timeout(60)  # a future the pool never settles fails, not hangs
+
+
+class _Rounds:
+    """A round that answers what the test says: a batch size, or a mismatch."""
+
+    def __init__(self, answer) -> None:
+        self.answer = answer
+        self.seen: list = []
+
+    def agree(self, candidates, waited=False):
+        self.seen.append([op.seq for op in candidates])
+        if isinstance(self.answer, BaseException):
+            raise self.answer
+        return self.answer
+
+    def check(self, chk, waited=True):
+        self.seen.append(chk)
+        if isinstance(self.answer, BaseException):
+            raise self.answer
+
+
+def _parts(rounds, queue=None):
+    cv = threading.Condition(threading.RLock())
+    refused: list = []
+    failed: list = []
+    parts = JobParts(0, cv, queue, rounds, None, None, None, lambda dev: None, set(),
+                     lambda exc: failed.append(exc) or exc,
+                     lambda n, err, seqs: refused.append((n, seqs)))
+    return parts, refused, failed
+
+
+def _queue_of(n: int) -> OrderedQueue:
+    queue = OrderedQueue(Config.resolve({}, environ={}), lambda msg: None, lambda: False)
+    for seq in range(n):
+        t = torch.full((4,), float(seq))
+        queue.push_fused(FusableOp(seq, t, ("cpu", t.dtype, 0), 0), waited=False)
+    return queue
+
+
+def test_agree_batch_takes_the_agreed_prefix_into_messages():
+    queue = _queue_of(3)
+    parts, refused, failed = _parts(_Rounds(2), queue)
+    AgreeBatch(list(queue.issued)).run(parts)
+    assert [op.seq for op in queue.issued] == [2]  # the third waits for the next round
+    msgs = list(queue.agreed)
+    assert all(isinstance(m, Message) for m in msgs)
+    assert [op.seq for m in msgs for op in m.ops] == [0, 1]
+    assert not refused and not failed
+
+
+def test_agree_batch_refused_alike_hands_the_refusal_to_the_engine():
+    queue = _queue_of(2)
+    err = CollectiveMismatchError("ranks queued different allreduces")
+    err.refused = 2
+    rounds = _Rounds(err)
+    parts, refused, failed = _parts(rounds, queue)
+    AgreeBatch(list(queue.issued)).run(parts)
+    assert refused == [(2, None)] and not failed
+    assert len(queue.issued) == 2  # the engine's refuse (stood in for here) removes them
+
+
+def test_eager_op_refused_completes_its_future_and_sends_nothing():
+    err = CollectiveMismatchError("rank 1 called broadcast with another root")
+    err.refused = 1
+    sent = []
+    parts, refused, failed = _parts(_Rounds(err), _queue_of(0))
+    fut = torch.futures.Future()
+    op = EagerOp(7, "broadcast", lambda: sent.append(1), [], fut,
+                 check=SimpleNamespace(waited=True))
+    op.run(parts)
+    assert not sent and refused == [(0, [7])] and not failed and not parts.checking
+    with pytest.raises(Exception, match="another root"):
+        fut.wait()  # settled by the completion pool with the round's error
