@@ -19,6 +19,7 @@ from typing import Any, Iterator
 
 import torch
 
+from gradientflow.errors import CollectiveMismatchError
 from gradientflow.fingerprint import describe as _describe, redop_name
 
 # Collectives whose outputs differ between ranks by design, and what of them is compared:
@@ -107,3 +108,14 @@ def pair_word(rank: int, send: list, recv: list) -> int:
 def pairs_agree(total: int) -> bool:
     """Whether the SUM of every rank's pair_word says the sizes pair up."""
     return total & _PAIR_MASK == 0
+
+
+def refuses_only_the_call(err: BaseException, refusable: bool) -> bool:
+    """Whether a round's error refuses only its call, alike on every rank, the group usable.
+
+    The rule of both places an eager call's round runs (the caller's thread, Issue._settle;
+    the engine thread, jobs.EagerOp): a mismatch the round refused on every rank, for a call
+    nothing of which was sent yet (`refusable`); anything else fails the group.
+    """
+    return (refusable and isinstance(err, CollectiveMismatchError)
+            and bool(getattr(err, "refused", None)))

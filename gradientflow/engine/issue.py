@@ -38,14 +38,13 @@ from typing import TYPE_CHECKING, Any, Callable, Hashable
 import torch
 
 from gradientflow.engine import completion, streams
-from gradientflow.engine.checks import Check, signature
+from gradientflow.engine.checks import Check, refuses_only_the_call, signature
 from gradientflow.engine.fusion import FusableOp, solo_cut
 from gradientflow.engine.jobs import EagerOp
 from gradientflow.engine.rounds import Rounds
 from gradientflow.engine.solo import SoloChannel, SoloOp
 from gradientflow.engine.stages import Fuser, StagesOp, fuse
 from gradientflow.engine.work import AllWork, FusedWork, FutureWork, WorkOwner
-from gradientflow.errors import CollectiveMismatchError
 from gradientflow.fingerprint import DEFERRED
 from gradientflow.observability.stats import GroupStats
 from gradientflow.observability.timeline import TIMELINE, now_us
@@ -349,12 +348,10 @@ class Issue:
         other failure of the round fails the group."""
         try:
             rounds.check(chk)
-        except CollectiveMismatchError as err:
-            if refusable and getattr(err, "refused", None):
+        except Exception as exc:  # noqa: BLE001 - a peer died, a fault: the group is broken
+            if refuses_only_the_call(exc, refusable):
                 self._refused([chk.seq])
                 raise
-            raise self._parts.fail(err) from None
-        except Exception as exc:  # noqa: BLE001 - a peer died, a fault: the group is broken
             raise self._parts.fail(exc) from None
 
     def _run_claim(self, claim: Claim) -> Any:

@@ -28,6 +28,7 @@ from torch._C._distributed_c10d import AllreduceOptions, ReduceOp
 
 from gradientflow.errors import CollectiveMismatchError, StepFailed
 from gradientflow.engine import completion
+from gradientflow.engine.checks import refuses_only_the_call
 from gradientflow.engine.fusion import FusableOp, Message
 from gradientflow.engine.stages import StagesOp, unwrap
 from gradientflow.observability import timeline as tl
@@ -140,8 +141,8 @@ class EagerOp:
             waited = self.check.waited or parts.queue.wanted_upto >= self.seq
         try:
             parts.rounds.check(self.check, waited)
-        except CollectiveMismatchError as err:
-            if not (self.refusable and getattr(err, "refused", None)):
+        except Exception as err:  # noqa: BLE001 - anything but a refusal fails the group
+            if not refuses_only_the_call(err, self.refusable):
                 raise
             parts.refuse(0, err, [self.seq])
             completion.complete(self.fut, error=err)
