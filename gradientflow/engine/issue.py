@@ -331,15 +331,13 @@ class Issue:
 
     def _solo_round(self) -> Rounds:
         """The rounds of the solo channel (made at the first solo), on the side group the
-        backend made for them (a round must not wait behind solo data on the wire)."""
+        backend made for them (a round must not wait behind solo data on the wire). A group of
+        one rank has none: its rounds wait for nobody, on the solo transport itself."""
         if self._solo_rounds is None:
             parts = self._parts
-            if parts.solo_agree_group is None:
-                raise RuntimeError(f"gradientflow: rank {parts.rank}: process group "
-                                   f"{parts.name} has a solo channel but no side group for "
-                                   "its check rounds (Engine's solo_agree_group)")
-            self._solo_rounds = Rounds(parts.rank, parts.world_size, parts.solo_agree_group,
-                                       self._stats, f"{parts.name} (solo channel)")
+            group = parts.solo_agree_group or self._solo.existing("cpu")
+            self._solo_rounds = Rounds(parts.rank, parts.world_size, group, self._stats,
+                                       f"{parts.name} (solo channel)")
             self._solo_rounds.fault = parts.rounds.fault
         return self._solo_rounds
 
