@@ -21,7 +21,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Protocol, Sized
 
 import torch
 from torch._C._distributed_c10d import AllreduceOptions, ReduceOp
@@ -35,11 +35,20 @@ from gradientflow.observability import timeline as tl
 from gradientflow.observability.stats import GroupStats
 from gradientflow.observability.timeline import TIMELINE, now_us
 
-if TYPE_CHECKING:  # the queue hands out these jobs, so it imports this module
+if TYPE_CHECKING:
     from gradientflow.engine.messages import Messages
-    from gradientflow.engine.queue import OrderedQueue
     from gradientflow.engine.rounds import Rounds
     from gradientflow.engine.streams import EngineStreams
+
+
+class JobQueue(Protocol):
+    """What jobs read and change of the ordered queue (queue.OrderedQueue, which hands out
+    these jobs and so imports this module, not the other way round)."""
+
+    wanted_upto: int  # the highest sequence number somebody waits on
+    issued: Sized  # ops issued and not yet agreed
+
+    def take_batch(self, n: int) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,7 +57,7 @@ class JobParts:
 
     rank: int
     cv: threading.Condition  # the engine's state lock; the queue and `checking` live under it
-    queue: OrderedQueue
+    queue: JobQueue
     rounds: Rounds
     messages: Messages
     streams: EngineStreams
