@@ -6,6 +6,7 @@ byte size, async_op) and the group's Config: these properties pin that down with
 from __future__ import annotations
 
 import threading
+from types import SimpleNamespace
 
 import torch
 from hypothesis import given, settings
@@ -57,3 +58,24 @@ def test_no_solo_channel_without_its_transports():
     issue = issue_for(solo_transports=None)
     assert issue.route(CPU, 2**27 - 1, True) == FUSED
     assert issue.route(CPU, 2**27, True) == EAGER
+
+
+@settings(max_examples=100, deadline=None)
+@given(nbytes=st.integers(0, 2**30), async_op=st.booleans(),
+       threshold=st.sampled_from([0, 1000, 2**20, 128 * 2**20]),
+       priority=st.one_of(st.none(), st.integers(0, 1000)))
+def test_a_prioritised_allreduce_is_deferred_below_the_threshold(nbytes, async_op, threshold,
+                                                                 priority):
+    """The optimizer's partitions carry a priority: deferred whatever their size below the
+    fusion threshold, so that a round can order them; the rest of the rule is unchanged."""
+    issue = issue_for(SimpleNamespace(get=lambda device: None), fusion_threshold=threshold)
+    routed = []
+    issue._fused = lambda tensor, reduce_op, waited, prio: routed.append(FUSED)
+    issue._issue_solo = lambda *a: routed.append(SOLO)
+    issue._issue = lambda *a, **k: routed.append(EAGER)
+    t = torch.empty(0)
+    issue.allreduce([t], None, t, None, nbytes, async_op, priority)
+    if priority is not None and async_op and nbytes < threshold:
+        assert routed == [FUSED]
+    else:
+        assert routed == [issue.route(CPU, nbytes, async_op)]
