@@ -58,6 +58,9 @@ class Compressor(abc.ABC):
         self.world_size = world_size
         # --- internal ---
         self.memory = ResidualMemory()
+        # Parameter name -> the learning rate its residual is expressed at (follow_lr); empty
+        # until a bound SGD gives them.
+        self.residual_lr: dict[str, float] = {}
         self.epoch = 0
         self.step = 0
         self._epoch_told = False
@@ -199,6 +202,29 @@ class Compressor(abc.ABC):
         """Whether a warm-up stage (not the target density) is in force."""
         return self.config.in_warmup(self.epoch, self.step)
 
+    def follow_lr(self, lrs: dict[str, float]) -> None:
+        """Express each named parameter's residual at its learning rate of this step (between
+        steps).
+
+        Dense SGD applies each step's gradient (velocity) at that step's learning rate; what
+        waits in the residual is applied at the rate of the step that sends it. Rescaled by
+        old / new whenever its rate changes, what waits keeps its update (rate x gradient): a
+        warm-up does not apply a small-rate step's gradient at the large rate, and a decay
+        does not shrink what waited. At density 1 nothing waits, so nothing changes. A rate
+        of 0 expresses nothing: that residual keeps the last positive one.
+        """
+        factors = {}
+        for name, lr in lrs.items():
+            lr = float(lr)
+            if not (lr > 0 and math.isfinite(lr)):
+                continue
+            old = self.residual_lr.get(name)
+            if old is not None and old != lr:
+                factors[name] = old / lr
+            self.residual_lr[name] = lr
+        if factors:
+            self.memory.scale_names("residual", factors)
+
     # --- checkpoints ------------------------------------------------------------------------------
     def state_dict(self) -> dict:
         """Return this rank's state: residual/momentum by parameter name (unscaled), schedule,
@@ -210,6 +236,7 @@ class Compressor(abc.ABC):
             "step": self.step,
             "memory": self.memory.state_dict(),
             "stats": self.stats.state_dict(),
+            "residual_lr": dict(self.residual_lr),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -233,6 +260,8 @@ class Compressor(abc.ABC):
         self._epoch_told = True
         self.memory.load_state_dict(state["memory"])
         self.stats.load_state_dict(state["stats"])
+        # absent in states saved before it was kept: the residual then follows from the next step
+        self.residual_lr = {n: float(v) for n, v in (state.get("residual_lr") or {}).items()}
 
 
 class QueuedBuffer:

@@ -98,6 +98,26 @@ class ResidualMemory:
         for t in self._pending.get(slot, {}).values():
             t.mul_(factor)
 
+    def scale_names(self, slot: str, factors: dict[str, float]) -> None:
+        """Multiply one slot of each named parameter by its factor (between steps); a layout
+        whose parameters all take one factor in one operation."""
+        for layout, entry in self._entries.items():
+            t = entry.slots.get(slot)
+            if t is None:
+                continue
+            mine = {factors.get(n) for n in layout.names if n in entry.live}
+            if len(mine) == 1 and None not in mine and len(entry.live) == len(layout.names):
+                t.mul_(mine.pop())
+                continue
+            for name, start, end in layout.slices():
+                f = factors.get(name)
+                if f is not None and name in entry.live:
+                    t[start:end].mul_(f)
+        for name, t in self._pending.get(slot, {}).items():
+            f = factors.get(name)
+            if f is not None:
+                t.mul_(f)
+
     def put(self, slot: str, per_name: dict[str, torch.Tensor]) -> None:
         """Set one slot of the named parameters to unscaled values (between steps): into the
         layout that holds a parameter now, or kept until one claims it."""

@@ -143,6 +143,9 @@ class SGDFollower:
         where: who is asking, for errors (e.g. "CSCState (rank 0)").
         take_velocity: called with {parameter: momentum buffer} found in the optimizer's state
             (a dense checkpoint); it puts them into the compressor's velocity.
+        follow_lr: called at each step's first gradient with {id(parameter): its group's
+            learning rate}, so the compressor keeps each residual in its rate's units
+            (Compressor.follow_lr).
         off: how the caller turns momentum correction off, for errors.
 
     The owner calls `begin_step()` at each step's first gradient, `terms(...)` for each buffer,
@@ -151,11 +154,13 @@ class SGDFollower:
     """
 
     def __init__(self, optimizer, where: str,
-                 take_velocity: Callable[[dict], None], off: str = OFF) -> None:
+                 take_velocity: Callable[[dict], None], off: str = OFF,
+                 follow_lr: Callable[[dict[int, float]], None] | None = None) -> None:
         self.optimizer = optimizer
         self.where = where
         self.off = off
         self._take_velocity = take_velocity
+        self._follow_lr = follow_lr
         self._settings: _Settings | None = None  # what the compressor applies this step
         self._stepped = False  # the optimizer stepped since the settings were read
         self._reduced: set[int] = set()  # parameters whose gradients it reduced this step
@@ -178,6 +183,9 @@ class SGDFollower:
             self.take_buffers()
         self._settings = _read(self.optimizer, self.where, self.off)
         self._stepped = False
+        if self._follow_lr is not None:
+            self._follow_lr({id(p): float(g["lr"]) for g in self.optimizer.param_groups
+                             for p in g["params"]})
         self._reduced = set()
 
     def terms(self, pairs: Iterable[tuple[torch.Tensor, torch.Tensor]],
@@ -327,7 +335,9 @@ def _remove(handles: list) -> None:
 
 def follow_optimizer(config: CompressionConfig, optimizer, where: str,
                      take_velocity: Callable[[dict], None], *, off: str = OFF,
-                     step_hooks: bool = True) -> tuple[CompressionConfig, SGDFollower | None]:
+                     step_hooks: bool = True,
+                     follow_lr: Callable[[dict[int, float]], None] | None = None
+                     ) -> tuple[CompressionConfig, SGDFollower | None]:
     """Bind `optimizer` to the compressor `config` builds; return the config and the follower.
 
     Without momentum correction in `config`'s method, nothing is taken (follower None). An
@@ -344,7 +354,7 @@ def follow_optimizer(config: CompressionConfig, optimizer, where: str,
         return dataclasses.replace(config, momentum=0.0, nesterov=False,
                                    momentum_correction=False), None
     config = dataclasses.replace(config, momentum=settings.momentum, nesterov=settings.nesterov)
-    follower = SGDFollower(optimizer, where, take_velocity, off)
+    follower = SGDFollower(optimizer, where, take_velocity, off, follow_lr)
     if step_hooks:
         follower.install_step_hooks()
     return config, follower

@@ -116,7 +116,7 @@ class CompressionState:
         if optimizer is not None:
             config, self._follower = follow_optimizer(
                 config, optimizer, f"{type(self).__name__} (rank {self.rank})",
-                self._take_velocity)
+                self._take_velocity, follow_lr=self._follow_lr)
         # --- tuned by the user ---
         self.process_group = process_group
         self.config = config
@@ -139,6 +139,12 @@ class CompressionState:
         """Without the optimizer, refuse its first step if it would apply momentum a second time."""
         self._guard = None if self._took_momentum else guard_momentum(
             self, _compressed_ids, self.config, type(self).__name__)
+
+    def _follow_lr(self, lrs: dict[int, float]) -> None:
+        """Hand the compressor each named parameter's learning rate ({id(parameter): rate});
+        a parameter not named yet has no residual yet."""
+        names = self._names
+        self.compressor.follow_lr({names[i]: lr for i, lr in lrs.items() if i in names})
 
     def _take_velocity(self, buffers: dict) -> None:
         """Put SGD momentum buffers ({parameter: buffer}, a dense checkpoint's) into the

@@ -94,7 +94,7 @@ class _DistributedOptimizer:
             rank = dist.get_rank(process_group) if initialized else 0
             config, self._follower = follow_optimizer(
                 options.compression, self, f"{_PREFIX} (rank {rank})", self._take_velocity,
-                off=_OFF, step_hooks=False)
+                off=_OFF, step_hooks=False, follow_lr=self._follow_lr)
             options = dataclasses.replace(options, compression=config)
         self._opts = options
         # Frozen parameters never get a gradient: they are not part of the plan at all.
@@ -137,6 +137,14 @@ class _DistributedOptimizer:
         self._synchronized = False
         if self._follower is not None:
             self._follower.begin_step()  # the settings this step's gradients are reduced with
+
+    def _follow_lr(self, lrs: dict[int, float]) -> None:
+        """Hand the compressor each segment's learning rate ({id(parameter): rate}), by the
+        segment names its residual is kept under."""
+        reducer = self._reducer
+        reducer.compressor.follow_lr({
+            seg.name: lrs[id(reducer.params[seg.index])] for part in reducer.plan
+            for seg in part.segments if id(reducer.params[seg.index]) in lrs})
 
     def _take_velocity(self, buffers: dict) -> None:
         """Put SGD momentum buffers ({parameter: buffer}, a dense run's) into the compressor's
