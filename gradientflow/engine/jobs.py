@@ -255,7 +255,7 @@ class StagesBatch:
             work.wait()
             t0 = time.perf_counter()
             parts.stats.record_message(len(self.ops), tensor.numel() * tensor.element_size(),
-                                        0, t0 - t1)
+                                       0, t0 - t1)
             _stage_event(tl.ALLREDUCE, tl.CAT_COMM, t1, t0, lane)
             gen.send(tensor)
             raise RuntimeError(
