@@ -103,6 +103,10 @@ class _DistributedOptimizer:
         self._reducer = GradientReducer(
             named, options, process_group, before_first_grad=self._before_first_grad,
             sgd_terms=None if self._follower is None else self._follower.terms)
+        # (segment name, id of its parameter): what the compressor keeps residuals under, fixed
+        # with the plan, read at every step (_follow_lr).
+        self._segment_ids = [(seg.name, id(self._reducer.params[seg.index]))
+                             for part in self._reducer.plan for seg in part.segments]
         self._overlap = None
         if options.overlap_next_forward:
             self._overlap = NextForwardOverlap(self._reducer, self._step_groups,
@@ -141,10 +145,8 @@ class _DistributedOptimizer:
     def _follow_lr(self, lrs: dict[int, float]) -> None:
         """Hand the compressor each segment's learning rate ({id(parameter): rate}), by the
         segment names its residual is kept under."""
-        reducer = self._reducer
-        reducer.compressor.follow_lr({
-            seg.name: lrs[id(reducer.params[seg.index])] for part in reducer.plan
-            for seg in part.segments if id(reducer.params[seg.index]) in lrs})
+        self._reducer.compressor.follow_lr(
+            {name: lrs[pid] for name, pid in self._segment_ids if pid in lrs})
 
     def _take_velocity(self, buffers: dict) -> None:
         """Put SGD momentum buffers ({parameter: buffer}, a dense run's) into the compressor's
