@@ -11,10 +11,12 @@ run_experiment.PEERS plus the no-communication bound, each run by run_experiment
 1. 1 Gbit/s, plain SGD (constant learning rate), every peer, 3 seeds, full epochs: accuracy,
    epochs and time to the target, wire bytes measured on the NIC, images/s.
 2. 1 Gbit/s, warm-up + cosine schedule, DDP and GradientFlow's default, 3 seeds.
-3. 10 Gbit/s, every peer, one seed, a capped number of steps: the step time there. Training
-   is the same computation whatever the link (the link changes when bytes arrive, not what
-   they are), so the time to the target at 10 Gbit/s is each seed's epochs to the target from
-   stage 1 times the step time measured here. Stated as derived in the table.
+3. 1 and 10 Gbit/s, every peer and the bound, one seed, a capped number of steps: the step
+   time on each link (its own table: a short stage that stands without stages 1-2, and the
+   bound's step says the most any setting can gain over DDP's there). Training is the same
+   computation whatever the link (the link changes when bytes arrive, not what they are), so
+   the time to the target at 10 Gbit/s is each seed's epochs to the target from stage 1 times
+   the step time measured here. Stated as derived in the table.
 4. 4 ranks at 1 Gbit/s (AlexNet-shaped): the step time, the same way.
 
 The target top-1 of a model and recipe is what every DDP seed has reached by its
@@ -65,11 +67,15 @@ def stages(args) -> list:
         out.append((f"{model}/1gbps-schedule", base + [
             "--recipe", "schedule", "--settings", "ddp-gloo", rx.OURS, "--seeds", *seeds,
             "--epochs", str(args.epochs), "--link-gbps", "1", *cap]))
+        out.append((f"{model}/1gbps-step", base + [
+            "--recipe", "plain", "--settings", *rx.PEERS, BOUND, "--seeds", seeds[0],
+            "--epochs", "2", "--link-gbps", "1", *step]))
         out.append((f"{model}/10gbps-step", base + [
-            "--recipe", "plain", "--settings", *rx.PEERS, "--seeds", seeds[0], "--epochs", "2",
-            "--link-gbps", "10", *step]))
+            "--recipe", "plain", "--settings", *rx.PEERS, BOUND, "--seeds", seeds[0],
+            "--epochs", "2", "--link-gbps", "10", *step]))
     out.append((f"{FOUR_RANKS}/1gbps-4ranks-step", common + [
-        "--arch", FOUR_RANKS, "--recipe", "plain", "--settings", *rx.PEERS, "--seeds", seeds[0],
+        "--arch", FOUR_RANKS, "--recipe", "plain", "--settings", *rx.PEERS, BOUND,
+        "--seeds", seeds[0],
         "--epochs", "2", "--link-gbps", "1", "--nproc", "4", *step]))
     return out
 
@@ -140,13 +146,27 @@ def peer_row(key: str, logs: list, target: float, step10: float | None,
     }
 
 
+def step_rows(out: Path, model: str) -> dict:
+    """{link: {setting: seconds per step}} of a model's step-time stages that ran."""
+    links = {"1 Gbit/s": "1gbps-step", "10 Gbit/s": "10gbps-step"}
+    if model == FOUR_RANKS:
+        links["4 ranks, 1 Gbit/s"] = "1gbps-4ranks-step"
+    got = {}
+    for link, folder in links.items():
+        runs = load_stage(out / model / folder)["runs"]
+        steps = {key: step_time(logs) for key, logs in runs.items()}
+        if steps:
+            got[link] = steps
+    return got
+
+
 def summarise_model(out: Path, model: str) -> dict:
     """Every stage of one model gathered into rows per recipe, with the targets' verdicts."""
     plain = load_stage(out / model / "1gbps-plain")
     sched = load_stage(out / model / "1gbps-schedule")
     ten = load_stage(out / model / "10gbps-step")
     four = load_stage(out / model / "1gbps-4ranks-step") if model == FOUR_RANKS else None
-    result = {"model": model, "recipes": {}}
+    result = {"model": model, "recipes": {}, "steps": step_rows(out, model)}
     for recipe, stage in (("plain", plain), ("schedule", sched)):
         target = target_of(stage["runs"].get("ddp-gloo", []))
         if target is None:
@@ -266,8 +286,39 @@ def markdown(results: list, epochs: int, seeds: list, command: str) -> str:
             lines += [f"- {text}: **{'met' if ok else 'missed'}** ({numbers})"
                       for text, ok, numbers in rec["verdict"]]
             lines.append("")
+    for res in results:
+        lines += step_markdown(res)
     lines += [f"Command: `{command}`", ""]
     return "\n".join(lines)
+
+
+def step_markdown(res: dict) -> list[str]:
+    """One model's step times per link, and each setting's speed-up over DDP's step there."""
+    steps = res.get("steps") or {}
+    if not steps:
+        return []
+    links = list(steps)
+    lines = [f"## {LABELS[res['model']]}: step time by link (one seed, the last of two capped "
+             "epochs)", "",
+             "| setting | " + " | ".join(f"{link}: ms, DDP's over it" for link in links) + " |",
+             "|---|" + "---|" * len(links)]
+    for key in [*rx.PEERS, BOUND]:
+        if not any(key in steps[link] for link in links):
+            continue
+        cells = []
+        for link in links:
+            t, d = steps[link].get(key), steps[link].get("ddp-gloo")
+            cells.append("-" if not t else f"{1e3 * t:.0f}, {d / t:.2f}x" if d else
+                         f"{1e3 * t:.0f}")
+        lines.append(f"| {rx.SETTINGS[key][0]} | " + " | ".join(cells) + " |")
+    lines.append("")
+    for link in links:
+        t, d = steps[link].get(BOUND), steps[link].get("ddp-gloo")
+        if t and d:
+            lines.append(f"- {link}: no setting can step more than {d / t:.2f}x faster than "
+                         "DDP here (DDP's step over the no-communication bound's).")
+    lines.append("")
+    return lines
 
 
 def plot(out: Path, res: dict) -> Path | None:

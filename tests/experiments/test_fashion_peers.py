@@ -185,10 +185,23 @@ def test_compare_runs_every_peer_at_1_gbps_and_times_them_at_10_gbps_and_4_ranks
         step_steps=60)
     stages = dict(compare.stages(args))
     assert set(stages) == {f"{m}/{s}" for m in compare.MODELS
-                           for s in ("1gbps-plain", "1gbps-schedule", "10gbps-step")} | {
+                           for s in ("1gbps-plain", "1gbps-schedule", "1gbps-step",
+                                     "10gbps-step")} | {
         "alexnet_shaped/1gbps-4ranks-step"}
     plain = stages["resnet_shaped/1gbps-plain"]
     assert all(k in plain for k in rx.PEERS) and "nocomm" in plain
     assert plain[plain.index("--seeds") + 1:plain.index("--seeds") + 4] == ["0", "1", "2"]
     four = stages["alexnet_shaped/1gbps-4ranks-step"]
     assert four[four.index("--nproc") + 1] == "4" and "--steps-per-epoch 60" in four
+    step = stages["alexnet_shaped/1gbps-step"]
+    assert "nocomm" in step and step[step.index("--link-gbps") + 1] == "1"
+
+
+def test_the_step_table_says_how_much_faster_than_ddp_any_setting_can_step():
+    res = {"model": "alexnet_shaped", "recipes": {}, "steps": {
+        "1 Gbit/s": {"ddp-gloo": 0.2, rx.OURS: 0.1, "nocomm": 0.08},
+        "10 Gbit/s": {"ddp-gloo": 0.1, rx.OURS: 0.1}}}
+    text = "\n".join(compare.step_markdown(res))
+    assert "| GradientFlow CSC 1% default | 100, 2.00x | 100, 1.00x |" in text
+    assert "1 Gbit/s: no setting can step more than 2.50x faster than DDP" in text
+    assert "10 Gbit/s: no setting" not in text  # no bound measured there
