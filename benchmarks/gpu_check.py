@@ -7,9 +7,9 @@ Parts, each in its own interpreter with a time limit, so a crash or a hang loses
 
 - ``env``: torch / CUDA / NCCL / Triton / numba versions, which CUDA kernels the dispatch uses;
 - ``kernels``: one CSC step on ResNet-50's 25,557,032-element gradient (chunk 1024, 1%, FP16
-  wire) with each implementation (Triton, numba CUDA, the torch reference), stage by stage,
-  with the bytes each stage must move and the bandwidth it achieved against a device copy's,
-  and the implementations' results compared at that size;
+  wire) with each implementation (Triton, Triton replayed as one CUDA graph, numba CUDA, the
+  torch reference), stage by stage, with the bytes each stage must move and the bandwidth it
+  achieved against a device copy's, and the implementations' results compared at that size;
 - ``ddp``: a DDP training step of torchvision's ResNet-50 on the GPU, over gradientflow (world
   size 1, NCCL), with no hook, the FP16 hook and the CSC hook, alternating step by step;
 - ``world1``: tests/gpu/_world1.py, the backend over NCCL with world size 1 (collectives, DDP
@@ -141,9 +141,11 @@ def part_kernels(quick: bool) -> dict:
     nch = K.nchunks_of(n, CHUNK)
     k = max(1, int(nch * DENSITY))
     half = torch.float16
-    impls = [i for i in ("triton", "numba", "torch")
-             if not (i == "triton" and K._triton() is None) and not (i == "numba" and K._cuda()
-                                                                       is None)]
+    # "graph": the Triton pipeline as one CUDA graph per layout (kernels.StepGraphs), timed
+    # as a whole step (its stages are one replay).
+    impls = [i for i in ("triton", "graph", "numba", "torch")
+             if not (i in ("triton", "graph") and K._triton() is None)
+             and not (i == "numba" and K._cuda() is None)]
     gen = torch.Generator(device=dev).manual_seed(0)
     grad0 = torch.randn(n, device=dev, generator=gen)
     res0 = torch.randn(n, device=dev, generator=gen) * 0.1
@@ -178,6 +180,23 @@ def part_kernels(quick: bool) -> dict:
 
     pipelines = ("ef", "ef_momentum", "inplace")
     out_state: dict = {}
+
+    def whole(name, *buffers):
+        """The Triton step at once; the buffers it uses are passed so that they key its graph."""
+        for _ in step(name, "triton"):
+            pass
+        return out_state["norms"], out_state["idx"], out_state["packed"]
+
+    graphed = K.StepGraphs(whole)
+
+    def run(name, impl):
+        if impl == "graph":
+            # a replay runs no Python: its results are the graph's own tensors
+            result = graphed(name, g, r, spare, mom, mom_out, send)
+            out_state["norms"], out_state["idx"], out_state["packed"] = result
+        else:
+            for _ in step(name, impl):
+                pass
     # Fewest bytes each stage must move (each input read once, each output written once);
     # kc = the k sent chunks' elements.
     kc = k * CHUNK
@@ -188,19 +207,24 @@ def part_kernels(quick: bool) -> dict:
         "inplace": {"norms": 12 * n, **small, "unpack": 12 * n + 4 * kc},
     }
 
-    def reset():
-        g.copy_(grad0)
-        r.copy_(res0)
-        mom.copy_(mom0)
+    def reset(other=False):
+        """The step's inputs (other: different contents in the same buffers)."""
+        g.copy_(res0 if other else grad0)
+        r.copy_(grad0 if other else res0)
+        mom.copy_(-mom0 if other else mom0)
 
     # 1. Results compared at full size, each pipeline against the torch reference.
     compare = {}
     for name in pipelines:
         got = {}
         for impl in impls:
+            if impl == "graph":
+                # warmed and captured on other contents: the replay must read the new ones
+                for _ in range(2):
+                    reset(other=True)
+                    run(name, impl)
             reset()
-            for _ in step(name, impl):
-                pass
+            run(name, impl)
             got[impl] = {"grad": g.clone(), "residual": (spare if name != "inplace" else r).clone(),
                          "momentum": mom_out.clone(), **{key: v.clone()
                                                          for key, v in out_state.items()}}
@@ -237,13 +261,18 @@ def part_kernels(quick: bool) -> dict:
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         ev[0].record()
-        for j, _ in enumerate(step(name, impl)):
-            ev[j + 1].record()
+        if impl == "graph":
+            run(name, impl)
+            ev[-1].record()
+        else:
+            for j, _ in enumerate(step(name, impl)):
+                ev[j + 1].record()
         torch.cuda.synchronize()
         wall = (time.perf_counter() - t0) * 1e3
         rec = times[(name, impl)]
-        for j, s in enumerate(stages):
-            rec[s].append(ev[j].elapsed_time(ev[j + 1]))
+        if impl != "graph":
+            for j, s in enumerate(stages):
+                rec[s].append(ev[j].elapsed_time(ev[j + 1]))
         rec["step"].append(ev[0].elapsed_time(ev[-1]))
         rec["wall"].append(wall)
 
@@ -271,9 +300,11 @@ def part_kernels(quick: bool) -> dict:
     out["copy"] = {"ms": round(cp, 4), "GBps": round(copy_gbps, 1)}
     table = {}
     for (name, impl), rec in times.items():
-        row = {s: round(_median(v), 4) for s, v in rec.items()}
+        row = {s: round(_median(v), 4) if v else None for s, v in rec.items()}
         bw = {}
         for s in stages:
+            if row[s] is None:
+                continue
             b = bytes_min[name][s]
             bw[s] = {"bytes": b, "GBps": round(b / (row[s] * 1e-3) / 1e9, 1),
                      "of_copy": round(b / (row[s] * 1e-3) / 1e9 / copy_gbps, 3)}
@@ -283,6 +314,7 @@ def part_kernels(quick: bool) -> dict:
                       "floor_ms": round(total / (copy_gbps * 1e9) * 1e3, 4)}
         table[f"{name}/{impl}"] = {"median_ms": row, "bandwidth": bw}
     out["timing"] = table
+    out["graph_counts"] = dict(graphed.counts)
     try:  # a side measurement: its failure must not lose the part
         out["norms_tiles"] = _norms_tiles(n, g, r, spare, grad0, res0, copy_gbps)
     except Exception as exc:  # noqa: BLE001
@@ -309,7 +341,7 @@ def _norms_tiles(n, g, r, spare, grad0, res0, copy_gbps) -> list[dict]:
     ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
     rows = []
     try:
-        for tile, warps in ((4096, 4), (2048, 4), (8192, 8), (4096, 8), (16384, 8)):
+        for tile, warps in ((8192, 8), (4096, 4), (2048, 4), (4096, 8), (16384, 8)):
             T._TILE, T._TILE_WARPS = tile, warps
             times = []
             for rep in range(23):
@@ -447,14 +479,19 @@ def _kernels_md(kern: dict) -> list[str]:
                if i != "torch"]
         floor = t[kern["impls"][0]]["bandwidth"]["step"]["floor_ms"]
         lines.append(f"| {name} | " + " | ".join(cells + ups) + f" | {floor:.3f} |")
+    if "graph" in kern["impls"]:
+        lines += ["", "graph: the Triton pipeline captured as one CUDA graph per layout "
+                  "(`kernels.StepGraphs`) and replayed, timed as a whole step; its calls: "
+                  + ", ".join(f"{n} {c}" for n, c in kern.get("graph_counts", {}).items())
+                  + " (\"failed\" > 0: a capture failed and that pipeline ran eagerly)."]
     lines += ["", "Per stage (ms, and the fewest bytes the stage must move over its time, as a "
               "fraction of the copy's bandwidth):", "",
               "| pipeline / impl | norms | select | pack | unpack | step | wall |",
               "|---|---:|---:|---:|---:|---:|---:|"]
     for key, row in kern["timing"].items():
         m, bw = row["median_ms"], row["bandwidth"]
-        cells = [f"{m[s]:.3f} ({bw[s]['of_copy']:.2f})" for s in ("norms", "select", "pack",
-                                                                   "unpack", "step")]
+        cells = [f"{m[s]:.3f} ({bw[s]['of_copy']:.2f})" if m[s] is not None else "-"
+                 for s in ("norms", "select", "pack", "unpack", "step")]
         lines.append(f"| {key} | " + " | ".join(cells) + f" | {m['wall']:.3f} |")
     if kern.get("norms_tiles"):
         lines += ["", "The Triton norms pass alone (16 B per element) by tile and warps per "
@@ -562,8 +599,12 @@ def main(argv=None) -> int:
         Path(args.inner_out).write_text(json.dumps(data, indent=1, default=str))
         print(json.dumps(data, default=str)[:3000])
         return 0
-    import torch
-
+    try:
+        import torch
+    except ImportError as exc:
+        print(f"gpu_check: {sys.executable} cannot import torch ({exc}); run it with a python "
+              "that has torch, on a machine with a GPU. Nothing was measured.", file=sys.stderr)
+        return 2
     if not torch.cuda.is_available():
         print("gpu_check: torch sees no CUDA device (torch.cuda.is_available() is False); run "
               "it on a machine with a GPU. Nothing was measured.", file=sys.stderr)

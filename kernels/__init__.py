@@ -15,6 +15,10 @@ This package is a LEAF: it imports nothing of gradientflow (it is installed as
   fused launch per CSC pass, selection on the device without a sort (seven ops), preferred
   over numba's where Triton loads (that module's docstring says why).
 
+``StepGraphs`` (``graphs.py``) runs a step of these ops as one CUDA graph per layout (captured
+on the second call, replayed after; eager where capture is not possible): a CSC step on a GPU
+is bound by the host's launches, and a replay is one.
+
 Each public function (``chunk_norms``, ...) is the op's validator followed by ``implementation``,
 the one dispatcher.
 
@@ -72,6 +76,7 @@ from typing import NamedTuple
 import torch
 
 from . import checks, reference
+from .graphs import StepGraphs
 from .reference import WIRE_DTYPES, nchunks_of
 
 __all__ = [
@@ -95,6 +100,7 @@ __all__ = [
     "threading_layer",
     "WIRE_DTYPES",
     "OPS",
+    "StepGraphs",
 ]
 
 

@@ -3,8 +3,9 @@ gives every Work a future.
 
 gloo lacks kernels for some dtypes (dtypes.py says which, and how they travel instead), and
 its reduce-scatter Works have no future ("Work::getFuture not implemented"), which the
-engine's queued path and Horovod's poll() need. `Transport` wraps one process group; every
-method it does not adapt is the group's own.
+engine's queued path and Horovod's poll() need. A synchronous call that returns no Work (NCCL's,
+asyncOp False) returns none here either. `Transport` wraps one process group; every method it
+does not adapt is the group's own.
 """
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from typing import Any, Callable
 import torch
 from torch._C._distributed_c10d import Work
 
-from gradientflow.backend.dtypes import MOVE, REDUCE, NarrowedWork, bits_args, widen_args
+from gradientflow.backend.dtypes import (MOVE, REDUCE, NarrowedWork, bits_args, narrow_,
+                                         widen_args)
 
 # Transport methods whose gloo Works have no future of their own.
 _NO_FUTURE = frozenset({"reduce_scatter", "_reduce_scatter_base"})
@@ -95,6 +97,11 @@ class Transport:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._pg, name)
 
+    @property
+    def group(self) -> Any:
+        """The process group this transport adapts (gloo's or NCCL's)."""
+        return self._pg
+
     def _move(self, name: str, args: tuple) -> Any:
         return getattr(self._pg, name)(*bits_args(name, args))
 
@@ -106,6 +113,13 @@ class Transport:
             staged, pairs, ordered = widened
             work = getattr(self._pg, name)(*staged)
         result = args[REDUCE[name][1][0]]
+        if work is None:
+            # A synchronous call done in the call (NCCL returns no Work when asyncOp is
+            # False): the wide copies are reduced, so they are narrowed now.
+            if widened is not None:
+                for out, wide in pairs:
+                    narrow_(out, wide, ordered)
+            return None
         if name in _NO_FUTURE:
             work = FutureWork(work, self._waiter, result)
         if widened is not None:

@@ -174,7 +174,7 @@ def init_and_nccl_transport():
     b = backend()
     created = b.transports.created()
     nccl = b.transports.get(DEV)
-    name = type(nccl).__name__
+    name = type(nccl.group).__name__  # the process group under the dtype adapter
     if not CUDA:
         return {"transports": created, "transport": name}
     assert "cuda" in created, created
