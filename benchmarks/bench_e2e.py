@@ -83,7 +83,11 @@ TARGETS = {
 }
 # Defaults chosen so that one step fits one core of this machine in a fraction of a second.
 MODELS = {"resnet50": {"batch": 4, "image": 64}, "alexnet": {"batch": 8, "image": 64},
-          "tiny": {"batch": 8, "image": 16}}
+          "tiny": {"batch": 8, "image": 16},
+          # The Fashion-MNIST comparison's two shapes (experiments/imagenet/models.py) at its
+          # batch per rank: their steps measured apart from the training loop.
+          "alexnet_shaped": {"batch": 64, "image": 28, "channels": 1},
+          "resnet_shaped": {"batch": 64, "image": 28, "channels": 1}}
 
 
 # ---- rank side ---------------------------------------------------------------------------------
@@ -97,6 +101,11 @@ def _build_model(name: str):
             torch.nn.AdaptiveAvgPool2d(4),
             torch.nn.Flatten(), torch.nn.Linear(256, 128), torch.nn.ReLU(),
             torch.nn.Linear(128, 10))
+    if name.endswith("_shaped"):
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments" / "imagenet"))
+        import models
+
+        return getattr(models, name)(num_classes=10)
     import torchvision
     return getattr(torchvision.models, name)(weights=None)
 
@@ -280,7 +289,7 @@ def worker(rank: int, world_size: int, model: str, batch: int, image: int, varia
         except Exception as exc:  # noqa: BLE001
             skipped[v] = f"{type(exc).__name__}: {exc}"
     torch.manual_seed(1 + rank)  # each rank its own data shard
-    x = torch.randn(batch, 3, image, image)
+    x = torch.randn(batch, MODELS[model].get("channels", 3), image, image)
     y = torch.randint(0, 10, (batch,))
     loss_fn = torch.nn.CrossEntropyLoss()
     opts = {}
