@@ -58,23 +58,29 @@ def stages(args) -> list:
         common += ["--lock", str(args.lock)]
     cap = ["--train-args", f"--steps-per-epoch {args.quick_steps}"] if args.quick else []
     step = ["--train-args", f"--steps-per-epoch {args.step_steps}"]
+    chosen = getattr(args, "peers", None)
+
+    def peers(*keys: str) -> list:
+        """The settings of a stage, those --peers names where it names any."""
+        return [k for k in keys if chosen is None or k in chosen]
+
     out = []
     for model in MODELS:
         base = common + ["--arch", model]
         out.append((f"{model}/1gbps-plain", base + [
-            "--recipe", "plain", "--settings", *rx.PEERS, BOUND, "--seeds", *seeds,
+            "--recipe", "plain", "--settings", *peers(*rx.PEERS, BOUND), "--seeds", *seeds,
             "--epochs", str(args.epochs), "--link-gbps", "1", *cap]))
         out.append((f"{model}/1gbps-schedule", base + [
-            "--recipe", "schedule", "--settings", "ddp-gloo", rx.OURS, "--seeds", *seeds,
+            "--recipe", "schedule", "--settings", *peers("ddp-gloo", rx.OURS), "--seeds", *seeds,
             "--epochs", str(args.epochs), "--link-gbps", "1", *cap]))
         out.append((f"{model}/1gbps-step", base + [
-            "--recipe", "plain", "--settings", *rx.PEERS, BOUND, "--seeds", seeds[0],
+            "--recipe", "plain", "--settings", *peers(*rx.PEERS, BOUND), "--seeds", seeds[0],
             "--epochs", "2", "--link-gbps", "1", *step]))
         out.append((f"{model}/10gbps-step", base + [
-            "--recipe", "plain", "--settings", *rx.PEERS, BOUND, "--seeds", seeds[0],
+            "--recipe", "plain", "--settings", *peers(*rx.PEERS, BOUND), "--seeds", seeds[0],
             "--epochs", "2", "--link-gbps", "10", *step]))
     out.append((f"{FOUR_RANKS}/1gbps-4ranks-step", common + [
-        "--arch", FOUR_RANKS, "--recipe", "plain", "--settings", *rx.PEERS, BOUND,
+        "--arch", FOUR_RANKS, "--recipe", "plain", "--settings", *peers(*rx.PEERS, BOUND),
         "--seeds", seeds[0],
         "--epochs", "2", "--link-gbps", "1", "--nproc", "4", *step]))
     return out
@@ -246,7 +252,9 @@ def markdown(results: list, epochs: int, seeds: list, command: str) -> str:
              f"up to the first epoch at or above it. Wire bytes: what rank 0's NIC sent per step "
              f"in the last epoch (every protocol's bytes). 10 Gbit/s and 4 ranks: each seed's "
              f"epochs to the target at 1 Gbit/s times the step time measured there (derived: "
-             f"the link changes when bytes arrive, not what they are).", ""]
+             f"the link changes when bytes arrive, not what they are). A setting missing from "
+             f"a table did not run in that stage (the command's --peers, or its own line says "
+             f"why).", ""]
     for res in results:
         for recipe, rec in res["recipes"].items():
             lines += [f"## {LABELS[res['model']]}, {recipe} recipe: target "
@@ -379,8 +387,13 @@ def main(argv=None) -> int:
     p.add_argument("--quick-steps", type=int, default=40)
     p.add_argument("--only", nargs="+", default=None, help="run only the stages whose folder "
                    "starts with one of these (e.g. alexnet_shaped/1gbps-plain)")
+    p.add_argument("--peers", nargs="+", default=None, choices=[*rx.PEERS, BOUND],
+                   help="run only these settings (DDP and GradientFlow's default always run: "
+                   "the targets compare them); the report still lists every peer")
     p.add_argument("--no-run", action="store_true", help="only the report from OUT's logs")
     args = p.parse_args(argv)
+    if args.peers is not None:
+        args.peers = sorted({*args.peers, "ddp-gloo", rx.OURS})
     if args.quick:
         args.seeds = args.seeds[:1]
     command = "python experiments/imagenet/compare.py " + " ".join(map(shlex.quote, argv))
