@@ -205,3 +205,14 @@ def test_the_step_table_says_how_much_faster_than_ddp_any_setting_can_step():
     assert "| GradientFlow CSC 1% default | 100, 2.00x | 100, 1.00x |" in text
     assert "1 Gbit/s: no setting can step more than 2.50x faster than DDP" in text
     assert "10 Gbit/s: no setting" not in text  # no bound measured there
+
+
+def test_compare_peers_runs_a_subset_in_every_stage():
+    args = argparse.Namespace(
+        seeds=[0, 1, 2], epochs=3, lock=None, timeout=60, quick=False, quick_steps=40,
+        step_steps=60, peers=["ddp-gloo", "powersgd-2", rx.OURS])
+    for folder, argv in compare.stages(args):
+        settings = argv[argv.index("--settings") + 1:argv.index("--seeds")]
+        want = (["ddp-gloo", rx.OURS] if folder.endswith("schedule")
+                else ["ddp-gloo", "powersgd-2", rx.OURS])
+        assert settings == want, folder
