@@ -88,6 +88,7 @@ MODELS = {"resnet50": {"batch": 4, "image": 64}, "alexnet": {"batch": 8, "image"
           # batch per rank: their steps measured apart from the training loop.
           "alexnet_shaped": {"batch": 64, "image": 28, "channels": 1},
           "resnet_shaped": {"batch": 64, "image": 28, "channels": 1}}
+_FASHION_MODELS = str(Path(__file__).resolve().parents[1] / "experiments" / "imagenet")
 
 
 # ---- rank side ---------------------------------------------------------------------------------
@@ -102,7 +103,8 @@ def _build_model(name: str):
             torch.nn.Flatten(), torch.nn.Linear(256, 128), torch.nn.ReLU(),
             torch.nn.Linear(128, 10))
     if name.endswith("_shaped"):
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments" / "imagenet"))
+        if _FASHION_MODELS not in sys.path:
+            sys.path.insert(0, _FASHION_MODELS)
         import models
 
         return getattr(models, name)(num_classes=10)

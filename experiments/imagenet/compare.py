@@ -42,6 +42,7 @@ from sweep import read_log  # noqa: E402
 
 MODELS = ("alexnet_shaped", "resnet_shaped")
 FOUR_RANKS = "alexnet_shaped"
+FOUR_RANK_LINK = "4 ranks, 1 Gbit/s"
 LABELS = {"alexnet_shaped": "AlexNet-shaped", "resnet_shaped": "ResNet-shaped"}
 BOUND = rx.LIMIT
 DEFAULT_OUT = HERE / "results" / "fashion"
@@ -58,7 +59,7 @@ def stages(args) -> list:
         common += ["--lock", str(args.lock)]
     cap = ["--train-args", f"--steps-per-epoch {args.quick_steps}"] if args.quick else []
     step = ["--train-args", f"--steps-per-epoch {args.step_steps}"]
-    chosen = getattr(args, "peers", None)
+    chosen = args.peers
 
     def peers(*keys: str) -> list:
         """The settings of a stage, those --peers names where it names any."""
@@ -152,15 +153,17 @@ def peer_row(key: str, logs: list, target: float, step10: float | None,
     }
 
 
-def step_rows(out: Path, model: str) -> dict:
-    """{link: {setting: seconds per step}} of a model's step-time stages that ran."""
-    links = {"1 Gbit/s": "1gbps-step", "10 Gbit/s": "10gbps-step"}
-    if model == FOUR_RANKS:
-        links["4 ranks, 1 Gbit/s"] = "1gbps-4ranks-step"
+# The step-time stages by the link they time (the 4-rank one only for FOUR_RANKS).
+STEP_STAGES = {"1 Gbit/s": "1gbps-step", "10 Gbit/s": "10gbps-step",
+               FOUR_RANK_LINK: "1gbps-4ranks-step"}
+
+
+def step_rows(stages: dict) -> dict:
+    """{link: {setting: seconds per step}} of the loaded step-time stages ({link: stage}) that
+    ran."""
     got = {}
-    for link, folder in links.items():
-        runs = load_stage(out / model / folder)["runs"]
-        steps = {key: step_time(logs) for key, logs in runs.items()}
+    for link, stage in stages.items():
+        steps = {key: step_time(logs) for key, logs in stage["runs"].items()}
         if steps:
             got[link] = steps
     return got
@@ -170,23 +173,24 @@ def summarise_model(out: Path, model: str) -> dict:
     """Every stage of one model gathered into rows per recipe, with the targets' verdicts."""
     plain = load_stage(out / model / "1gbps-plain")
     sched = load_stage(out / model / "1gbps-schedule")
-    ten = load_stage(out / model / "10gbps-step")
-    four = load_stage(out / model / "1gbps-4ranks-step") if model == FOUR_RANKS else None
-    result = {"model": model, "recipes": {}, "steps": step_rows(out, model)}
+    timed = {link: load_stage(out / model / folder) for link, folder in STEP_STAGES.items()
+             if link != FOUR_RANK_LINK or model == FOUR_RANKS}
+    steps = step_rows(timed)
+    ten, four = steps.get("10 Gbit/s", {}), steps.get(FOUR_RANK_LINK, {})
+    result = {"model": model, "recipes": {}, "steps": steps}
     for recipe, stage in (("plain", plain), ("schedule", sched)):
         target = target_of(stage["runs"].get("ddp-gloo", []))
         if target is None:
             continue
         rows = {}
         for key, logs in stage["runs"].items():
-            rows[key] = peer_row(key, logs, target, step_time(ten["runs"].get(key, [])),
-                                 step_time(four["runs"].get(key, [])) if four else None)
+            rows[key] = peer_row(key, logs, target, ten.get(key), four.get(key))
             metas = [rx.read_meta(out / model / f"1gbps-{recipe}", key, s)
                      for s in range(len(logs))]
             rows[key]["loadavg"] = [m["loadavg_before"][0] for m in metas if m]
         unavailable = dict(stage["unavailable"])
-        for other in (ten, four):
-            for key, why in (other or {"unavailable": {}})["unavailable"].items():
+        for link in ("10 Gbit/s", FOUR_RANK_LINK):
+            for key, why in timed.get(link, {"unavailable": {}})["unavailable"].items():
                 unavailable.setdefault(key, why)
         result["recipes"][recipe] = {"target_top1": target, "rows": rows,
                                      "unavailable": unavailable,

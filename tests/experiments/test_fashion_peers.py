@@ -182,7 +182,7 @@ def test_the_demo_without_root_adds_a_ring_allreduce_of_the_measured_bytes():
 def test_compare_runs_every_peer_at_1_gbps_and_times_them_at_10_gbps_and_4_ranks():
     args = argparse.Namespace(
         seeds=[0, 1, 2], epochs=3, lock=None, timeout=60, quick=False, quick_steps=40,
-        step_steps=60)
+        step_steps=60, peers=None)
     stages = dict(compare.stages(args))
     assert set(stages) == {f"{m}/{s}" for m in compare.MODELS
                            for s in ("1gbps-plain", "1gbps-schedule", "1gbps-step",
