@@ -173,6 +173,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="CSC: elements per chunk (default: the library's)",
     )
     p.add_argument(
+        "--min-numel",
+        default=None,
+        type=int,
+        help="CSC: tensors with fewer elements than this are sent dense every step "
+        "(default: the library's)",
+    )
+    p.add_argument(
         "--wire-dtype",
         default=None,
         choices=["fp32", "fp16", "bf16"],
@@ -376,7 +383,7 @@ def build_compression_config(args, warmup: tuple):
         given = dict(warmup_densities=warmup, warmup_unit=args.warmup_unit,
                      warmup_period=args.warmup_period, momentum_correction=args.momentum_correction,
                      chunk_size=args.chunk_size, clip_norm=args.clip_norm,
-                     selection=args.selection)
+                     selection=args.selection, min_numel=args.min_numel)
         kwargs.update(density=args.density, **{k: v for k, v in given.items() if v is not None})
     try:
         return CompressionConfig(**kwargs)

@@ -63,7 +63,9 @@ def test_warmup_schedule_ramps_to_the_target_never_below():
 def test_dense_rule():
     cfg = CompressionConfig()
     assert cfg.is_dense_param((64,)) and cfg.is_dense_param(()) and cfg.is_dense_param((10, 10))
-    assert not cfg.is_dense_param((64, 64))
+    # Matrices below 16 default chunks are dense; from 16 on they are sparsified.
+    assert cfg.is_dense_param((64, 64)) and cfg.is_dense_param((16, 16, 3, 3))
+    assert not cfg.is_dense_param((128, 128)) and not cfg.is_dense_param((64, 32, 3, 3))
     assert not CompressionConfig(dense_1d=False, min_numel=0).is_dense_param((64,))
 
 

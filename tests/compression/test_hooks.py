@@ -101,7 +101,7 @@ def test_register_binds_names_and_registers_the_hook():
             self.hooks.append((state, hook))
 
     ddp = FakeDDP(_model())
-    state = register(ddp, CompressionConfig(method="csc", density=0.1))
+    state = register(ddp, CompressionConfig(method="csc", density=0.1, min_numel=0))
     assert isinstance(state, CSCState) and ddp.hooks == [(state, csc_hook)]
     assert set(state._names.values()) == {n for n, _ in ddp.module.named_parameters()}
     s2 = register(FakeDDP(_model()), CompressionConfig(method="none"))
@@ -110,7 +110,8 @@ def test_register_binds_names_and_registers_the_hook():
 
 def test_epoch_drives_the_warmup_and_stats_report_it():
     models = [_model()]
-    s = CSCState(None, density=0.05, chunk_size=16, warmup_unit="epoch", warmup_period=1)
+    s = CSCState(None, density=0.05, chunk_size=16, warmup_unit="epoch", warmup_period=1,
+                 min_numel=0)
     with pytest.raises(RuntimeError, match="set_epoch"):
         _step([s], models, 0)  # refused on the caller's thread, before any bucket is reduced
     s.set_epoch(0)

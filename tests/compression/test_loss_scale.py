@@ -52,6 +52,7 @@ def test_untold_scale_change_would_weight_the_residual_wrongly():
         wire_dtype="fp32",
         warmup_densities=(),
         momentum_correction=False,
+        min_numel=0,
     )
     told, untold, plain = make_ranks(cfg, 1), make_ranks(cfg, 1), make_ranks(cfg, 1)
     for t, s in enumerate([1024.0, 8.0, 8.0]):

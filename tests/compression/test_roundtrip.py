@@ -128,7 +128,7 @@ def test_wire_bytes_follow_the_one_definition():
     from gradientflow.compression import Layout
     layout = Layout.from_shapes([("w", (100, 100)), ("b", (100,)), ("w2", (50, 40))])
     cfg = CompressionConfig(method="csc", density=0.05, chunk_size=64, warmup_densities=(0.5,),
-                            warmup_unit="step", warmup_period=2)
+                            warmup_unit="step", warmup_period=2, min_numel=0)
     comps = make_ranks(cfg, 2)
     for t in range(5):
         grads = grads_for(2, layout.numel, t)
