@@ -98,8 +98,9 @@ class StepGraphs:
         self._graphs: OrderedDict = OrderedDict()
         self._warm: set = set()
         self._lock = threading.Lock()
-        # statistics
+        # statistics (their own lock: eager calls count outside the graphs' lock)
         self.counts = {"eager": 0, "captured": 0, "replayed": 0, "failed": 0}
+        self._count_lock = threading.Lock()
 
     def __call__(self, *args, **kwargs):
         key, device = _layout(args, kwargs)
@@ -112,7 +113,7 @@ class StepGraphs:
                 graph, result = entry
                 with torch.cuda.device(device):
                     graph.replay()
-                self.counts["replayed"] += 1
+                self._bump("replayed")
                 return result
             if entry is None and key in self._warm:
                 self._warm.discard(key)
@@ -124,9 +125,24 @@ class StepGraphs:
                 self._warm.add(key)
         return self._eager(args, kwargs)
 
+    def _bump(self, name: str) -> None:
+        with self._count_lock:
+            self.counts[name] += 1
+
     def _eager(self, args, kwargs):
-        self.counts["eager"] += 1
+        self._bump("eager")
         return self.fn(*args, **kwargs)
+
+    def _store(self, key, entry) -> None:
+        """Keep `entry` for `key` as the newest; the oldest graphs beyond max_graphs, and the
+        oldest failed layouts beyond 4 x max_graphs, are forgotten (graph memory and the map
+        stay bounded however many layouts come and go)."""
+        self._graphs[key] = entry
+        self._graphs.move_to_end(key)
+        for failed, cap in ((False, self.max_graphs), (True, 4 * self.max_graphs)):
+            keys = [k for k, e in self._graphs.items() if (e is _EAGER) == failed]
+            for k in keys[:max(0, len(keys) - cap)]:
+                del self._graphs[k]
 
     def _capture(self, key, device, args, kwargs):
         graph = torch.cuda.CUDAGraph()
@@ -140,17 +156,14 @@ class StepGraphs:
         except Exception as exc:  # noqa: BLE001 - any capture failure means "run eagerly"
             # A failed capture_end leaves the capture stream current: give the caller's back.
             torch.cuda.set_stream(stream)
-            self._graphs[key] = _EAGER
-            self.counts["failed"] += 1
+            self._store(key, _EAGER)
+            self._bump("failed")
             warnings.warn(f"StepGraphs: {getattr(self.fn, '__name__', self.fn)!r} cannot be "
                           f"captured as a CUDA graph ({exc!r}); that layout runs eagerly",
                           RuntimeWarning, stacklevel=3)
             return self._eager(args, kwargs)
-        self._graphs[key] = (graph, result)
-        while sum(e is not _EAGER for e in self._graphs.values()) > self.max_graphs:
-            oldest = next(k for k, e in self._graphs.items() if e is not _EAGER)
-            del self._graphs[oldest]
-        self.counts["captured"] += 1
+        self._store(key, (graph, result))
+        self._bump("captured")
         # A capture records the launches without running them: run this call's step now.
         with torch.cuda.device(device):
             graph.replay()

@@ -55,3 +55,17 @@ def test_arguments_refused():
         K.StepGraphs(3)
     with pytest.raises(ValueError, match="max_graphs must be an int >= 1"):
         K.StepGraphs(_csc_step, max_graphs=0)
+
+
+def test_kept_layouts_stay_bounded():
+    """Graphs beyond max_graphs and failed layouts beyond 4 x max_graphs are forgotten, oldest
+    first; the newest of each kind stay."""
+    from gradientflow.kernels.graphs import _EAGER
+    step = K.StepGraphs(_csc_step, max_graphs=2)
+    for i in range(5):
+        step._store(("graph", i), ("g", i))
+    for i in range(12):
+        step._store(("failed", i), _EAGER)
+    kept = list(step._graphs)
+    assert [k for k in kept if k[0] == "graph"] == [("graph", 3), ("graph", 4)]
+    assert [k for k in kept if k[0] == "failed"] == [("failed", i) for i in range(4, 12)]
