@@ -378,8 +378,7 @@ def dense_scatter(
             )
         _flat(op, "local", local, dtype=None, numel=d, device=dev)
         _flat(op, "v", v, numel=d, device=dev)
-    return (out, residual, idx, reduced, local, v, _scale(op, "unscale", unscale, dev),
-            _scale(op, "err_scale", err_scale, dev)), {}
+    return (out, residual, idx, reduced, local, v, float(unscale), float(err_scale)), {}
 
 
 def all_finite(x: torch.Tensor) -> Call:

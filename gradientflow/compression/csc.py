@@ -10,8 +10,8 @@ Per flat buffer (one bucket), on every rank::
     norms = per-chunk L1 (or squared L2) of v, with the dense parameters' elements left out
     stage 1: SUM-allreduce [norms | dense part if its wire dtype is fp32 | FP16: bound of |v|]
     idx = top ceil(density * nchunks) chunks of the reduced norms (ties to the lower index)
-    stage 2: SUM-allreduce [packed chunks of v*2^e/n | dense part of v*2^e/n if in the wire
-                                            dtype] (2^e agreed from the bound: wire_scale.py)
+    stage 2: SUM-allreduce [packed chunks of v*2^e/n | dense part of v/n if in the wire dtype]
+                                            (2^e agreed from the bound: wire_scale.py)
     out = the reduced chunks in place, zeros elsewhere, the dense part everywhere it belongs
     residual = v where not sent; the wire rounding error (v - upcast(local)*n) where sent
 
@@ -148,8 +148,7 @@ class CSCCompressor(Compressor):
         finite = [_all_finite(reduced1)]
         chosen = self._choose(live, reduced1, density)
 
-        # --- stage 2: the chosen chunks pre-scaled by 2^e/n (+ the dense part in the wire
-        # dtype, at the same scale)
+        # --- stage 2: the chosen chunks pre-scaled by 2^e/n (+ the dense part in the wire dtype)
         payloads = [self._pack(it, ch) for it, ch in zip(live, chosen)]
         own = [it for it in live if it.route is DenseRoute.OWN_STAGE]
         send = _cat([p.send for p in payloads], wire_dtype)
@@ -233,10 +232,8 @@ class CSCCompressor(Compressor):
         if it.route is DenseRoute.WITH_NORMS:  # the dense part travels with the norms, in fp32
             stage1 = torch.cat([norms, it.dense_v * (1.0 / n)])
             it.dense_local = stage1[it.nch:].clone()
-        # FP16: the power of two of the chunks and of a dense part sent beside them, agreed by a
-        # bound sent with the norms (wire_scale.py), so that neither flushes small gradients.
-        it.scaled = ((it.eligible or it.route is DenseRoute.WITH_CHUNKS)
-                     and wire_scale.needs_scale(wire_dtype))
+        # FP16: the chunks' power of two, agreed by a bound sent with the norms (wire_scale.py).
+        it.scaled = it.eligible and wire_scale.needs_scale(wire_dtype)
         if it.scaled:
             stage1 = torch.cat([stage1, wire_scale.norms_bound(norms, cfg.norm, it.dense_v)])
         it.stage1 = stage1
@@ -300,7 +297,7 @@ class CSCCompressor(Compressor):
 
     def _pack(self, it: Prepared, ch: Chosen) -> Payload:
         """One buffer's stage-2 tensor: its chosen chunks, then its dense part in the wire dtype."""
-        cfg = self.config
+        cfg, n = self.config, self.world_size
         c, wire_dtype = cfg.chunk_size, cfg.torch_wire_dtype
         k = ch.idx.numel()
         with_dense = it.route is DenseRoute.WITH_CHUNKS
@@ -308,8 +305,8 @@ class CSCCompressor(Compressor):
                            device=it.flat.device)
         kernels.pack_chunks(it.v, ch.idx, c, ch.ws.pre, wire_dtype, out=send[: k * c])
         if with_dense:
-            kernels.cast_scaled(it.dense_v, ch.ws.pre, wire_dtype, out=send[k * c:])
-        # The local copy gives the exact rounding error (of the cast and of the pre-scale).
+            kernels.cast_scaled(it.dense_v, 1.0 / n, wire_dtype, out=send[k * c:])
+        # The local copy gives the exact rounding error (of the cast and of the 1/n pre-scale).
         local = send.clone() if cfg.error_feedback or with_dense else None
         return Payload(send, k, local)
 
@@ -333,10 +330,8 @@ class CSCCompressor(Compressor):
             kernels.unpack_update(flat, None, reduced_chunks, None, idx, c, ch.ws.post,
                                   ch.ws.err, out=flat)
         if d:
-            # Beside the chunks the dense part shares their scale; elsewhere it went as v/n.
-            ws = ch.ws if it.route is DenseRoute.WITH_CHUNKS else wire_scale.unscaled(n)
             kernels.dense_scatter(flat, new_residual if ef else None, plan.dense_idx,
-                                  dense_reduced, dense_local, it.dense_v, ws.post, ws.err)
+                                  dense_reduced, dense_local, it.dense_v, 1.0, float(n))
         if mc and mask and k:
             u = it.mem["_momentum_spare"]
             # Factor masking (DGC): the velocity of what was sent starts again from zero; dense

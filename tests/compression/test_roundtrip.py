@@ -42,9 +42,8 @@ def test_csc_sends_only_norms_chunks_and_dense_part(layout, world, density, chun
     k = 0 if d == n else min(nch, max(1, math.ceil(density * nch)))
     sent = log[0]
     wdt = cfg.torch_wire_dtype
-    # An FP16 wire also sends its scale's bound (one FP32 element) with the norms: the scale of
-    # the chunks and of the dense part that travels beside them.
-    bound = 1 if wire == "fp16" and (k > 0 or d > 0) else 0
+    # An FP16 wire also sends its scale's bound (one FP32 element) with the norms.
+    bound = 1 if wire == "fp16" and k > 0 else 0
     assert sent[0].dtype == torch.float32
     assert sent[0].numel() == nch + (d if wire == "fp32" else 0) + bound
     second = k * chunk + (0 if wire == "fp32" else d)
