@@ -53,6 +53,7 @@ def _gradientflow_ready() -> bool:
     (["--dummy", "--density", "0"], "--density"),
     (["--dummy", "--density", "1.5"], "--density"),
     (["--dummy", "--chunk-size", "0"], "--chunk-size"),
+    (["--dummy", "--compression", "csc", "--min-numel", "-1"], "min_numel"),
     (["--dummy", "--fusion-threshold", "lots"], "--fusion-threshold"),
     (["--dummy", "--fusion-threshold", "64MB", "--dist-backend", "gloo"], "gradientflow option"),
     (["--dummy", "--warmup", "0.5,2"], "--warmup"),
@@ -122,12 +123,13 @@ def test_unset_csc_flags_leave_the_library_defaults():
     default = CompressionConfig(method="csc")
     comp = cfg.compression_config
     for field in ("warmup_densities", "warmup_unit", "warmup_period", "momentum_correction",
-                  "chunk_size", "momentum", "clip_norm"):
+                  "chunk_size", "momentum", "clip_norm", "min_numel"):
         assert getattr(comp, field) == getattr(default, field), field
     on = train.resolve(train.parse_args(["--dummy", "--compression", "csc", "--momentum-correction",
-                                         "--chunk-size", "256", "--clip-norm", "2"]), env={})
+                                         "--chunk-size", "256", "--clip-norm", "2",
+                                         "--min-numel", "1024"]), env={})
     assert on.compression_config.momentum_correction and on.compression_config.chunk_size == 256
-    assert on.compression_config.clip_norm == 2.0
+    assert on.compression_config.clip_norm == 2.0 and on.compression_config.min_numel == 1024
     off = train.resolve(train.parse_args(["--dummy", "--compression", "csc",
                                           "--no-momentum-correction"]), env={})
     assert not off.compression_config.momentum_correction
