@@ -138,8 +138,8 @@ class CompressionConfig:
     # ResNet-50's 25.6 M values) but sensitive.
     dense_1d: bool = True
     # Matrices of fewer than 16 default chunks travel dense rather than compete for a bucket's
-    # quota with the large layers beside them (at 1% a chunk of a small convolution travels at
-    # best once in ~100 steps): sent at every step, they closed the Fashion-MNIST models' gap to
+    # quota with the large layers beside them (at 1%, shared evenly, a chunk travels about once
+    # in 100 steps): sent at every step, they closed most of the Fashion-MNIST models' gap to
     # dense (docs/DECISIONS.md). They are few where models are large: ResNet-50 gains two
     # (+4% bytes), AlexNet none.
     min_numel: int = 16384

@@ -23,9 +23,9 @@ written: `kernels.unpack_sent`), not twice (v back into the bucket, then a full 
 Dense parameters inside a mixed bucket (dim <= 1 or numel < min_numel: biases, BN, small
 convolutions) are gathered by one precomputed index into a tail appended to a stage that already
 runs: no extra collective and no copy of the bucket, only of the D dense elements (a few per
-thousand of a large model, a few per hundred of a small one). Their
-elements are masked out of the chunk norms (the norms of the few chunks that hold any are
-recomputed over their sparse elements only) so selection ranks only what is sparsified.
+thousand of a large model, a few per hundred of a small one). Their elements are masked out of
+the chunk norms (the norms of the few chunks that hold any are recomputed over their sparse
+elements only) so selection ranks only what is sparsified.
 
 Non-finite input (an FP16 loss-scale overflow) is decided from REDUCED tensors, so every rank
 decides alike, and on the device: the batch's finiteness is a device flag, the step runs as
