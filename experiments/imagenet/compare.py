@@ -43,6 +43,9 @@ from sweep import read_log  # noqa: E402
 MODELS = ("alexnet_shaped", "resnet_shaped")
 FOUR_RANKS = "alexnet_shaped"
 FOUR_RANK_LINK = "4 ranks, 1 Gbit/s"
+# The step-time stages by the link they time (the 4-rank one only for FOUR_RANKS).
+STEP_STAGES = {"1 Gbit/s": "1gbps-step", "10 Gbit/s": "10gbps-step",
+               FOUR_RANK_LINK: "1gbps-4ranks-step"}
 LABELS = {"alexnet_shaped": "AlexNet-shaped", "resnet_shaped": "ResNet-shaped"}
 BOUND = rx.LIMIT
 DEFAULT_OUT = HERE / "results" / "fashion"
@@ -74,13 +77,13 @@ def stages(args) -> list:
         out.append((f"{model}/1gbps-schedule", base + [
             "--recipe", "schedule", "--settings", *peers("ddp-gloo", rx.OURS), "--seeds", *seeds,
             "--epochs", str(args.epochs), "--link-gbps", "1", *cap]))
-        out.append((f"{model}/1gbps-step", base + [
+        out.append((f"{model}/{STEP_STAGES['1 Gbit/s']}", base + [
             "--recipe", "plain", "--settings", *peers(*rx.PEERS, BOUND), "--seeds", seeds[0],
             "--epochs", "2", "--link-gbps", "1", *step]))
-        out.append((f"{model}/10gbps-step", base + [
+        out.append((f"{model}/{STEP_STAGES['10 Gbit/s']}", base + [
             "--recipe", "plain", "--settings", *peers(*rx.PEERS, BOUND), "--seeds", seeds[0],
             "--epochs", "2", "--link-gbps", "10", *step]))
-    out.append((f"{FOUR_RANKS}/1gbps-4ranks-step", common + [
+    out.append((f"{FOUR_RANKS}/{STEP_STAGES[FOUR_RANK_LINK]}", common + [
         "--arch", FOUR_RANKS, "--recipe", "plain", "--settings", *peers(*rx.PEERS, BOUND),
         "--seeds", seeds[0],
         "--epochs", "2", "--link-gbps", "1", "--nproc", "4", *step]))
@@ -151,11 +154,6 @@ def peer_row(key: str, logs: list, target: float, step10: float | None,
         "step_s_4ranks": step4, "time_to_target_4ranks": derived4,
         "loadavg": [], "epochs": len(logs[0]),
     }
-
-
-# The step-time stages by the link they time (the 4-rank one only for FOUR_RANKS).
-STEP_STAGES = {"1 Gbit/s": "1gbps-step", "10 Gbit/s": "10gbps-step",
-               FOUR_RANK_LINK: "1gbps-4ranks-step"}
 
 
 def step_rows(stages: dict) -> dict:

@@ -14,7 +14,7 @@ def test_stats_density_is_the_density_in_force():
     lay = Layout.from_shapes([("w", (64, 64)), ("b", (64,))])
     cfg = CompressionConfig(density=0.01, chunk_size=64, warmup_densities=(1.0, 0.25),
                             warmup_unit="step", warmup_period=1, momentum_correction=False,
-                           min_numel=0)
+                            min_numel=0)
     comps = [make_compressor(cfg, 2) for _ in range(2)]
     nch = math.ceil(lay.numel / 64)
     gradientflow.reset_stats()
