@@ -35,7 +35,7 @@ from .config import CompressionConfig
 from .registry import lookup
 from .sgd import SGDTerms
 
-__all__ = ["SGDFollower", "follow_optimizer", "check_optimizer", "guard_momentum"]
+__all__ = ["SGDFollower", "LRFollower", "follow_optimizer", "check_optimizer", "guard_momentum"]
 
 # What to pass to keep the optimizer as it is (the caller may name its own spelling).
 OFF = "CompressionConfig(..., momentum_correction=False)"
@@ -122,7 +122,7 @@ def check_optimizer(config: CompressionConfig, optimizer, where: str, off: str =
     name = type(optimizer).__name__
     if not _steps_as_sgd(optimizer):
         raise ValueError(
-            f"{where}: momentum correction (on by default) applies SGD's momentum and weight "
+            f"{where}: momentum correction (when on) applies SGD's momentum and weight "
             f"decay inside the compressor, and {name} does not step as torch.optim.SGD does "
             f"(another optimizer, or a subclass with its own step); pass {off} to keep the "
             "optimizer as it is, or use torch.optim.SGD")
@@ -333,6 +333,43 @@ def _remove(handles: list) -> None:
         h.remove()
 
 
+class LRFollower:
+    """Follow only an optimizer's learning rates, for a compressor that keeps a residual while
+    the optimizer keeps its momentum and weight decay (momentum correction off).
+
+    The residual is still applied at the rate of the step that sends it, so it is kept in its
+    rate's units (Compressor.follow_lr) exactly as under momentum correction; the optimizer's
+    own step is left as it is. It offers SGDFollower's interface, its other parts doing nothing.
+    """
+
+    def __init__(self, optimizer, follow_lr: Callable[[dict[int, float]], None]) -> None:
+        self.optimizer = optimizer
+        self._follow_lr = follow_lr
+
+    def begin_step(self) -> None:
+        """Hand the compressor each parameter's rate for the step whose gradients now arrive."""
+        self._follow_lr({id(p): float(g["lr"]) for g in self.optimizer.param_groups
+                         for p in g["params"]})
+
+    def terms(self, pairs: Iterable[tuple[torch.Tensor, torch.Tensor]],
+              scale: float = 1.0) -> None:
+        """None: the optimizer applies its momentum and weight decay itself."""
+        return None
+
+    def check_step(self, strict: bool = True) -> None:
+        """Nothing to check: the optimizer's step runs as the user set it."""
+
+    def stepping(self, groups) -> contextlib.AbstractContextManager:
+        """The optimizer's step with its groups untouched."""
+        return contextlib.nullcontext()
+
+    def take_buffers(self) -> None:
+        """Momentum buffers stay in the optimizer's state, where its step reads them."""
+
+    def install_step_hooks(self) -> None:
+        """No step hooks: nothing is taken from the optimizer's step."""
+
+
 def follow_optimizer(config: CompressionConfig, optimizer, where: str,
                      take_velocity: Callable[[dict], None], *, off: str = OFF,
                      step_hooks: bool = True,
@@ -340,19 +377,26 @@ def follow_optimizer(config: CompressionConfig, optimizer, where: str,
                      ) -> tuple[CompressionConfig, SGDFollower | None]:
     """Bind `optimizer` to the compressor `config` builds; return the config and the follower.
 
-    Without momentum correction in `config`'s method, nothing is taken (follower None). An
-    optimizer with momentum 0 in every group gives none either: momentum correction is turned
-    off and the optimizer keeps its settings (plain error feedback). Otherwise `config` records
+    Without momentum correction in `config`'s method nothing is taken: the follower is an
+    LRFollower (with `follow_lr`, error feedback and an optimizer that steps as SGD: only its
+    learning rates are followed) or None. An optimizer with momentum 0 in every group gets the
+    same: momentum correction is turned off and the optimizer keeps its settings (plain error
+    feedback). Otherwise `config` records
     the momentum at registration, and the follower reads it again at every step. Raises
     ValueError (check_optimizer) for what the compressor cannot reproduce.
     """
     settings = check_optimizer(config, optimizer, where, off)
+    # Without momentum correction the optimizer steps as it is; a residual still follows its
+    # learning rates (LRFollower).
+    plain = None
+    if follow_lr is not None and config.error_feedback and _steps_as_sgd(optimizer):
+        plain = LRFollower(optimizer, follow_lr)
     if settings is None:
-        return config, None
+        return config, plain
     if settings.momentum == 0.0:
         # Nothing to follow: momentum 0 is plain error feedback, the optimizer steps as it is.
         return dataclasses.replace(config, momentum=0.0, nesterov=False,
-                                   momentum_correction=False), None
+                                   momentum_correction=False), plain
     config = dataclasses.replace(config, momentum=settings.momentum, nesterov=settings.nesterov)
     follower = SGDFollower(optimizer, where, take_velocity, off, follow_lr)
     if step_hooks:
@@ -393,7 +437,7 @@ def guard_momentum(owner, params: Callable[[object], set[int]], config: Compress
                         "velocity, not before it as SGD does")
             if what is not None:
                 raise RuntimeError(
-                    f"{where}: momentum correction (on by default) applies momentum "
+                    f"{where}: momentum correction (when on) applies momentum "
                     f"{config.momentum_value} in the compressor, and {what}. Pass the "
                     "optimizer when registering (gradientflow.hooks.register(ddp, config, "
                     "optimizer=opt) or the state's optimizer= argument): an SGD's momentum "

@@ -111,7 +111,8 @@ class CompressionState:
         self.rank = (
             rank if rank is not None else (dist.get_rank(process_group) if initialized else 0)
         )
-        # The optimizer's SGD settings, followed at every step (momentum correction only).
+        # The optimizer's SGD settings, followed at every step: its learning rates (the
+        # residual's units), and its momentum and weight decay under momentum correction.
         self._follower = None
         if optimizer is not None:
             config, self._follower = follow_optimizer(

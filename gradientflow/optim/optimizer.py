@@ -89,7 +89,8 @@ class _DistributedOptimizer:
         self._check_names(named, all_params)
         self._follower = None
         if options.compression is not None:
-            # The compressor applies momentum (momentum correction): it follows this SGD's.
+            # The compressor follows this SGD: its momentum and weight decay under momentum
+            # correction, its learning rates (the residual's units) in any case.
             initialized = dist.is_available() and dist.is_initialized()
             rank = dist.get_rank(process_group) if initialized else 0
             config, self._follower = follow_optimizer(
