@@ -199,7 +199,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="epochs (or steps) per warm-up stage (default: the library's)")
     p.add_argument("--momentum-correction", default=None, action=argparse.BooleanOptionalAction,
                    help="CSC: DGC momentum correction: the hook takes SGD's --momentum into the "
-                   "compressor (default: the library's, on)")
+                   "compressor (default: the library's, off)")
     p.add_argument("--selection", default=None, choices=["pool", "bucket"],
                    help="CSC: choose the top chunks across every bucket of a fused batch (pool) "
                    "or a quota per DDP bucket (bucket) (default: the library's)")

@@ -24,7 +24,6 @@ from gradientflow.compression import (DENSE_FIRST_WARMUP, DGC_WARMUP, Compressio
     (dict(warmup_period=0), r">= 1"),
     (dict(momentum=1.0), r"\[0, 1\)"),
     (dict(momentum_correction=True, error_feedback=False), r"needs error_feedback"),
-    (dict(error_feedback=False), r"momentum_correction=False as well"),
     (dict(clip_norm=0.0), r"clip_norm=0.0 must be a finite number > 0"),
     (dict(clip_norm=float("inf")), r"clip_norm"),
     (dict(min_numel=-1), r">= 0"),
@@ -76,10 +75,12 @@ def test_registry_builds_by_name():
         compressor_class("powersgd")
 
 
-def test_default_recipe_is_dense_first_in_steps_with_momentum_correction():
-    """The paper's recipe with nothing set: dense, then DGC's stages, counted in steps."""
+def test_default_recipe_is_dense_first_in_steps_with_the_optimizers_momentum():
+    """The default recipe with nothing set: dense, then DGC's stages, counted in steps; the
+    optimizer keeps its momentum (momentum correction off)."""
     d = CompressionConfig(density=0.01)
-    assert d.momentum_correction and d.momentum is None and d.momentum_value == 0.9
+    assert not d.momentum_correction and d.error_feedback
+    assert d.momentum is None and d.momentum_value == 0.9
     assert d.warmup_unit == "step" and d.warmup_densities == DENSE_FIRST_WARMUP
     p = d.warmup_period
     assert [d.density_at(0, s * p) for s in range(6)] == [1.0, 0.25, 0.0625, 0.015625, 0.01, 0.01]

@@ -70,7 +70,8 @@ def _worker(rank, world, init_file, result_dir, backend="gloo"):
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
         # the recipe: the optimizer's momentum moves over
         state = hooks.register(
-            model, CompressionConfig(method="csc", density=0.05, warmup_densities=()), optimizer=opt
+            model, CompressionConfig(method="csc", density=0.05, warmup_densities=(),
+                                     momentum_correction=True), optimizer=opt
         )
         # followed, not moved: the groups keep 0.9, the compressor applies it
         assert state.config.momentum == 0.9 and opt.param_groups[0]["momentum"] == 0.9

@@ -174,7 +174,7 @@ def test_the_compressor_follows_the_optimizers_momentum():
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.95, nesterov=True,
                           weight_decay=1e-3)
-    s = CSCState(None, density=0.05, optimizer=opt)
+    s = CSCState(None, density=0.05, optimizer=opt, momentum_correction=True)
     s.bind_parameter_names(model)
     assert s.config.momentum == 0.95 and s.config.nesterov and s.config.momentum_correction
     # The groups keep the user's settings (schedulers and checkpoints see them) ...
@@ -197,7 +197,7 @@ def test_the_compressor_follows_the_optimizers_momentum():
         opt.step()
     assert opt.param_groups[0]["momentum"] == 0.9  # a refused step leaves the groups alone
     plain = torch.optim.SGD(model.parameters(), lr=0.1)  # no momentum to follow: plain EF
-    assert not CSCState(None, optimizer=plain).config.momentum_correction
+    assert not CSCState(None, optimizer=plain, momentum_correction=True).config.momentum_correction
     assert FP16State(None, optimizer=torch.optim.Adam(model.parameters())).config.method == "fp16"
 
 
@@ -223,29 +223,54 @@ def test_what_the_compressor_cannot_follow_is_refused_naming_the_fix():
     }
     for what, opt in refused.items():
         with pytest.raises(ValueError, match=f"{what}.*{fix}"):
-            CSCState(None, density=0.05, optimizer=opt)
+            CSCState(None, density=0.05, optimizer=opt, momentum_correction=True)
     with pytest.raises(ValueError, match=r"momentum=0.9\) but SGD has momentum=0.8"):
-        CSCState(None, CompressionConfig(momentum=0.9),
+        CSCState(None, CompressionConfig(momentum=0.9, momentum_correction=True),
                  optimizer=torch.optim.SGD(params, lr=0.1, momentum=0.8))
-    assert CSCState(None, optimizer=Renamed(params, lr=0.1, momentum=0.9)).config.momentum == 0.9
+    assert CSCState(None, optimizer=Renamed(params, lr=0.1, momentum=0.9),
+                    momentum_correction=True).config.momentum == 0.9
     adam = CSCState(None, CompressionConfig(momentum_correction=False),
                     optimizer=torch.optim.Adam(params))
     assert not adam.config.momentum_correction
     # Per-group momenta that a scheduler makes differ are refused at the step that sees them.
     opt = torch.optim.SGD([{"params": params[:4]}, {"params": params[4:]}], lr=0.1, momentum=0.9)
-    s = CSCState(None, density=0.05, optimizer=opt)
+    s = CSCState(None, density=0.05, optimizer=opt, momentum_correction=True)
     s.bind_parameter_names(model)
     opt.param_groups[1]["momentum"] = 0.8
     with pytest.raises(ValueError, match="different.*settings"):
         _hook_step(s, model)
 
 
+def test_the_default_leaves_momentum_to_the_optimizer_and_follows_its_rates():
+    """Momentum correction off (the default): the optimizer applies its own momentum and weight
+    decay, and each residual is still kept in its group's learning-rate units."""
+    model = _model()
+    opt = torch.optim.SGD([{"params": list(model.parameters())[:4], "lr": 0.1},
+                           {"params": list(model.parameters())[4:], "lr": 0.02}],
+                          momentum=0.9, weight_decay=1e-3)
+    s = CSCState(None, density=0.05, optimizer=opt)
+    s.bind_parameter_names(model)
+    assert not s.config.momentum_correction
+    seen = []
+    opt.register_step_pre_hook(
+        lambda o, a, k: seen.append([(g["momentum"], g["weight_decay"]) for g in o.param_groups]))
+    _hook_step(s, model)
+    opt.step()
+    assert seen == [[(0.9, 1e-3), (0.9, 1e-3)]]  # the user's settings during its own step
+    assert all("momentum_buffer" in st for st in opt.state.values())
+    rates = s.compressor.residual_lr
+    assert set(rates.values()) == {0.1, 0.02} and len(rates) == len(list(model.parameters()))
+    opt.param_groups[0]["lr"] = 0.05  # a decay: what waits keeps its update
+    _hook_step(s, model, seed=1)
+    assert set(s.compressor.residual_lr.values()) == {0.05, 0.02}
+
+
 def test_a_newer_binding_replaces_the_older_one():
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    old = CSCState(None, density=0.05, optimizer=opt)
+    old = CSCState(None, density=0.05, optimizer=opt, momentum_correction=True)
     old.bind_parameter_names(model)
-    new = CSCState(None, density=0.05, optimizer=opt)
+    new = CSCState(None, density=0.05, optimizer=opt, momentum_correction=True)
     new.bind_parameter_names(model)
     assert new.config.momentum == 0.9  # the groups still say 0.9
     _hook_step(new, model)
@@ -256,7 +281,7 @@ def test_a_newer_binding_replaces_the_older_one():
 
 def test_unbound_momentum_optimizer_step_raises_saying_what_to_change():
     model = _model()
-    s = CSCState(None, density=0.05)
+    s = CSCState(None, density=0.05, momentum_correction=True)
     s.bind_parameter_names(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     with pytest.raises(RuntimeError, match=r"momentum=0.9 again.*optimizer=opt"):

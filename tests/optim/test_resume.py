@@ -1,7 +1,8 @@
-"""DistributedOptimizer with CSC's default recipe: resume equals an uninterrupted run; set_epoch.
+"""DistributedOptimizer with CSC's recipe: resume equals an uninterrupted run; set_epoch.
 
 5 steps, state_dict, a fresh model and optimizer loading it, 5 more steps: the parameters equal
-those of 10 straight steps, on every rank (residuals and momentum travel in the state_dict).
+those of 10 straight steps, on every rank (residuals, and the velocity under momentum correction,
+travel in the state_dict; without it SGD's momentum buffers do, in the optimizer's own state).
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ def _mlp(torch):
                                torch.nn.Tanh(), torch.nn.Linear(64, 2))
 
 
-def resume(rank, world, epochs: bool):
+def resume(rank, world, epochs: bool, mc: bool):
     """Rank body: worst parameter difference of save/load at step 5 against 10 straight steps."""
     import io
 
@@ -24,7 +25,7 @@ def resume(rank, world, epochs: bool):
     from gradientflow.compression import CompressionConfig
 
     schedule = {"warmup_unit": "epoch", "warmup_period": 1} if epochs else {"warmup_period": 2}
-    cfg = CompressionConfig(density=0.05, chunk_size=16, **schedule)
+    cfg = CompressionConfig(density=0.05, chunk_size=16, momentum_correction=mc, **schedule)
 
     def build():
         model = _mlp(torch)
@@ -44,8 +45,9 @@ def resume(rank, world, epochs: bool):
             opt.step()
 
     straight, opt = build()
-    # The compressor follows the groups' momentum: they keep the user's 0.9.
-    assert opt.param_groups[0]["momentum"] == 0.9 and opt._compressor.config.momentum == 0.9
+    # The groups keep the user's 0.9; under momentum correction the compressor follows it.
+    assert opt.param_groups[0]["momentum"] == 0.9
+    assert not mc or opt._compressor.config.momentum == 0.9
     train(straight, opt, range(10))
     opt.close()
 
@@ -76,9 +78,10 @@ def resume(rank, world, epochs: bool):
     return worst, control, density
 
 
-@pytest.mark.parametrize("epochs", [False, True])
-def test_resume_equals_an_uninterrupted_run(pools, epochs):
-    for rank, (worst, control, density) in enumerate(pools(2).run(resume, epochs, timeout=120)):
+@pytest.mark.parametrize("epochs,mc", [(False, False), (True, False), (False, True)])
+def test_resume_equals_an_uninterrupted_run(pools, epochs, mc):
+    got = pools(2).run(resume, epochs, mc, timeout=120)
+    for rank, (worst, control, density) in enumerate(got):
         assert worst == 0.0, (rank, worst)
         assert control > 1e-4, (rank, control)
         assert density == 0.05, (rank, density)
@@ -88,6 +91,7 @@ def test_state_dict_of_another_rank_is_refused():
     import torch
 
     import gradientflow.optim as gfo
+    from gradientflow.compression import CompressionConfig
 
     model = _mlp(torch)
     opt = gfo.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
@@ -99,5 +103,6 @@ def test_state_dict_of_another_rank_is_refused():
         opt.load_state_dict(sd)
     with pytest.raises(ValueError, match="Adam does not step as torch.optim.SGD.*"
                                          "momentum_correction=False"):
-        gfo.DistributedOptimizer(torch.optim.Adam(model.parameters()), compression="csc",
+        gfo.DistributedOptimizer(torch.optim.Adam(model.parameters()),
+                                 compression=CompressionConfig(momentum_correction=True),
                                  named_parameters=model.named_parameters())
