@@ -109,7 +109,8 @@ def test_the_mass_check_fails_when_a_switch_drops_the_residual():
 
 
 def test_the_setter_keeps_residual_momentum_and_schedule_exactly():
-    states, params = ranks(1, [(6, 50), (30,)], 16)
+    # momentum correction on: the setter must keep the velocity as well as the residual
+    states, params = ranks(1, [(6, 50), (30,)], 16, momentum_correction=True)
     gen = torch.Generator().manual_seed(3)
     for _ in range(3):
         drive_lockstep([states[0]._stages(Bucket([torch.randn(6, 50, generator=gen),

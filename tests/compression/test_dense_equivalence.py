@@ -1,7 +1,8 @@
 """CSC at density 1 on an FP32 wire is DDP + the same optimizer, whatever the optimizer's settings.
 
-The recipe's momentum correction applies SGD's momentum and weight decay in the compressor; at
-density 1 nothing is held back, so training must be the dense run's, step for step: with weight
+With momentum correction the compressor applies SGD's momentum and weight decay; without it
+(the default) the optimizer does, and the compressor follows its learning rates. At density 1
+nothing is held back, so either must train as the dense run, step for step: with weight
 decay on two parameter groups, Nesterov, maximize, any torch scheduler (including one that
 writes the momentum every step) and a checkpoint loaded mid-run (the run's own, or a dense run's,
 whose momentum buffers the compressor takes over).
@@ -16,6 +17,7 @@ allgather); issue 35's table.
 from __future__ import annotations
 
 import copy
+import itertools
 import os
 import sys
 
@@ -51,6 +53,7 @@ CASES = st.fixed_dictionaries({
     # train as the average does), or the average with a predivide factor of 1 or 4.
     "op": st.sampled_from(["average", "sum"]),
     "predivide": st.sampled_from([1.0, 4.0]),
+    "mc": st.booleans(),  # momentum correction on (DGC's) or off (the default)
 })
 
 
@@ -126,10 +129,11 @@ def _distance(ours, dense, start, steps=STEPS) -> float:
     return max(0.0, float((ours - dense).abs().max()) - rounding) / max(travelled, 1e-12)
 
 
-def _config():
+def _config(mc: bool = False):
     from gradientflow.compression import CompressionConfig
 
-    return CompressionConfig(method="csc", density=1.0, wire_dtype="fp32", warmup_densities=())
+    return CompressionConfig(method="csc", density=1.0, wire_dtype="fp32", warmup_densities=(),
+                             momentum_correction=mc)
 
 
 class _Run:
@@ -225,7 +229,7 @@ def test_simulated_ranks_through_the_hook_state_equal_dense_sgd(case, world, los
     def hooked(r):
         def wrap(model, make_opt):
             opt = make_opt(model)
-            state = CSCState(None, _config(), optimizer=opt, world_size=world, rank=r)
+            state = CSCState(None, _config(case["mc"]), optimizer=opt, world_size=world, rank=r)
             state.bind_parameter_names(model)
             state.set_loss_scale(loss_scale)
             return model, opt, state
@@ -288,10 +292,12 @@ def equal_to_ddp(rank, world, n_examples):
         ddp = DDP(model, process_group=gloo)
         return ddp, make_opt(ddp), None
 
-    def hook(model, make_opt):
-        ddp = DDP(model)  # on the default (gradientflow) group
-        opt = make_opt(ddp)
-        return ddp, opt, gradientflow.hooks.register(ddp, _config(), optimizer=opt)
+    def hook(case):
+        def wrap(model, make_opt):
+            ddp = DDP(model)  # on the default (gradientflow) group
+            opt = make_opt(ddp)
+            return ddp, opt, gradientflow.hooks.register(ddp, _config(case["mc"]), optimizer=opt)
+        return wrap
 
     def optimizer(case, group):
         """The DistributedOptimizer wrap for `case`'s op, on `group` (None: gradientflow's)."""
@@ -299,7 +305,7 @@ def equal_to_ddp(rank, world, n_examples):
             "op": gfo.Average, "gradient_predivide_factor": case["predivide"]}
 
         def wrap(model, make_opt):
-            opt = gfo.DistributedOptimizer(make_opt(model), compression=_config(),
+            opt = gfo.DistributedOptimizer(make_opt(model), compression=_config(case["mc"]),
                                            named_parameters=model.named_parameters(),
                                            partition_bytes=64, process_group=group, **op)
             return model, opt, None
@@ -318,7 +324,7 @@ def equal_to_ddp(rank, world, n_examples):
             return lambda model: ((model(x) - y) ** 2).mean()
 
         # The gloo group takes the synchronous path: everything reduced at step().
-        wraps = {"hook": hook, "optimizer": optimizer(case, None),
+        wraps = {"hook": hook(case), "optimizer": optimizer(case, None),
                  "optimizer on gloo": optimizer(case, gloo)}
         summed = 1.0 / world if case["op"] == "sum" else 1.0  # a sum of mean/world is the mean
         found = compare(case, dense, wraps, loss_for, {"optimizer": summed,
@@ -355,7 +361,7 @@ def issue_rows(rank, world, steps=12):
 
     gloo = dist.new_group(backend="gloo")
     out = {}
-    for name, row in ROWS.items():
+    for (name, row), mc in itertools.product(ROWS.items(), (False, True)):
         torch.manual_seed(0)
         base = torch.nn.Sequential(torch.nn.Linear(12, 32), torch.nn.Tanh(),
                                    torch.nn.Linear(32, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
@@ -366,7 +372,7 @@ def issue_rows(rank, world, steps=12):
             opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9,
                                   weight_decay=row.get("weight_decay", 0.0))
             if compressed:
-                gradientflow.hooks.register(ddp, _config(), optimizer=opt)
+                gradientflow.hooks.register(ddp, _config(mc), optimizer=opt)
             sched = None
             if row.get("one_cycle"):
                 sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=steps,
@@ -380,7 +386,8 @@ def issue_rows(rank, world, steps=12):
                 if sched is not None:
                     sched.step()
             runs.append(_flat(ddp))
-        out[name] = _distance(runs[1], runs[0], start, steps=0)  # as the issue measured
+        # as the issue measured; with and without momentum correction
+        out[f"{name}, momentum_correction={mc}"] = _distance(runs[1], runs[0], start, steps=0)
     return out
 
 
