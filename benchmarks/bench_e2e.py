@@ -230,10 +230,10 @@ def _make_optimizer(variant: str, model, gf_group, momentum: float = 0.0):
     """Return the optimizer of one variant: SGD, or gradientflow's DistributedOptimizer.
 
     A gradientflow hook variant's hook is registered here. With momentum, it is registered
-    with the optimizer, as a user would: under CSC's momentum correction the SGD momentum moves
-    into the compressor (the optimizer then steps without it), so every variant applies the
-    same momentum once. Without, it is registered alone, so the compressor keeps its default
-    momentum correction (bound to a momentum-free SGD, it would turn it off).
+    with the optimizer, as a user would: the residual follows its learning rate, and the
+    optimizer applies the momentum (CSC's default; under momentum correction it would move into
+    the compressor), so every variant applies the same momentum once. Without, it is
+    registered alone: plain error feedback.
     """
     import torch
 
@@ -262,8 +262,8 @@ def worker(rank: int, world_size: int, model: str, batch: int, image: int, varia
            mark_steps: bool = False) -> dict:
     """One rank: build every variant, run them in interleaved rounds, return per-step times.
 
-    momentum: every variant's SGD momentum (0: plain SGD, whose step has no momentum pass,
-    while CSC's compressor still applies its default momentum correction).
+    momentum: every variant's SGD momentum (0: plain SGD, whose step has no momentum pass;
+    CSC then runs plain error feedback).
     mark_steps: mark each step on gradientflow's timeline (`gradientflow.mark_step`).
     Also returned: each thread's CPU ms per timed step, per variant (`thread_cpu_ms`)."""
     import torch

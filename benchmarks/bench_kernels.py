@@ -8,7 +8,7 @@ residual and the gradient zeroed in the same pass), ``select_chunks`` (1% of the
 their rounding error into the residual, the packed buffer standing in for the reduced one). The
 same calls run with ``impl="numba"`` and ``impl="torch"``; the two-pass pipeline the compressor
 used before (v back into the gradient, then ``unpack_update`` over every element) runs beside
-them; the same pipeline under DGC's momentum correction (the default recipe: the velocity read
+them; the same pipeline under DGC's momentum correction (an option of CSC: the velocity read
 and its new value written in the ``chunk_norms`` pass) runs with both implementations too; and a
 plain ``copy_`` of the gradient's bytes is the memory-bandwidth bound; all alternate rep by rep
 at each thread count (torch and numba set to the same count), medians reported.
@@ -52,7 +52,7 @@ def pipeline(grad, res, spare, send, k, impl, stages=None, one_pass=True, mom=No
 
     one_pass: v into `spare` with grad zeroed, then only the sent chunks written (the
     compressor's path); otherwise v back into grad and a full unpack_update pass (the old path).
-    mom: (momentum, momentum_out) for DGC's momentum correction (the default recipe).
+    mom: (momentum, momentum_out) for DGC's momentum correction (an option of CSC).
     """
     import time
 

@@ -20,9 +20,9 @@ said) in these forms:
 - the DistributedOptimizer (no DDP) with CSC 1%: its partitions in the same fused batches.
 
 Every variant trains with SGD at momentum 0.9 (`--momentum`), as a user would: the limit's
-optimizer runs its momentum pass, while under CSC's momentum correction (the default recipe)
-the hook is registered with the optimizer and the momentum moves into the compressor, so each
-variant applies the momentum once.
+optimizer runs its momentum pass, and so does CSC's default recipe (the hook is registered
+with the optimizer, whose learning rate the residual follows); under momentum correction the
+momentum would move into the compressor; either way each variant applies the momentum once.
 
 Reported per variant: median step time, its speed as a fraction of the no-communication
 speed (the issue's target: >= 0.90 at 1 Gbps, >= 0.85 at 10 Gbps), CPU ms per step over the
@@ -243,8 +243,8 @@ def main(argv=None) -> int:
                          "forward, for every DDP variant (Horovod broadcasts them once); the "
                          "limit never sends them")
     ap.add_argument("--momentum", type=float, default=0.9,
-                    help="every variant's SGD momentum (0: plain SGD; CSC's compressor then "
-                         "still applies its default momentum correction)")
+                    help="every variant's SGD momentum (0: plain SGD; CSC then runs plain "
+                         "error feedback)")
     ap.add_argument("--variants", default=",".join(VARIANTS),
                     help="comma list, the limit first (also: gf_opt_csc1_nf, the "
                          "DistributedOptimizer with CSC 1%% and next-forward overlap)")

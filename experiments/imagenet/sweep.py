@@ -251,8 +251,8 @@ DIGITS_RECIPE = ["-a", "resnet18", "--image-size", "32", "--num-classes", "10",
                  "--lr-schedule", "cosine", "--lr-warmup-epochs", "1", "--wd", "5e-4", "-j", "0",
                  "--no-checkpoint"]
 # The paper's CSC recipe (DGC's momentum correction, a dense first warm-up stage, warm-up counted
-# in steps: 1, 0.25, 0.0625, 0.0156 for 3 steps each) and an FP16 wire. Spelled out because the
-# library's defaults do not yet all follow it; each flag then restates a default.
+# in steps: 1, 0.25, 0.0625, 0.0156 for 3 steps each) and an FP16 wire. Spelled out so that the
+# sweep's numbers do not depend on the library's defaults (momentum correction is not one).
 CSC_RECIPE = ["--wire-dtype", "fp16", "--momentum-correction", "--warmup", "1,0.25,0.0625,0.015625",
               "--warmup-unit", "step", "--warmup-period", "3"]
 

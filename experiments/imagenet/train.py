@@ -932,7 +932,7 @@ class GradientFlowHook:
 
         self.ddp = ddp_model
         self.state = gradientflow.hooks.register(
-            ddp_model, config, optimizer=optimizer,  # momentum correction takes its momentum
+            ddp_model, config, optimizer=optimizer,  # its rates (and momentum, under MC)
             grad_scaler=grad_scaler if grad_scaler.is_enabled() else None)
         # GRADIENTFLOW_AUTOTUNE=1 tunes the engine from the group on; the chunk size too, here.
         tuner = gradientflow.autotune.tuner_of(ddp_model.process_group)

@@ -7,9 +7,10 @@ The one-line common case::
     ...
     state.stats(); torch.save(state.gather_state_dict(), path)
 
-The default recipe is the paper's: momentum correction (the compressor applies the bound SGD's
-momentum and weight decay, read at every step), a dense first warm-up stage counted in steps;
-see CompressionConfig.
+The default recipe: error feedback beside the optimizer's own momentum (the residual follows the
+bound SGD's learning rates; DGC's momentum correction, where the compressor applies its momentum
+and weight decay, is an option), a dense first warm-up stage counted in steps; see
+CompressionConfig.
 """
 from __future__ import annotations
 
@@ -41,12 +42,12 @@ def register(ddp_model, config: CompressionConfig | None = None, process_group=N
 
     Args:
         ddp_model: the DistributedDataParallel model.
-        config: a CompressionConfig (default: CSC at 1% with the paper's recipe).
+        config: a CompressionConfig (default: CSC at 1% with the default recipe).
         process_group: the group (default: the DDP model's).
-        optimizer: the torch.optim.SGD stepping the model. With momentum correction (CSC's
-            default) the compressor applies its momentum and weight decay, read from its groups
-            at every step; pass it, or a step that would apply either after the compressor
-            raises.
+        optimizer: the torch.optim.SGD stepping the model: the residuals follow its learning
+            rates. With momentum correction (an option) the compressor applies its momentum and
+            weight decay, read from its groups at every step; pass it, or a step that would
+            apply either after the compressor raises.
         grad_scaler: the GradScaler producing the gradients, if any.
 
     Example::

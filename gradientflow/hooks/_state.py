@@ -54,11 +54,12 @@ class CompressionState:
         config: a CompressionConfig; or leave it None and pass its fields as keyword arguments.
         grad_scaler: a GradScaler whose current scale the gradients carry (optional; see
             `set_loss_scale` for the alternative). Residuals are rescaled when it changes.
-        optimizer: the torch.optim.SGD that steps these parameters. Under momentum correction
-            (the default for CSC) the compressor applies its momentum and weight decay, read
-            from its parameter groups at every step (schedulers and load_state_dict keep
-            working); its own step runs with them at 0. Without it, an optimizer step that
-            would apply momentum or weight decay after the compressor raises.
+        optimizer: the torch.optim.SGD that steps these parameters; the residuals follow its
+            learning rates. Under momentum correction (an option) the compressor applies its
+            momentum and weight decay, read from its parameter groups at every step
+            (schedulers and load_state_dict keep working); its own step runs with them at 0.
+            Under momentum correction without it, an optimizer step that would apply momentum
+            or weight decay after the compressor raises.
         world_size, rank: override the group's (to simulate ranks in one process; default: the
         group's).
         **kwargs: CompressionConfig fields (only without `config`).

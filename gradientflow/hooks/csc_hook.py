@@ -27,9 +27,10 @@ class CSCState(CompressionState):
     Raises:
         ValueError: a field out of range (density outside (0, 1], chunk_size < 1, ...).
 
-    The default is the paper's recipe: momentum correction (pass ``optimizer=``: the state
-    applies that SGD's momentum and weight decay, read at every step), a dense first warm-up
-    stage counted in steps. With
+    The default recipe: error feedback beside the optimizer's own momentum (pass
+    ``optimizer=``: each residual is kept in its learning rate's units; with
+    ``momentum_correction=True`` the state applies that SGD's momentum and weight decay, read at
+    every step), a dense first warm-up stage counted in steps. With
     ``warmup_unit="epoch"``, call ``state.set_epoch(epoch)`` at the start of every epoch.
 
     Example::

@@ -141,7 +141,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
         named_parameters = _check_named(named_parameters, optimizer)
     comp = _compression_arg(compression)
     if comp is not None and comp != "fp16":
-        # CSC's momentum correction applies the optimizer's SGD settings in the compressor:
+        # Under momentum correction CSC applies the optimizer's SGD settings in the compressor:
         # refuse what it cannot reproduce here, in Horovod's own spelling of the fix.
         from gradientflow.compression import CompressionConfig
         from gradientflow.compression.momentum import check_optimizer

@@ -13,10 +13,11 @@ backward did not complete, waits only for what is still in flight, then runs the
 optimizer's step. With overlap_next_forward=True it does not wait at all: the NextForwardOverlap
 strategy (overlap.py) updates each partition's parameters just before the next forward uses them.
 
-With a compressor that applies momentum (CSC's momentum correction, the default), the wrapped
-SGD's momentum and weight decay are applied by the compressor, read from the parameter groups
-at every step (see compression/momentum.py); the wrapped step runs with them at 0. state_dict()
-carries this rank's residuals and velocity, so a resume continues exactly.
+With a compressor that keeps a residual (CSC), each residual is kept in its group's learning-rate
+units, read at every step. With one that applies momentum (CSC's momentum correction, an option),
+the wrapped SGD's momentum and weight decay are applied by the compressor, read from the
+parameter groups at every step (see compression/momentum.py); the wrapped step runs with them at
+0. state_dict() carries this rank's residuals (and velocity), so a resume continues exactly.
 """
 from __future__ import annotations
 
@@ -364,10 +365,10 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
             subclass of it), with the same parameter groups and state.
         named_parameters: model.named_parameters(); names key compression state and errors.
         compression: None/"none" (dense), a registered method's name ("fp16", "csc", ...),
-            or a CompressionConfig. CSC's default recipe (momentum correction) applies the
-            wrapped SGD's momentum and weight decay in the compressor, read from its groups at
-            every step, so schedulers keep working; other optimizers are refused unless
-            momentum_correction=False.
+            or a CompressionConfig. CSC's default recipe leaves momentum and weight decay to
+            the wrapped optimizer; with momentum_correction=True the compressor applies the
+            wrapped SGD's, read from its groups at every step, so schedulers keep working, and
+            other optimizers are refused.
         backward_passes_per_step: backward passes accumulated locally per step (summed, as
             Horovod and DDP's no_sync do; scale the loss yourself for a mean).
         op: gradientflow.Average (default) or gradientflow.Sum.
