@@ -374,16 +374,16 @@ def follow_optimizer(config: CompressionConfig, optimizer, where: str,
                      take_velocity: Callable[[dict], None], *, off: str = OFF,
                      step_hooks: bool = True,
                      follow_lr: Callable[[dict[int, float]], None] | None = None
-                     ) -> tuple[CompressionConfig, SGDFollower | None]:
+                     ) -> tuple[CompressionConfig, SGDFollower | LRFollower | None]:
     """Bind `optimizer` to the compressor `config` builds; return the config and the follower.
 
     Without momentum correction in `config`'s method nothing is taken: the follower is an
     LRFollower (with `follow_lr`, error feedback and an optimizer that steps as SGD: only its
     learning rates are followed) or None. An optimizer with momentum 0 in every group gets the
     same: momentum correction is turned off and the optimizer keeps its settings (plain error
-    feedback). Otherwise `config` records
-    the momentum at registration, and the follower reads it again at every step. Raises
-    ValueError (check_optimizer) for what the compressor cannot reproduce.
+    feedback). Otherwise `config` records the momentum at registration, and the SGDFollower
+    reads it again at every step. Raises ValueError (check_optimizer) for what the compressor
+    cannot reproduce.
     """
     settings = check_optimizer(config, optimizer, where, off)
     # Without momentum correction the optimizer steps as it is; a residual still follows its
