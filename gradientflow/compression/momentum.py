@@ -184,8 +184,7 @@ class SGDFollower:
         self._settings = _read(self.optimizer, self.where, self.off)
         self._stepped = False
         if self._follow_lr is not None:
-            self._follow_lr({id(p): float(g["lr"]) for g in self.optimizer.param_groups
-                             for p in g["params"]})
+            self._follow_lr(_rates(self.optimizer))
         self._reduced = set()
 
     def terms(self, pairs: Iterable[tuple[torch.Tensor, torch.Tensor]],
@@ -328,6 +327,11 @@ class SGDFollower:
         self._handles = []
 
 
+def _rates(optimizer) -> dict[int, float]:
+    """{id(parameter): its group's learning rate now}, what a follower's `follow_lr` takes."""
+    return {id(p): float(g["lr"]) for g in optimizer.param_groups for p in g["params"]}
+
+
 def _remove(handles: list) -> None:
     for h in handles:
         h.remove()
@@ -348,8 +352,7 @@ class LRFollower:
 
     def begin_step(self) -> None:
         """Hand the compressor each parameter's rate for the step whose gradients now arrive."""
-        self._follow_lr({id(p): float(g["lr"]) for g in self.optimizer.param_groups
-                         for p in g["params"]})
+        self._follow_lr(_rates(self.optimizer))
 
     def terms(self, pairs: Iterable[tuple[torch.Tensor, torch.Tensor]],
               scale: float = 1.0) -> None:
