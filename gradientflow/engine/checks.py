@@ -19,8 +19,10 @@ from typing import Any, Iterator
 
 import torch
 
+from torch._C._distributed_c10d import ReduceOp
+
 from gradientflow.errors import CollectiveMismatchError
-from gradientflow.fingerprint import describe as _describe, redop_name
+from gradientflow.fingerprint import describe as _describe, mix, redop_name
 
 # Collectives whose outputs differ between ranks by design, and what of them is compared:
 # gather's list exists on the root only; all-to-all's per-rank tensors may have any sizes.
@@ -33,19 +35,53 @@ _PAIR_MASK = (1 << _PAIR_BITS) - 1
 
 class Check:
     """One eager collective as an agreement round's candidate (`seq`, `fingerprint`,
-    `describe()`), with what each rank sends and expects for all-to-all (`pairs`)."""
+    `describe()`), with what each rank sends and expects for all-to-all (`pairs`), and the
+    tensor of an allreduce that travels inside its round (`payload`, see `inband`)."""
 
-    __slots__ = ("seq", "key", "fingerprint", "pairs", "waited")
+    __slots__ = ("seq", "key", "fingerprint", "pairs", "waited", "payload")
 
-    def __init__(self, seq: int, key: tuple, pairs: Any = None, waited: bool = False) -> None:
+    def __init__(self, seq: int, key: tuple, pairs: Any = None, waited: bool = False,
+                 payload: torch.Tensor | None = None) -> None:
         self.seq = seq
         self.key = key
-        self.fingerprint = key_fingerprint(key)
+        # An in-band call differs from the same call sent after its round: ranks that would
+        # take different routes are refused before either sends.
+        fp = key_fingerprint(key)
+        self.fingerprint = fp if payload is None else mix(fp, _INBAND_SALT)
         self.pairs = pairs  # () -> (bytes sent to each rank, bytes expected from each rank)
         self.waited = waited  # a synchronous call: its caller blocks on it
+        self.payload = payload
 
     def describe(self) -> str:
-        return f"#{self.seq} {describe_key(self.key)}"
+        text = f"#{self.seq} {describe_key(self.key)}"
+        return text if self.payload is None else text + " (in its check round)"
+
+
+# In-band allreduces: an eager SUM of two ranks, up to 4 KiB, on CPU, travels inside its own
+# check round (exchange.py) and each rank adds the other's tensor to its own: one exchange
+# instead of a round and then the transport's allreduce. 4 KiB because every round of a group
+# of two sends a frame of that size, whether it carries a payload or not. Two ranks only,
+# where a + b on one rank and b + a on the other are the same bits as gloo's ring
+# (floating-point addition commutes); with more ranks the order of the sum would differ.
+INBAND_BYTES = 4096
+_INBAND_DTYPES = frozenset({torch.float32, torch.float64, torch.int32, torch.int64})
+_INBAND_SALT = 0x1B
+_SUM = hash(ReduceOp.SUM)
+
+
+def inband_cap(world_size: int) -> int:
+    """The largest payload a rank of a group of `world_size` may send in a round (0: none)."""
+    return INBAND_BYTES if world_size == 2 else 0
+
+
+def inband(tensor: torch.Tensor, reduce_op: Any, world_size: int) -> bool:
+    """Whether an eager allreduce travels inside its check round: a function of what the round
+    compares (dtype, size, reduce op) and the world size, so a rank that decides otherwise
+    than its peers sends a different fingerprint and the call is refused."""
+    return (world_size == 2 and tensor.dtype in _INBAND_DTYPES
+            and hash(reduce_op) == _SUM and tensor.device.type == "cpu"
+            and tensor.layout == torch.strided
+            and tensor.numel() * tensor.element_size() <= INBAND_BYTES)
 
 
 def _tensors(x: Any) -> Iterator[torch.Tensor]:

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, Callable, Hashable
 import torch
 
 from gradientflow.engine import completion, streams
-from gradientflow.engine.checks import Check, refuses_only_the_call, signature
+from gradientflow.engine.checks import Check, inband, refuses_only_the_call, signature
 from gradientflow.engine.fusion import FusableOp, solo_cut
 from gradientflow.engine.jobs import EagerOp
 from gradientflow.engine.rounds import Rounds
@@ -171,10 +171,23 @@ class Issue:
             # waits for the others, whose engine threads must still run their rounds.
             tp = self._solo.get(tensor.device)
             return self._issue_solo(tensors, opts, tensor, reduce_op, tp)
+        if inband(tensor, reduce_op, self._parts.world_size):
+            # Summed inside its own check round (checks.inband): nothing left to send.
+            return self._issue("all_reduce", lambda seq, chk: self._eager(
+                seq, "all_reduce", lambda: self._inband_done(seq, tensors), tensors,
+                tensor.device, chk), tensor, opts, tensor.device, reduce_op, outputs=tensors,
+                payload=tensor)
         main = self._transport_for
         return self._issue("all_reduce", lambda seq, chk: self._eager(
             seq, "all_reduce", lambda: main(tensor.device).allreduce(tensors, opts), tensors,
             tensor.device, chk), tensor, opts, tensor.device, reduce_op, outputs=tensors)
+
+    def _inband_done(self, seq: int, tensors: list) -> FutureWork:
+        """The Work of an allreduce its round already summed: complete, its value the tensors."""
+        fut = completion.new_source()
+        fut.set_result(tensors)
+        self._stats.record_inband()
+        return FutureWork(fut, self._works, seq, "all_reduce")
 
     def collective(self, name: str, device: torch.device, call: Callable[[Any], Any],
                    outputs: Any, opts: Any = None, sig: torch.Tensor | None = None,
@@ -412,7 +425,7 @@ class Issue:
     def _issue(self, name: str, submit: Callable[[int, Check | None], Any], sig: Any,
                opts: Any, device: torch.device, reduce_op: Any = _UNSET,
                pair_bytes: Callable[[], tuple[list, list]] | None = None,
-               outputs: Any = None) -> Any:
+               outputs: Any = None, payload: torch.Tensor | None = None) -> Any:
         """Number the call and `submit(seq, check)` it under the engine's lock, recording it for
         the inspector (checking it first under GRADIENTFLOW_DEBUG); run its round if it claimed
         the floor; a synchronous CPU call is waited on here, in slices, so a fault found
@@ -431,10 +444,10 @@ class Issue:
             with self._debug_lock:
                 insp.debug.check(self.seq, name, sig, root, reduce_op, pair_bytes)
                 seq, work = self._submit(name, submit, key, pair_bytes, waited, sig, root,
-                                         reduce_op)
+                                         reduce_op, payload)
         else:
             seq, work = self._submit(name, submit, key, pair_bytes, waited, sig, root,
-                                     reduce_op)
+                                     reduce_op, payload)
         if insp is None:
             return work
         if isinstance(work, FutureWork):
@@ -445,13 +458,13 @@ class Issue:
 
     def _submit(self, name: str, submit: Callable[[int, Check | None], Any], key: tuple,
                 pair_bytes: Any, waited: bool, sig: Any, root: Any,
-                reduce_op: Any) -> tuple[int, Any]:
+                reduce_op: Any, payload: torch.Tensor | None = None) -> tuple[int, Any]:
         """Take the call's number, submit it and record it (under the engine's lock); then
         run its round and launch if it claimed the floor. Returns (seq, its Work)."""
         insp = self._insp
         with self._lock:
             seq = self._take(name)
-            work = submit(seq, Check(seq, key, pair_bytes, waited))
+            work = submit(seq, Check(seq, key, pair_bytes, waited, payload))
             if insp is not None:
                 insp.record(seq, name, sig, root, reduce_op, work)
         if isinstance(work, Claim):

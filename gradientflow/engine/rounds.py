@@ -21,7 +21,8 @@ import torch
 from torch._C._distributed_c10d import ReduceOp
 
 from gradientflow.engine.agreement import batch_fingerprint, read_round, round_words, verdict
-from gradientflow.engine.checks import Check, pair_word, pairs_agree
+from gradientflow.engine.checks import Check, inband_cap, pair_word, pairs_agree
+from gradientflow.engine.exchange import Exchange
 from gradientflow.engine.fusion import FusableOp
 from gradientflow.errors import CollectiveMismatchError, EngineError
 from gradientflow.observability import timeline as tl
@@ -43,6 +44,8 @@ class Rounds:
         # The group's fault, if any (the inspector's: a mismatch across the agreement and solo
         # streams, a stall abort): a round blocked on a rank that will never join ends with it.
         self.fault: Callable[[], BaseException | None] = lambda: None
+        self._ex: Exchange | None = None
+        self.payloads: list = []  # every rank's payload of the last round (exchange.py)
 
     def agree(self, candidates: list, waited: bool = False) -> int:
         """How many of `candidates` (this rank's leading run: deferred allreduces or stage ops,
@@ -63,8 +66,10 @@ class Rounds:
         t0 = time.perf_counter()
         k = len(candidates)
         first = candidates[0].seq
+        payload = getattr(candidates[0], "payload", None) if k == 1 else None
         a, b, all_waited = self._reduce(
-            round_words(k, batch_fingerprint(candidates)) + [int(waited)], ReduceOp.MIN, first)
+            round_words(k, batch_fingerprint(candidates)) + [int(waited)], ReduceOp.MIN, first,
+            payload)
         n, n_max, lo, hi = read_round(a, b)
         rounds = 1
         if n != n_max and 1 <= n <= k:
@@ -92,6 +97,8 @@ class Rounds:
         CollectiveMismatchError on every rank, before any data moved, if the ranks differ
         (`waited`: as in agree)."""
         self.agree([chk], waited)
+        if chk.payload is not None:
+            self._add_payloads(chk.payload)
         if chk.pairs is None:
             return
         send, recv = chk.pairs()
@@ -99,24 +106,30 @@ class Rounds:
         if not pairs_agree(total):
             raise self._pairs_mismatch(chk, send, recv)
 
+    def _add_payloads(self, tensor: torch.Tensor) -> None:
+        """An in-band allreduce's result: the other ranks' tensors, from the round just agreed,
+        added to this rank's (checks.inband says when the order cannot matter)."""
+        for r, data in enumerate(self.payloads):
+            if r != self.rank and data is not None:
+                tensor.add_(data.view(tensor.dtype).view(tensor.shape))
+
     def _min(self, words: list[int], first_seq: int) -> tuple[int, int]:
         """MIN-allreduce two int64 words on the agreement group (blocking)."""
         vec = self._reduce(words, ReduceOp.MIN, first_seq)
         return vec[0], vec[1]
 
-    def _reduce(self, words: list[int], op: Any, first_seq: int) -> list[int]:
+    def _reduce(self, words: list[int], op: Any, first_seq: int,
+                payload: torch.Tensor | None = None) -> list[int]:
         """Every rank's int64 words reduced with `op` (MIN or SUM), the same on every rank;
-        blocks, ending early on a fault.
+        blocks, ending early on a fault. `payload`: sent beside the words (self.payloads
+        then holds every rank's, by rank).
 
-        An all-to-all of the words, reduced here, not an allreduce: every rank sends its words
-        to every other at once, one hop, where gloo's ring allreduce takes 2(n-1) hops in a
-        row (bench_collectives measures the difference per call).
+        One message to every other rank and one from each (exchange.py), reduced here: one
+        hop, where gloo's ring allreduce takes 2(n-1) hops in a row, and a peer that sent
+        another kind of round is read and named instead of aborting the transport.
         """
-        k, n = len(words), self.world_size
-        out = torch.empty(k * n, dtype=torch.int64)
-        work = self._group.alltoall_base(out, torch.tensor(words * n, dtype=torch.int64), [], [])
         try:
-            self._wait(work)
+            every, self.payloads = self._exchange().swap(words, payload)
         except CollectiveMismatchError:
             raise
         except Exception as exc:
@@ -125,10 +138,24 @@ class Rounds:
                 f"sequence number {first_seq} failed (a peer may have died or stopped "
                 f"issuing the same collectives): {exc}"
             ) from exc
-        every = out.view(n, k)
+        k = len(words)
+        odd = [r for r, w in enumerate(every) if len(w) != k]
+        if odd:
+            raise EngineError(
+                f"gradientflow: rank {self.rank}: agreement round for the collectives from "
+                f"sequence number {first_seq}: rank {odd[0]} sent a round of "
+                f"{len(every[odd[0]])} words where this rank sent {k}: the ranks issued "
+                "different collectives (GRADIENTFLOW_DEBUG=1 names them)")
         if op == ReduceOp.SUM:
-            return [int(v) for v in every.sum(0).tolist()]
-        return [int(v) for v in every.min(0).values.tolist()]
+            return [sum(col) for col in zip(*every)]
+        return [min(col) for col in zip(*every)]
+
+    def _exchange(self) -> Exchange:
+        """The point-to-point rounds of the side group (made at the first round)."""
+        if self._ex is None:
+            self._ex = Exchange(self._group, self.rank, self.world_size,
+                                inband_cap(self.world_size), self._wait)
+        return self._ex
 
     def _wait(self, work: Any) -> None:
         """Wait for a round's Work in slices, raising the group's fault if one is found."""
