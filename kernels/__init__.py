@@ -22,8 +22,10 @@ is bound by the host's launches, and a replay is one.
 Each public function (``chunk_norms``, ...) is the op's validator followed by ``implementation``,
 the one dispatcher.
 
-``impl="auto"`` picks numba for CPU tensors; for CUDA tensors Triton, else numba, else the
-torch reference (whichever first loads and has the op); the reference for other devices.
+``impl="auto"`` picks numba for CPU tensors once they are compiled (``warm.py``: at install,
+or on a background thread from the first compressor on; the reference until then); for CUDA
+tensors Triton, else numba, else the torch reference (whichever first loads and has the op);
+the reference for other devices.
 ``impl="numba"`` and ``impl="triton"`` insist on that one (the reference for an op it lacks);
 ``impl="torch"`` uses the reference.
 
@@ -58,8 +60,9 @@ numba reads its own environment variables at import: ``NUMBA_THREADING_LAYER`` (
 set), ``NUMBA_NUM_THREADS`` (the upper bound of ``set_num_threads``), ``NUMBA_CACHE_DIR`` (where
 compiled kernels are cached when the package folder is read-only, e.g. a system install;
 otherwise ``kernels/__pycache__``), ``NUMBA_ENABLE_CUDASIM`` (tests). This package reads no
-environment itself. ``gradientflow.kernels.cpu.warm_up()`` compiles (or loads from the cache)
-every CPU kernel up front: about 30 s the first time on this machine, 1-2 s after.
+environment itself. ``python -m gradientflow.kernels.warm`` (``make install`` runs it) compiles
+every CPU kernel into the cache; ``warm.start()`` / ``warm.wait()`` load or compile them in the
+background / before returning.
 """
 
 from __future__ import annotations
@@ -75,7 +78,7 @@ from typing import NamedTuple
 
 import torch
 
-from . import checks, reference
+from . import checks, reference, warm
 from .graphs import StepGraphs
 from .reference import WIRE_DTYPES, nchunks_of
 
@@ -163,15 +166,18 @@ def get_num_threads() -> int:
 
 
 def start_threads() -> None:
-    """Start the CPU kernels' thread pool now if this is the main thread, else do nothing.
+    """Start the CPU kernels' thread pool, and their warm-up, now if this is the main thread.
 
     Compressors call it when they are built (on the user's thread): numba's TBB pool must be
     started by the main thread, and a pool first needed on another thread is not TBB
-    (``kernels/_threads.py``).
+    (``kernels/_threads.py``); the kernels then load or compile in the background
+    (``warm.py``) while the first, dense steps run.
     """
     from . import _threads
 
     _threads.start_on_main_thread()
+    if threading.current_thread() is threading.main_thread():
+        warm.start()
 
 
 def threads_per_rank(local_world_size: int, cores: int | None = None) -> int:
@@ -255,6 +261,9 @@ def _device_module(op: str, impl: str, device: torch.device):
     if impl == "torch":
         return reference
     if device.type == "cpu":
+        if impl == "auto" and not warm.ready():
+            warm.start()  # compiled off the training path; the reference serves meanwhile
+            return reference
         from . import cpu
 
         return cpu

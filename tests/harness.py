@@ -81,11 +81,18 @@ def _worker(rank: int, world_size: int, conn) -> None:
     torch.set_num_threads(1)
     import torch.distributed as dist
 
+    # The CPU kernels load while the worker waits for its first task, and are ready before it:
+    # until then the dispatch runs the torch reference (kernels/warm.py), whose norms may
+    # differ from numba's in the last bits, and a test comparing two runs must see one kernel.
+    from gradientflow.kernels import warm
+
+    warm.start()
     conn.send(("ready", None))
     while True:
         msg = conn.recv()
         if msg is None:
             return
+        warm.wait()
         path, qualname, port, backend, env, pg_timeout_s, args, kwargs = msg
         try:
             with environ(env):

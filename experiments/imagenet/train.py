@@ -934,6 +934,12 @@ class GradientFlowHook:
         self.state = gradientflow.hooks.register(
             ddp_model, config, optimizer=optimizer,  # its rates (and momentum, under MC)
             grad_scaler=grad_scaler if grad_scaler.is_enabled() else None)
+        # Runs are compared seed for seed: every compressed step uses the numba kernels (until
+        # they are loaded the dispatch would run the torch reference, whose norms may differ in
+        # the last bits). Loaded from the cache `make install` filled, before training starts.
+        from gradientflow.kernels import warm
+
+        warm.wait()
         # GRADIENTFLOW_AUTOTUNE=1 tunes the engine from the group on; the chunk size too, here.
         tuner = gradientflow.autotune.tuner_of(ddp_model.process_group)
         if tuner is not None:
