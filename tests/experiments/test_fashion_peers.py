@@ -179,6 +179,14 @@ def test_the_demo_without_root_adds_a_ring_allreduce_of_the_measured_bytes():
     assert c["time_s"] == [3.5, 4.5] and c["sent_mb"] == [125.0, 125.0] and c["top1"] == [50, 60]
 
 
+def test_the_demo_says_which_way_the_time_went():
+    import demo
+
+    assert demo.time_sentence(69.7, 40.7) == "1.7x less training time"
+    assert demo.time_sentence(66.0, 82.2) == "1.25x more training time"  # not "0.8x less"
+    assert demo.time_sentence(50.0, 50.0) == "1.0x less training time"
+
+
 def test_compare_runs_every_peer_at_1_gbps_and_times_them_at_10_gbps_and_4_ranks():
     args = argparse.Namespace(
         seeds=[0, 1, 2], epochs=3, lock=None, timeout=60, quick=False, quick_steps=40,
