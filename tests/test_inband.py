@@ -1,9 +1,9 @@
-"""In-band allreduces: a small eager SUM of two ranks travels inside its own check round.
+"""Eager SUMs of two ranks on their own routes: inside the check round, or exchanged whole.
 
-It must give gloo's bits (checks.inband: a + b on one rank, b + a on the other), take that
-route exactly when the rule says so, and a call the ranks issued differently (another size, a
-route one rank takes and the other not, another collective) is refused on every rank with the
-group still usable.
+They must give gloo's bits (checks.own_route: a + b on one rank, b + a on the other), take
+those routes exactly when the rule says so, and a call the ranks issued differently (another
+size, a route one rank takes and the other not, another collective) is refused on every rank
+with the group still usable.
 """
 from __future__ import annotations
 
@@ -14,24 +14,24 @@ DTYPES = ["float32", "float64", "int32", "int64", "float16"]
 
 def inband_matches_gloo(rank, world, n_examples):
     """Rank body: random eager allreduces on gradientflow and on gloo, bit for bit; the
-    in-band counter moves exactly for the calls the rule admits."""
+    route counters move exactly for the calls the rule sends those ways."""
     import torch
     import torch.distributed as dist
     from hypothesis import HealthCheck, Phase, given, settings
     from hypothesis import strategies as st
 
     from gradientflow.backend import backend_of
-    from gradientflow.engine.checks import INBAND_BYTES, inband
+    from gradientflow.engine.checks import EXCHANGE, INBAND, own_route
 
     gloo = dist.new_group(backend="gloo")
     stats = backend_of().engine.stats
-    seen = {"inband": 0, "sent": 0}
+    seen = {"inband": 0, "exchanged": 0, "sent": 0}
 
     @settings(max_examples=n_examples, derandomize=True, database=None, deadline=None,
               phases=[Phase.generate], suppress_health_check=list(HealthCheck))
     @given(seed=st.integers(0, 2**30), dtype=st.sampled_from(DTYPES),
            shape=st.sampled_from([(), (1,), (7,), (1024,), (32, 32), (1025,), (3, 700),
-                                  (512,)]),
+                                  (512,), (300, 300), (2**20,), (2**20 + 8,)]),
            op=st.sampled_from(["SUM", "SUM", "SUM", "MAX"]),
            async_op=st.sampled_from([False, False, False, True]))
     def prop(seed, dtype, shape, op, async_op):
@@ -46,7 +46,7 @@ def inband_matches_gloo(rank, world, n_examples):
             x = torch.randint(-2**20, 2**20, shape, generator=g).to(dt)
         ours, theirs = x.clone(), x.clone()
         rop = getattr(dist.ReduceOp, op)
-        before = stats.inband
+        before = (stats.inband, stats.exchanged)
         work = dist.all_reduce(ours, op=rop, async_op=async_op)
         if async_op:
             work.wait()
@@ -54,12 +54,14 @@ def inband_matches_gloo(rank, world, n_examples):
         assert torch.equal(ours, theirs), (
             f"rank {rank}: {dtype} {shape} {op} async={async_op}: differs from gloo")
         nbytes = x.numel() * x.element_size()
-        # Below sync_fusion_limit or asynchronous, a small allreduce is fused, not eager.
-        eager = not async_op and nbytes >= 256
-        expect = eager and inband(x, rop, world)
-        assert (stats.inband - before) == int(expect), (rank, dtype, shape, op, async_op)
-        assert not expect or nbytes <= INBAND_BYTES
-        seen["inband" if expect else "sent"] += 1
+        # Below sync_fusion_limit or asynchronous, a small allreduce is fused, not eager;
+        # from the solo threshold (4 MB) on it goes alone on the solo channel.
+        eager = not async_op and 256 <= nbytes < 4 * 10**6
+        route = own_route(x, rop, world) if eager else 0
+        moved = (stats.inband - before[0], stats.exchanged - before[1])
+        assert moved == (int(route == INBAND), int(route == EXCHANGE)), (
+            rank, dtype, shape, op, async_op, moved)
+        seen["inband" if route == INBAND else "exchanged" if route == EXCHANGE else "sent"] += 1
 
     prop()
     return seen
@@ -67,7 +69,7 @@ def inband_matches_gloo(rank, world, n_examples):
 
 def test_inband_allreduce_is_gloo_bit_for_bit(pools):
     seen = pools(2).run(inband_matches_gloo, 80, timeout=240)
-    assert seen[0]["inband"] >= 5 and seen[0]["sent"] >= 5, seen[0]
+    assert min(seen[0].values()) >= 5, seen[0]
 
 
 def refused_then_usable(rank, world, case):
@@ -80,8 +82,11 @@ def refused_then_usable(rank, world, case):
     if case == "size":  # both in-band, different sizes
         x = torch.ones(1000 + 24 * rank)
         call = lambda: dist.all_reduce(x)  # noqa: E731
-    elif case == "route":  # rank 0 in-band (4 KB), rank 1 not (8 KB): same op, other sizes
+    elif case == "route":  # rank 0 in-band (4 KB), rank 1 exchanged (8 KB)
         x = torch.ones(1024 * (rank + 1))
+        call = lambda: dist.all_reduce(x)  # noqa: E731
+    elif case == "device":  # the same call, one rank's on a route of its own, the other's not
+        x = torch.ones(100_000)
         call = lambda: dist.all_reduce(x)  # noqa: E731
     elif case == "dtype":  # the same bytes, another dtype: only the fingerprint tells
         x = torch.ones(512, dtype=torch.float64 if rank == 0 else torch.int64)
@@ -90,11 +95,18 @@ def refused_then_usable(rank, world, case):
         x = torch.ones(1024)
         call = ((lambda: dist.all_reduce(x)) if rank == 0
                 else (lambda: dist.broadcast(x, src=0)))
+    from gradientflow.engine import checks
+
+    kept = checks._OWN_ROUTE_DTYPES
+    if case == "device" and rank == 1:  # as if its tensor could not take the route (a GPU's)
+        checks._OWN_ROUTE_DTYPES = frozenset()
     try:
         call()
         error = "no error"
     except CollectiveMismatchError as exc:
         error = str(exc)
+    finally:
+        checks._OWN_ROUTE_DTYPES = kept
     assert f"rank {rank}" in error and "collective mismatch" in error, (rank, error)
     assert "refused on every rank" in error, (rank, error)
     assert torch.equal(x, torch.ones_like(x)), f"rank {rank}: a refused call changed its tensor"
@@ -104,7 +116,7 @@ def refused_then_usable(rank, world, case):
     return error
 
 
-@pytest.mark.parametrize("case", ["size", "route", "dtype", "op"])
+@pytest.mark.parametrize("case", ["size", "route", "dtype", "op", "device"])
 def test_inband_mismatch_refused_on_every_rank(pools, case):
     msgs = pools(2).run(refused_then_usable, case, timeout=90, pg_timeout_s=20)
     assert all("sequence number" in m for m in msgs), msgs

@@ -38,34 +38,38 @@ class Check:
     `describe()`), with what each rank sends and expects for all-to-all (`pairs`), and the
     tensor of an allreduce that travels inside its round (`payload`, see `inband`)."""
 
-    __slots__ = ("seq", "key", "fingerprint", "pairs", "waited", "payload")
+    __slots__ = ("seq", "key", "fingerprint", "pairs", "waited", "payload", "route")
 
     def __init__(self, seq: int, key: tuple, pairs: Any = None, waited: bool = False,
-                 payload: torch.Tensor | None = None) -> None:
+                 payload: torch.Tensor | None = None, route: int = 0) -> None:
         self.seq = seq
         self.key = key
-        # An in-band call differs from the same call sent after its round: ranks that would
-        # take different routes are refused before either sends.
+        # A call on a route of its own (INBAND, EXCHANGE) differs from the same call on the
+        # transport's: ranks that would take different routes are refused before either sends.
         fp = key_fingerprint(key)
-        self.fingerprint = fp if payload is None else mix(fp, _INBAND_SALT)
+        self.fingerprint = mix(fp, route) if route else fp
         self.pairs = pairs  # () -> (bytes sent to each rank, bytes expected from each rank)
         self.waited = waited  # a synchronous call: its caller blocks on it
         self.payload = payload
+        self.route = route
 
     def describe(self) -> str:
-        text = f"#{self.seq} {describe_key(self.key)}"
-        return text if self.payload is None else text + " (in its check round)"
+        return f"#{self.seq} {describe_key(self.key)}{_ROUTE_NAMES.get(self.route, '')}"
 
 
-# In-band allreduces: an eager SUM of two ranks, up to 4 KiB, on CPU, travels inside its own
-# check round (exchange.py) and each rank adds the other's tensor to its own: one exchange
-# instead of a round and then the transport's allreduce. 4 KiB because every round of a group
-# of two sends a frame of that size, whether it carries a payload or not. Two ranks only,
-# where a + b on one rank and b + a on the other are the same bits as gloo's ring
-# (floating-point addition commutes); with more ranks the order of the sum would differ.
+# Eager SUMs of two ranks on CPU take routes of their own, which give gloo's bits because
+# each rank adds the other's tensor to its own (a + b on one, b + a on the other: floating-
+# point addition commutes; with more ranks the order of the sum would differ from gloo's):
+# - INBAND, up to 4 KiB: the tensor travels inside its own check round (exchange.py), one
+#   exchange instead of a round and then the transport's allreduce. 4 KiB because every round
+#   of a group of two sends a frame of that size, whether it carries a payload or not.
+# - EXCHANGE, up to 4 MiB: after the round, one all-to-all of the whole tensor on the transport
+#   (one hop each way, where gloo's ring of two takes two in a row, each of half the bytes).
+INBAND, EXCHANGE = 1, 2
+_ROUTE_NAMES = {INBAND: " (in its check round)", EXCHANGE: " (exchanged whole)"}
 INBAND_BYTES = 4096
-_INBAND_DTYPES = frozenset({torch.float32, torch.float64, torch.int32, torch.int64})
-_INBAND_SALT = 0x1B
+EXCHANGE_BYTES = 4 * 2**20
+_OWN_ROUTE_DTYPES = frozenset({torch.float32, torch.float64, torch.int32, torch.int64})
 _SUM = hash(ReduceOp.SUM)
 
 
@@ -74,14 +78,15 @@ def inband_cap(world_size: int) -> int:
     return INBAND_BYTES if world_size == 2 else 0
 
 
-def inband(tensor: torch.Tensor, reduce_op: Any, world_size: int) -> bool:
-    """Whether an eager allreduce travels inside its check round: a function of what the round
-    compares (dtype, size, reduce op) and the world size, so a rank that decides otherwise
-    than its peers sends a different fingerprint and the call is refused."""
-    return (world_size == 2 and tensor.dtype in _INBAND_DTYPES
-            and hash(reduce_op) == _SUM and tensor.device.type == "cpu"
-            and tensor.layout == torch.strided
-            and tensor.numel() * tensor.element_size() <= INBAND_BYTES)
+def own_route(tensor: torch.Tensor, reduce_op: Any, world_size: int) -> int:
+    """INBAND, EXCHANGE or 0 (the transport's allreduce) for an eager allreduce: a function of
+    what the round compares (dtype, size, reduce op) and the world size, so a rank that decides
+    otherwise than its peers sends another fingerprint and the call is refused."""
+    if (world_size != 2 or tensor.dtype not in _OWN_ROUTE_DTYPES or hash(reduce_op) != _SUM
+            or tensor.device.type != "cpu" or tensor.layout != torch.strided):
+        return 0
+    nbytes = tensor.numel() * tensor.element_size()
+    return INBAND if nbytes <= INBAND_BYTES else EXCHANGE if nbytes <= EXCHANGE_BYTES else 0
 
 
 def _tensors(x: Any) -> Iterator[torch.Tensor]:

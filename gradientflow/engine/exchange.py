@@ -7,7 +7,7 @@ function of the world size alone) whatever it holds: a peer that sent a round of
 length, or another kind of round, is read and named instead.
 
 The frame can carry a payload: a small synchronous allreduce of two ranks travels inside its
-own check round (checks.inband), so it costs one exchange instead of a round and then the
+own check round (checks.own_route), so it costs one exchange instead of a round and then the
 transport's allreduce.
 
 Frame: int64 [nwords, payload bytes or -1], the words, zeros up to HEADER bytes, the payload.

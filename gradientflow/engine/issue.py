@@ -38,7 +38,8 @@ from typing import TYPE_CHECKING, Any, Callable, Hashable
 import torch
 
 from gradientflow.engine import completion, streams
-from gradientflow.engine.checks import Check, inband, refuses_only_the_call, signature
+from gradientflow.engine.checks import (EXCHANGE, INBAND, Check, own_route,
+                                        refuses_only_the_call, signature)
 from gradientflow.engine.fusion import FusableOp, solo_cut
 from gradientflow.engine.jobs import EagerOp
 from gradientflow.engine.rounds import Rounds
@@ -131,6 +132,9 @@ class Issue:
         self.solo_bytes = solo_cut(config.fusion_threshold, config.solo_threshold)
         self._solo_channel = (self._solo is not None and config.solo_channel
                               and config.fusion_threshold > 0)
+        # Eager sums of two ranks go their own ways (checks.own_route) under the ring
+        # algorithm, whose result they give; the others are the algorithm's to carry.
+        self._own_routes = config.algorithm == "ring"
 
     # ------------------------------------------------------------------ routing
     def route(self, device: torch.device, nbytes: int, async_op: bool = True) -> str:
@@ -171,16 +175,20 @@ class Issue:
             # waits for the others, whose engine threads must still run their rounds.
             tp = self._solo.get(tensor.device)
             return self._issue_solo(tensors, opts, tensor, reduce_op, tp)
-        if inband(tensor, reduce_op, self._parts.world_size):
-            # Summed inside its own check round (checks.inband): nothing left to send.
-            return self._issue("all_reduce", lambda seq, chk: self._eager(
-                seq, "all_reduce", lambda: self._inband_done(seq, tensors), tensors,
-                tensor.device, chk), tensor, opts, tensor.device, reduce_op, outputs=tensors,
-                payload=tensor)
         main = self._transport_for
+        route = own_route(tensor, reduce_op, self._parts.world_size) if self._own_routes else 0
+        if route == INBAND:  # summed inside its own check round: nothing left to send
+            launch = lambda seq: self._inband_done(seq, tensors)  # noqa: E731
+        elif route == EXCHANGE:
+            waited = not async_op
+            launch = lambda seq: self._exchange(  # noqa: E731
+                main(tensor.device), tensor, seq, waited)
+        else:
+            launch = lambda seq: main(tensor.device).allreduce(tensors, opts)  # noqa: E731
         return self._issue("all_reduce", lambda seq, chk: self._eager(
-            seq, "all_reduce", lambda: main(tensor.device).allreduce(tensors, opts), tensors,
-            tensor.device, chk), tensor, opts, tensor.device, reduce_op, outputs=tensors)
+            seq, "all_reduce", lambda: launch(seq), tensors, tensor.device, chk), tensor, opts,
+            tensor.device, reduce_op, outputs=tensors,
+            payload=tensor if route == INBAND else None, route=route)
 
     def _inband_done(self, seq: int, tensors: list) -> FutureWork:
         """The Work of an allreduce its round already summed: complete, its value the tensors."""
@@ -188,6 +196,35 @@ class Issue:
         fut.set_result(tensors)
         self._stats.record_inband()
         return FutureWork(fut, self._works, seq, "all_reduce")
+
+    def _exchange(self, transport: Any, tensor: torch.Tensor, seq: int,
+                  waited: bool) -> FutureWork:
+        """An allreduce of two ranks as one all-to-all of the whole tensor, the peer's then
+        added to this rank's (checks.EXCHANGE); its round already agreed dtype and size.
+
+        `waited` (a synchronous call): done here, waiting on the transport as a round does
+        (in slices, ending on the group's fault); a future chained to the transport's
+        would cost a thread hand-off or two on the way back.
+        """
+        flat = tensor.view(-1)
+        theirs = torch.empty_like(flat)
+        n = flat.numel()
+        splits = [0, n] if self._parts.rank == 0 else [n, 0]
+        work = transport.alltoall_base(theirs, flat, splits, splits)
+        self._stats.record_exchange()
+        if waited:
+            self._parts.rounds.wait(work)
+            flat.add_(theirs)
+            fut = completion.new_source()
+            fut.set_result([tensor])
+            return FutureWork(fut, self._works, seq, "all_reduce")
+
+        def add(fut: torch.futures.Future) -> list:
+            fut.value()  # re-raises the transport's error
+            flat.add_(theirs)
+            return [tensor]
+
+        return FutureWork(work.get_future().then(add), self._works, seq, "all_reduce")
 
     def collective(self, name: str, device: torch.device, call: Callable[[Any], Any],
                    outputs: Any, opts: Any = None, sig: torch.Tensor | None = None,
@@ -425,7 +462,8 @@ class Issue:
     def _issue(self, name: str, submit: Callable[[int, Check | None], Any], sig: Any,
                opts: Any, device: torch.device, reduce_op: Any = _UNSET,
                pair_bytes: Callable[[], tuple[list, list]] | None = None,
-               outputs: Any = None, payload: torch.Tensor | None = None) -> Any:
+               outputs: Any = None, payload: torch.Tensor | None = None,
+               route: int = 0) -> Any:
         """Number the call and `submit(seq, check)` it under the engine's lock, recording it for
         the inspector (checking it first under GRADIENTFLOW_DEBUG); run its round if it claimed
         the floor; a synchronous CPU call is waited on here, in slices, so a fault found
@@ -444,10 +482,10 @@ class Issue:
             with self._debug_lock:
                 insp.debug.check(self.seq, name, sig, root, reduce_op, pair_bytes)
                 seq, work = self._submit(name, submit, key, pair_bytes, waited, sig, root,
-                                         reduce_op, payload)
+                                         reduce_op, payload, route)
         else:
             seq, work = self._submit(name, submit, key, pair_bytes, waited, sig, root,
-                                     reduce_op, payload)
+                                     reduce_op, payload, route)
         if insp is None:
             return work
         if isinstance(work, FutureWork):
@@ -458,13 +496,14 @@ class Issue:
 
     def _submit(self, name: str, submit: Callable[[int, Check | None], Any], key: tuple,
                 pair_bytes: Any, waited: bool, sig: Any, root: Any,
-                reduce_op: Any, payload: torch.Tensor | None = None) -> tuple[int, Any]:
+                reduce_op: Any, payload: torch.Tensor | None = None,
+                route: int = 0) -> tuple[int, Any]:
         """Take the call's number, submit it and record it (under the engine's lock); then
         run its round and launch if it claimed the floor. Returns (seq, its Work)."""
         insp = self._insp
         with self._lock:
             seq = self._take(name)
-            work = submit(seq, Check(seq, key, pair_bytes, waited, payload))
+            work = submit(seq, Check(seq, key, pair_bytes, waited, payload, route))
             if insp is not None:
                 insp.record(seq, name, sig, root, reduce_op, work)
         if isinstance(work, Claim):

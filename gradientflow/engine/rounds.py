@@ -108,7 +108,7 @@ class Rounds:
 
     def _add_payloads(self, tensor: torch.Tensor) -> None:
         """An in-band allreduce's result: the other ranks' tensors, from the round just agreed,
-        added to this rank's (checks.inband says when the order cannot matter)."""
+        added to this rank's (checks.own_route says when the order cannot matter)."""
         for r, data in enumerate(self.payloads):
             if r != self.rank and data is not None:
                 tensor.add_(data.view(tensor.dtype).view(tensor.shape))
@@ -154,11 +154,12 @@ class Rounds:
         """The point-to-point rounds of the side group (made at the first round)."""
         if self._ex is None:
             self._ex = Exchange(self._group, self.rank, self.world_size,
-                                inband_cap(self.world_size), self._wait)
+                                inband_cap(self.world_size), self.wait)
         return self._ex
 
-    def _wait(self, work: Any) -> None:
-        """Wait for a round's Work in slices, raising the group's fault if one is found."""
+    def wait(self, work: Any) -> None:
+        """Wait for a round's Work (or another transport Work) in slices, raising the group's
+        fault if one is found."""
         while True:
             try:
                 work.wait(_SLICE)
@@ -259,12 +260,12 @@ class Rounds:
         data = torch.frombuffer(bytearray(pickle.dumps(mine)), dtype=torch.uint8)
         size = torch.tensor([data.numel()], dtype=torch.int64)
         sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
-        self._wait(self._group.allgather([sizes], [size]))
+        self.wait(self._group.allgather([sizes], [size]))
         cap = int(max(x.item() for x in sizes))
         padded = torch.zeros(cap, dtype=torch.uint8)
         padded[:data.numel()] = data
         outs = [torch.zeros(cap, dtype=torch.uint8) for _ in range(self.world_size)]
-        self._wait(self._group.allgather([outs], [padded]))
+        self.wait(self._group.allgather([outs], [padded]))
         return [pickle.loads(bytes(o[:int(sz.item())].tolist())) for o, sz in zip(outs, sizes)]
 
 
