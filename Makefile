@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH_PINS)
 	$(PY) -m pip install -q -e ".[test,experiments,spark,autotune]" $(TORCH_PINS)
-	$(PY) -m gradientflow.kernels.warm  # numba's cache filled now, not in a first training step
+	$(PY) -m gradientflow.kernels  # numba's cache filled now, not in a first training step
 	touch $(STAMP)
 
 test: install lint
@@ -44,7 +44,7 @@ $(OLD_STAMP): pyproject.toml
 	$(OLD_PY) -m pip install -q --upgrade pip
 	$(OLD_PY) -m pip install -q $(OLD_PINS)
 	$(OLD_PY) -m pip install -q -e ".[test]" $(OLD_EXTRAS) $(OLD_PINS)
-	$(OLD_PY) -m gradientflow.kernels.warm
+	$(OLD_PY) -m gradientflow.kernels
 	touch $(OLD_STAMP)
 
 test-oldest: $(OLD_STAMP)

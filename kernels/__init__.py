@@ -60,7 +60,7 @@ numba reads its own environment variables at import: ``NUMBA_THREADING_LAYER`` (
 set), ``NUMBA_NUM_THREADS`` (the upper bound of ``set_num_threads``), ``NUMBA_CACHE_DIR`` (where
 compiled kernels are cached when the package folder is read-only, e.g. a system install;
 otherwise ``kernels/__pycache__``), ``NUMBA_ENABLE_CUDASIM`` (tests). This package reads no
-environment itself. ``python -m gradientflow.kernels.warm`` (``make install`` runs it) compiles
+environment itself. ``python -m gradientflow.kernels`` (``make install`` runs it) compiles
 every CPU kernel into the cache; ``warm.start()`` / ``warm.wait()`` load or compile them in the
 background / before returning.
 """

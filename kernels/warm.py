@@ -1,18 +1,21 @@
-"""The CPU kernels compiled before they are needed: at install, and in the background.
+"""The CPU kernels compiled before they are needed: at install, and beside the first steps.
 
 numba compiles a kernel at its first call, for each signature, unless its on-disk cache holds
 it: with an empty cache that is about half a minute of one core for the CSC kernels, which a
 first compressed step would otherwise pay inside training. Two ways keep it off that path:
 
-- ``python -m gradientflow.kernels.warm`` compiles every signature into numba's cache (``make
+- ``python -m gradientflow.kernels`` compiles every signature into numba's cache (``make
   install`` runs it; so can an image's build step). The cache is ``kernels/__pycache__`` when
   the package folder is writable, else numba's per-user cache folder, or ``NUMBA_CACHE_DIR``:
   a read-only install shared by several users points that variable at one folder warmed once.
-- ``start()`` (compressors call it when they are built, on the main thread) loads or compiles
-  them on a daemon thread; until that thread is done, ``ready()`` is False and the dispatch
+- ``start()`` (compressors call it when they are built, on the main thread) makes the kernels
+  ready beside the first steps: a cache that holds them is loaded on a daemon thread (well
+  under a second); an empty one is filled first by that command in a child process, so the
+  compiler takes neither this process's GIL nor its import lock (a DataLoader worker forked
+  meanwhile would inherit the lock held). Until then ``ready()`` is False and the dispatch
   (``kernels.implementation``) runs the torch reference, which computes the same results
   (tests/kernels). Ranks of one host take turns through a file lock, so one compiles and the
-  others then load what it wrote.
+  others load what it wrote. A fork while this process is loading waits for the load to end.
 
 ``wait()`` blocks until the kernels are ready: for a run that must be bit-reproducible from
 its first compressed step (the norms of the numba kernels and the reference may differ in
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import subprocess
 import sys
 import tempfile
 import threading
@@ -30,6 +34,7 @@ import time
 _lock = threading.Lock()
 _thread: threading.Thread | None = None
 _done = threading.Event()
+_loading = threading.Event()  # this process is importing or loading kernels right now
 _error: BaseException | None = None
 _seconds: float | None = None
 
@@ -40,7 +45,7 @@ def ready() -> bool:
 
 
 def error() -> BaseException | None:
-    """Why the background warm-up failed (the dispatch then keeps the reference), or None."""
+    """Why the warm-up failed (the dispatch then keeps the reference), or None."""
     return _error
 
 
@@ -53,18 +58,60 @@ def _lock_path() -> str:
     return os.path.join(tempfile.gettempdir(), f"gradientflow-kernels-{os.getuid()}.lock")
 
 
-def _warm() -> None:
+def _dispatchers() -> list:
+    import numba
+
+    from . import cpu
+
+    return [v for v in vars(cpu).values() if isinstance(v, numba.core.registry.CPUDispatcher)
+            and v.py_func.__module__ == cpu.__name__]
+
+
+def cache_dir() -> str:
+    """Where numba keeps the compiled CPU kernels for this install and user."""
+    return str(_dispatchers()[0]._cache._cache_path)
+
+
+def cached() -> bool:
+    """Whether numba's cache holds an index for every CPU kernel (their signatures are then
+    loaded, not compiled; a stale or missing one is compiled by the loader)."""
+    try:
+        names = set(os.listdir(cache_dir()))
+    except OSError:
+        return False
+    return all(any(n.startswith(f"cpu.{d.__name__}-") and n.endswith(".nbi") for n in names)
+               for d in _dispatchers())
+
+
+def _load() -> None:
+    """Compile or load every kernel signature in this process, one rank of a host at a time."""
+    from . import cpu
+
+    with open(_lock_path(), "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)  # one rank of a host compiles; the others load
+        _loading.set()
+        try:
+            cpu.warm_up()
+        finally:
+            _loading.clear()
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _fill_in_child() -> None:
+    """Fill the cache with `python -m gradientflow.kernels` in a child process."""
+    proc = subprocess.run([sys.executable, "-m", "gradientflow.kernels"],
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"python -m gradientflow.kernels failed: {proc.stderr[-2000:]}")
+
+
+def _warm(fill_first: bool) -> None:
     global _error, _seconds
     t0 = time.perf_counter()
     try:
-        from . import cpu
-
-        with open(_lock_path(), "a") as fh:
-            fcntl.flock(fh, fcntl.LOCK_EX)  # one rank of a host compiles; the others load
-            try:
-                cpu.warm_up()
-            finally:
-                fcntl.flock(fh, fcntl.LOCK_UN)
+        if fill_first:
+            _fill_in_child()
+        _load()
     except BaseException as exc:  # noqa: BLE001 - kept: the reference still serves
         _error = exc
     finally:
@@ -72,8 +119,14 @@ def _warm() -> None:
         _done.set()
 
 
+def _before_fork() -> None:
+    # A child forked while this process imports or loads kernels would inherit held locks.
+    if _loading.is_set():
+        _done.wait(120)
+
+
 def start() -> None:
-    """Start loading or compiling the CPU kernels on a daemon thread (once per process).
+    """Make the CPU kernels ready beside the first steps (once per process; module doc).
 
     On the main thread, numba's thread pool is started here first (kernels/_threads.py: a
     TBB pool must be started by the main thread); elsewhere the pool starts wherever the
@@ -85,9 +138,14 @@ def start() -> None:
     with _lock:
         if _thread is not None or _done.is_set():
             return
-        from . import cpu  # noqa: F401 - imported here: starts the pool on the main thread
-
-        _thread = threading.Thread(target=_warm, name="gradientflow-kernels-warm", daemon=True)
+        _loading.set()  # the imports below, and cached()'s
+        try:
+            fill_first = not cached()  # imports kernels.cpu: starts the pool on the main thread
+        finally:
+            _loading.clear()
+        os.register_at_fork(before=_before_fork)
+        _thread = threading.Thread(target=_warm, args=(fill_first,), daemon=True,
+                                   name="gradientflow-kernels-warm")
         _thread.start()
 
 
@@ -98,29 +156,15 @@ def wait(timeout: float | None = None) -> bool:
     return ready()
 
 
-def cache_dir() -> str:
-    """Where numba keeps the compiled CPU kernels for this install and user."""
-    import numba
-
-    from . import cpu
-
-    for v in vars(cpu).values():
-        if isinstance(v, numba.core.registry.CPUDispatcher):
-            return str(v._cache._cache_path)
-    return "?"
-
-
 def main() -> int:
     """Compile every CPU kernel into numba's cache; print where and how long it took."""
     t0 = time.perf_counter()
-    _warm()
-    if _error is not None:
-        print(f"gradientflow.kernels.warm: failed: {_error!r}", file=sys.stderr)
+    try:
+        _load()
+    except Exception as exc:  # noqa: BLE001 - reported with its cause
+        print(f"gradientflow.kernels: compiling the CPU kernels failed: {exc!r}",
+              file=sys.stderr)
         return 1
     print(f"gradientflow: CPU kernels ready in {time.perf_counter() - t0:.1f} s "
           f"(numba cache: {cache_dir()})")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

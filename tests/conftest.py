@@ -35,6 +35,17 @@ if _PROFILE:
     settings.load_profile(_PROFILE)
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _kernels_loaded():
+    """impl="auto" means the numba kernels in every test, as in the rank pools
+    (tests/harness.py): until they are loaded the dispatch would run the torch reference
+    (kernels/warm.py, whose own tests take that path on purpose), and a test that compares
+    two runs must see one kernel."""
+    from gradientflow.kernels import warm
+
+    assert warm.wait(timeout=600), f"the CPU kernels did not load: {warm.error()!r}"
+
+
 DEFAULT_TIMEOUT_S = 900  # the slowest multi-process test takes minutes on a loaded 2-core host
 
 

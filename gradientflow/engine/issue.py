@@ -387,7 +387,7 @@ class Issue:
             parts = self._parts
             group = parts.solo_agree_group or self._solo.existing("cpu")
             self._solo_rounds = Rounds(parts.rank, parts.world_size, group, self._stats,
-                                       f"{parts.name} (solo channel)")
+                                       f"{parts.name} (solo channel)", payloads=False)
             self._solo_rounds.fault = parts.rounds.fault
         return self._solo_rounds
 

@@ -35,7 +35,7 @@ class Rounds:
     """Agreement rounds of one process group, on its side group `group` (never the data's)."""
 
     def __init__(self, rank: int, world_size: int, group: Any, stats: Any,
-                 name: str = "gradientflow") -> None:
+                 name: str = "gradientflow", payloads: bool = True) -> None:
         self.rank = rank
         self.world_size = world_size
         self._group = group
@@ -45,6 +45,9 @@ class Rounds:
         # streams, a stall abort): a round blocked on a rank that will never join ends with it.
         self.fault: Callable[[], BaseException | None] = lambda: None
         self._ex: Exchange | None = None
+        # Whether a round can carry a call's tensor (checks.own_route): every frame of the
+        # group is then that much larger; the solo channel's rounds carry none.
+        self._payload_cap = inband_cap(world_size) if payloads else 0
         self.payloads: list = []  # every rank's payload of the last round (exchange.py)
 
     def agree(self, candidates: list, waited: bool = False) -> int:
@@ -154,7 +157,7 @@ class Rounds:
         """The point-to-point rounds of the side group (made at the first round)."""
         if self._ex is None:
             self._ex = Exchange(self._group, self.rank, self.world_size,
-                                inband_cap(self.world_size), self.wait)
+                                self._payload_cap, self.wait)
         return self._ex
 
     def wait(self, work: Any) -> None:

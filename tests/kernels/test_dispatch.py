@@ -130,7 +130,7 @@ _EXIT_SCRIPT = textwrap.dedent(
         from gradientflow import kernels as K
         x, out = torch.randn(30000), torch.empty(30000, dtype=torch.float16)
         for _ in range(100):
-            K.cast_scaled(x, 0.5, torch.float16, out=out)
+            K.cast_scaled(x, 0.5, torch.float16, out=out, impl="numba")
             time.sleep(0.001)
     t = threading.Thread(target=work, daemon=True, name="0-engine")
     t.start()
@@ -165,11 +165,13 @@ def test_forked_child_can_run_kernels_and_torch():
         """
         import os, torch
         from gradientflow import kernels as K
-        K.chunk_norms(torch.randn(100000), None, 100)
+        # impl="numba": the kernels themselves (auto may run the torch reference until they
+        # are loaded, kernels/warm.py), whose threading layer must survive the fork.
+        K.chunk_norms(torch.randn(100000), None, 100, impl="numba")
         torch.randn(1000).sum()
         pid = os.fork()
         if pid == 0:
-            n = K.chunk_norms(torch.ones(100000), None, 100)
+            n = K.chunk_norms(torch.ones(100000), None, 100, impl="numba")
             ok = bool((n == 100).all()) and torch.ones(1000).sum().item() == 1000
             os._exit(0 if ok else 3)
         _, status = os.waitpid(pid, 0)

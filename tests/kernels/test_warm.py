@@ -42,10 +42,10 @@ def test_a_failed_warm_up_keeps_the_reference(monkeypatch):
 
 
 def test_the_command_fills_the_cache_a_fresh_process_then_loads(tmp_path):
-    """`python -m gradientflow.kernels.warm` (make install runs it) compiles into the cache;
+    """`python -m gradientflow.kernels` (make install runs it) compiles into the cache;
     a new process with that cache is ready without compiling (its warm-up only loads)."""
     env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path))
-    cmd = [sys.executable, "-m", "gradientflow.kernels.warm"]
+    cmd = [sys.executable, "-m", "gradientflow.kernels"]
     first = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert first.returncode == 0, first.stderr
     assert "CPU kernels ready" in first.stdout and str(tmp_path) in first.stdout, first.stdout
