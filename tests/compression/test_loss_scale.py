@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, strategies as st
 
 from compression_helpers import (SETTINGS, FakeBucket, flat_slot, grads_for, layouts, make_ranks,
-                                 step)
+                                 method_config, step)
 from gradientflow.compression import CompressionConfig, Layout
 from gradientflow.engine.stages import drive_lockstep
 from gradientflow.hooks import CSCState, FP16State
@@ -21,8 +21,8 @@ def test_scaled_gradients_give_the_unscaled_result(layout, world, method, scales
     Power-of-two scales are exact in binary floating point, so the two runs round alike except
     in FP16's subnormal range (hence a small absolute tolerance).
     """
-    cfg = CompressionConfig(
-        method=method,
+    cfg = method_config(
+        method,
         density=0.25,
         chunk_size=8,
         wire_dtype="bf16" if method == "csc" else "fp16",
