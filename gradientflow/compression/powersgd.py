@@ -148,7 +148,10 @@ class PowerSGDCompressor(Compressor):
         opts = self.config.options
         q = self._q.get(m.name) if opts.warm_start else None
         if q is not None and q.shape == (m.cols, m.rank):
-            return q.to(device)
+            # Orthonormal again: the same span (so the same output), but P = M Q then stays
+            # at the scale of M, where the kept average Q would square it (a half wire
+            # overflows).
+            return orthonormalize(q.to(device))
         salt = zlib.crc32(m.name.encode()) + (0 if opts.warm_start else self.step << 32)
         gen = torch.Generator().manual_seed(opts.seed * 1_000_003 + salt)
         return orthonormalize(torch.randn(m.cols, m.rank, generator=gen)).to(device)

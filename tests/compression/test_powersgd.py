@@ -149,6 +149,26 @@ def test_small_matrices_travel_dense_and_large_ones_as_factors():
     assert comp.stats.as_dict()["last_step"]["wire_bytes"] == 4 * ((256 + 128) * 4 + 256)
 
 
+@pytest.mark.parametrize("wire", ["fp16", "bf16"])
+def test_a_half_wire_keeps_its_rounding_in_the_residual(wire):
+    """The factors cast to a half wire: what the cast lost waits in the residual, so what was
+    applied plus what waits is what was produced, up to the rounding of the sum itself."""
+    layout = Layout.from_shapes([("w", (64, 32)), ("b", (64,)), ("v", (16, 48))])
+    comps = make_ranks(CompressionConfig(method="powersgd", rank=2, wire_dtype=wire), 3)
+    produced = torch.zeros(layout.numel, dtype=torch.float64)
+    applied = torch.zeros_like(produced)
+    for t in range(4):
+        grads = grads_for(3, layout.numel, 20 + t)
+        out = step(comps, layout, grads)[0]
+        assert bool(torch.isfinite(out).all())
+        produced += sum(g.double() for g in grads)
+        applied += 3 * out.double()
+    held = sum(torch.cat([c.state_dict()["memory"]["residual"][n].reshape(-1)
+                          for n in layout.names]).double() for c in comps)
+    eps = {"fp16": 2.0 ** -11, "bf16": 2.0 ** -8}[wire]
+    assert float((produced - applied - held).abs().max()) <= 2 * eps * float(produced.abs().max())
+
+
 def test_options_are_checked_where_they_are_registered():
     with pytest.raises(ValueError, match=r"rank=0 must be an integer >= 1"):
         CompressionConfig(method="powersgd", rank=0)
