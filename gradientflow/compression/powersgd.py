@@ -199,13 +199,13 @@ class PowerSGDCompressor(Compressor):
             reduced2 = yield from self._stage(stage2, final=final)
             finite.append(torch.isfinite(reduced2).all())
             q_sizes = [m.cols * m.rank for m in plan.matrices]
-            for i, (m, p, q_avg) in enumerate(zip(plan.matrices, ps,
-                                                  reduced2.split(q_sizes))):
+            sents = local_q.split(q_sizes) if ef else [None] * len(mats)
+            for m, mat, p, q_avg, sent in zip(plan.matrices, mats, ps, reduced2.split(q_sizes),
+                                              sents):
                 q_avg = q_avg.float().view(m.cols, m.rank)
                 outs.append(p @ q_avg.t())
                 if ef:  # what this rank's own Q_i (as sent) did not carry
-                    sent = local_q[sum(q_sizes[:i]):sum(q_sizes[:i + 1])]
-                    mats[i].sub_(p @ (sent.float().view(m.cols, m.rank) * n).t())
+                    mat.sub_(p @ (sent.float().view(m.cols, m.rank) * n).t())
                 self._q_next[m.name] = q_avg.clone()  # not a view of the engine's buffer
 
         # --- the average in place, the residual committed ---------------------------------------
