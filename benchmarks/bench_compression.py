@@ -31,7 +31,7 @@ import warnings
 import torch
 
 from gradientflow import kernels
-from gradientflow.compression import CompressionConfig, Layout, make_compressor
+from gradientflow.compression import CompressionConfig, CSCOptions, Layout, make_compressor
 from gradientflow.engine.stages import drive, drive_lockstep
 
 DDP_BUCKET_MB = 25  # DDP's default bucket_cap_mb
@@ -114,13 +114,12 @@ def step_budget(configs: dict, layouts, reps: int, world: int = 2) -> list[dict]
              "buckets": len(layouts)} for label in configs]
 
 
-def budget_configs(density: float = 0.01, chunk_size: int = CompressionConfig.chunk_size) -> dict:
+def budget_configs(density: float = 0.01, chunk_size: int = CSCOptions.chunk_size) -> dict:
     """The hook settings whose per-step cost the e2e benchmark depends on."""
     common = dict(chunk_size=chunk_size, warmup_densities=())
     return {
         "fp16 (error feedback)": CompressionConfig(method="fp16"),
-        "fp16 (no error feedback)": CompressionConfig(method="fp16", error_feedback=False,
-                                                      momentum_correction=False),
+        "fp16 (no error feedback)": CompressionConfig(method="fp16", error_feedback=False),
         f"csc {density:g} fp16": CompressionConfig(method="csc", density=density, **common),
         "csc 0.1 fp16": CompressionConfig(method="csc", density=0.1, **common),
     }
@@ -146,7 +145,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=results_dir("compression"), help="output directory")
     p.add_argument("--reps", type=int, default=None, help="timing repeats (default 5, quick 2)")
     p.add_argument("--density", type=float, default=0.01)
-    p.add_argument("--chunk-size", type=int, default=CompressionConfig.chunk_size)
+    p.add_argument("--chunk-size", type=int, default=CSCOptions.chunk_size)
     p.add_argument("--budget-only", action="store_true",
                    help="only the per-step hook budget (one rank, ResNet-50's DDP buckets)")
     p.add_argument("--threads", type=int, default=1,

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import itertools
 import json
 import os
@@ -122,9 +121,9 @@ def _nic_tx_bytes(ifname: str) -> int:
 
 
 def _gf_config(method: str, density: float, **extra):
-    from gradientflow.compression import CompressionConfig
+    from gradientflow.compression import CompressionConfig, lookup
     kw = {"method": method, **extra}
-    names = {f.name for f in dataclasses.fields(CompressionConfig)}
+    names = lookup(method).options.names()
     if method == "csc":
         kw["density"] = density
     if "warmup_densities" in names:

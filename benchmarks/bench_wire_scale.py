@@ -60,8 +60,8 @@ def _ours(grads, shapes, method: str) -> torch.Tensor:
 
     n = len(grads)
     layout = Layout.from_shapes(shapes)
-    cfg = CompressionConfig(method=method, density=1.0, warmup_densities=(),
-                            error_feedback=False, momentum_correction=False)
+    csc = dict(density=1.0, warmup_densities=()) if method == "csc" else {}
+    cfg = CompressionConfig(method=method, error_feedback=False, **csc)
     comps = [make_compressor(cfg, n) for _ in range(n)]
     return drive_lockstep([c.reduce(g.clone(), layout) for c, g in zip(comps, grads)])[0]
 

@@ -11,6 +11,8 @@ import os
 import re
 from typing import Any, Mapping
 
+from gradientflow import algorithm_registry
+
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6,
           "mib": 2**20, "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12,
@@ -74,7 +76,6 @@ def _parse_int(value: Any, name: str, lo: int, hi: int) -> int:
     return out
 
 
-ALGORITHMS = ("ring", "hierarchical", "reduction_server", "auto")
 CUDA_TRANSPORTS = ("nccl", "gloo")
 
 
@@ -220,7 +221,7 @@ class Config:
             "autotune_warmup": lambda v, n: _parse_int(v, n, 0, 10000),
             "autotune_seed": lambda v, n: _parse_int(v, n, 0, 2**31 - 1),
             "autotune_sampler": lambda v, n: _parse_choice(v, n, ("tpe", "gp")),
-            "algorithm": lambda v, n: _parse_choice(v, n, ALGORITHMS),
+            "algorithm": lambda v, n: _parse_choice(v, n, algorithm_registry.names()),
             "reducers": lambda v, n: _parse_int(v, n, 0, 4096),
             "host": lambda v, n: str(v),
         }

@@ -1,5 +1,6 @@
 """Collective algorithms for the allreduce of one flat message: ring, hierarchical,
-reduction_server, auto (docs/ALGORITHMS.md).
+reduction_server, auto (docs/ALGORITHMS.md): one module each, imported below, which attaches
+what runs it to its entry in gradientflow/algorithm_registry.py.
 
 The backend builds one `Algorithms` per process group and asks it for a `transport_for`
 per transport stream (a *channel*: the engine's fused and stage messages, the solo channel).
@@ -13,17 +14,21 @@ from typing import Any, Callable
 
 import torch
 
-from gradientflow.algorithms import auto as _auto
+from gradientflow import algorithm_registry as registry
+from gradientflow.algorithm_registry import Algorithm, lookup, register
+from gradientflow.algorithms import auto as _auto  # noqa: F401  (each attaches what runs it)
+from gradientflow.algorithms import hierarchical as _hierarchical  # noqa: F401
+from gradientflow.algorithms import reduction_server as _reduction_server  # noqa: F401
 from gradientflow.algorithms import ring as _ring
 from gradientflow.algorithms.base import (AlgorithmWork, Executor, StepFailed, algorithm_stats,
                                           reset_algorithm_stats)
 from gradientflow.algorithms.topology import Topology, discover
-
-from gradientflow.config import ALGORITHMS  # noqa: E402 - one list, validated there
 from gradientflow.stores import own_connection
 
-__all__ = ["ALGORITHMS", "Algorithms", "AlgorithmWork", "StepFailed", "Topology",
-           "algorithm_stats", "reset_algorithm_stats"]
+ALGORITHMS = registry.names()
+
+__all__ = ["ALGORITHMS", "Algorithm", "Algorithms", "AlgorithmWork", "StepFailed", "Topology",
+           "algorithm_stats", "lookup", "register", "reset_algorithm_stats"]
 
 
 class Algorithms:
@@ -37,7 +42,7 @@ class Algorithms:
         self.name = config.algorithm
         self.reducers = config.reducers
         self._config = config
-        self._store = store
+        self.store = store
         self.rank = rank
         self.size = size
         self.timeout_s = timeout_s
@@ -46,11 +51,7 @@ class Algorithms:
         self._topo: Topology | None = None
         self._lock = threading.Lock()
         self._channels: list[Channel] = []
-        if self.name == "reduction_server" and self.reducers < 1:
-            raise ValueError(
-                f"gradientflow: rank {rank}: algorithm=reduction_server needs reducers >= 1 "
-                "(GRADIENTFLOW_REDUCERS or the reducers option), as many as the reducer "
-                "processes started with python -m gradientflow.reducer --reducers R")
+        lookup(self.name).check(config, rank)
 
     def topology(self) -> Topology:
         """Which ranks share a host (read through the store once, by every rank)."""
@@ -58,7 +59,7 @@ class Algorithms:
             if self._topo is None:
                 # on a connection of its own: a thread creating a transport group on the
                 # shared one may be waiting there for a peer that waits for this exchange
-                self._topo = discover(own_connection(self._store), self.rank, self.size,
+                self._topo = discover(own_connection(self.store), self.rank, self.size,
                                       self._config.host or self._config.node,
                                       self.timeout_s,
                                       local_world_size=self._config.local_world_size)
@@ -74,7 +75,7 @@ class Algorithms:
 
         def make(device_type: str, rank: int, size: int, prefix: str) -> Any:
             if not own:
-                own.append(own_connection(self._store))
+                own.append(own_connection(self.store))
             return self._make_group(own[0], device_type, rank, size, prefix)
 
         return make
@@ -139,39 +140,24 @@ class _Bound:
 
     def __getattr__(self, name: str) -> Any:
         # Every other collective (eager ones, barriers) is the transport's own.
-        return getattr(self.channel._base(self.device), name)
-
-
-class _Works:
-    """CUDA hierarchical: the stages' Works, waited in order (orders the caller's stream)."""
-
-    def __init__(self, works: list[Any], tensors: list) -> None:
-        self._works = works
-        self._tensors = tensors
-
-    def wait(self, timeout=None) -> bool:
-        for w in self._works:
-            w.wait()
-        return True
-
-    def is_completed(self) -> bool:
-        return all(w.is_completed() for w in self._works)
+        return getattr(self.channel.transport(self.device), name)
 
 
 class Channel:
-    """One transport stream of a group under its algorithm: an executor and the groups of
-    each algorithm it used, created at the first message that needs them."""
+    """One transport stream of a group under its algorithm: an executor and a handler per
+    algorithm it used (the registry's `build`), created at the first message that needs it."""
 
     def __init__(self, algos: Algorithms, name: str,
                  transport_for: Callable[[torch.device], Any]) -> None:
         self.algos = algos
         self.name = name
-        self._base = transport_for
+        self.transport = transport_for  # the transport's own process group, per device
         self._bound: dict[str, _Bound] = {}
         self._executor: Executor | None = None
-        self._hier = None
-        self._rs = None
-        self._lock = threading.Lock()
+        self._handlers: dict[str, Any] = {}
+        # Held while a multi-group algorithm is built or hands a message to the executor, so
+        # every message of the channel reaches it in the order the engine issued them.
+        self.lock = threading.Lock()
 
     def transport_for(self, device: torch.device) -> _Bound:
         b = self._bound.get(device.type)
@@ -181,66 +167,43 @@ class Channel:
 
     def pick(self, tensor: torch.Tensor, opts: Any) -> str:
         """The algorithm for this message (a function of the call alone: same on every rank);
-        ring.FALLBACK: ring, for a message the configured reduction_server cannot take."""
-        from gradientflow.algorithms import reduction_server as rs
-
+        ring.FALLBACK: the baseline, for a message the configured algorithm cannot carry."""
         a = self.algos
-        name = a.name
-        if name == "ring":
-            return name
-        nbytes = tensor.numel() * tensor.element_size()
-        if name == "auto":
-            reducers = a.reducers if rs.supports(tensor, opts) else 0
-            name = _auto.choose(nbytes, a.size, a.topology(), reducers)
+        algo = lookup(a.name)
+        if algo.chooser:
+            algo = lookup(algo.choose(a, tensor, opts))
         if a.size <= 1:
-            return "ring"
-        if name == "reduction_server" and not rs.supports(tensor, opts):
-            # CUDA tensors, or an op or dtype the reducers do not implement: ring carries it,
-            # counted apart so stats() shows what reduction_server did not take
+            return registry.BASELINE
+        if not algo.carries(tensor, opts):
+            # CUDA tensors, or an op or dtype the reducers do not implement: the baseline
+            # carries it, counted apart so stats() shows what the algorithm did not take
             return _ring.FALLBACK
-        return name
+        return algo.name
 
-    def _exec(self) -> Executor:
+    def executor(self) -> Executor:
+        """The channel's thread for algorithms that wait on several groups in turn."""
         if self._executor is None:
             self._executor = Executor(f"{self.algos.label}-{self.name}-algorithm")
         return self._executor
 
     def allreduce(self, device: torch.device, tensors, opts=None):
-        t = tensors[0]
-        name = self.pick(t, opts)
-        a = self.algos
-        if name in ("ring", _ring.FALLBACK):
-            return _ring.allreduce(self._base(device), t, opts, a.rank, a.size,
-                                   a.known_topology(), label=name)
-        with self._lock:
-            if name == "hierarchical":
-                hier = self._hierarchical()
-                if device.type == "cuda":
-                    return _Works(hier.allreduce_issue(t, opts), tensors)
-                return self._exec().submit(lambda: hier.allreduce_blocking(t, opts))
-            server = self._reduction_server()
-            return self._exec().submit(lambda: server.allreduce_blocking(t, opts))
+        return self._handler(self.pick(tensors[0], opts)).allreduce(device, tensors, opts)
 
-    def _hierarchical(self):
-        if self._hier is None:
-            from gradientflow.algorithms.hierarchical import HierarchicalChannel
-
-            a = self.algos
-            self._hier = HierarchicalChannel(a.topology, a.rank, a.group_maker(),
-                                             f"gradientflow/algo/{self.name}/")
-        return self._hier
-
-    def _reduction_server(self):
-        if self._rs is None:
-            from gradientflow.algorithms.reduction_server import ReductionServerChannel
-
-            a = self.algos
-            self._rs = ReductionServerChannel(a._store, a.rank, a.size, a.reducers,
-                                              a.timeout_s, f"{a.label}.{self.name}", a.label)
-        return self._rs
+    def _handler(self, name: str) -> Any:
+        handler = self._handlers.get(name)
+        if handler is None:
+            with self.lock:
+                handler = self._handlers.get(name)
+                if handler is None:
+                    handler = (_ring.RingHandler(self, name) if name == _ring.FALLBACK
+                               else lookup(name).build(self))
+                    self._handlers[name] = handler
+        return handler
 
     def shutdown(self) -> None:
         if self._executor is not None:
             self._executor.close()
-        if self._hier is not None:
-            self._hier.shutdown()
+        for handler in self._handlers.values():
+            stop = getattr(handler, "shutdown", None)
+            if stop is not None:
+                stop()

@@ -21,13 +21,18 @@ ring with extra steps), reduction_server only when reducers are configured and t
 on CPU with a reduce op the reducers implement. The choice is a pure function of the message
 size and the topology, so every rank makes the same one.
 
+Each algorithm's formula is its `cost` in gradientflow/algorithm_registry.py; this module holds
+the constants and weighs the candidates the table offers for the message.
+
 What the rule gives at n = 4 is tabulated in docs/ALGORITHMS.md (tests/algorithms checks
 some of its rows).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Callable
 
+from gradientflow import algorithm_registry as registry
 from gradientflow.algorithms.topology import Topology
 
 
@@ -48,29 +53,35 @@ DEFAULT_MODEL = CostModel()
 
 
 def costs(nbytes: int, size: int, topo: Topology | None, reducers: int,
-          model: CostModel = DEFAULT_MODEL) -> dict[str, float]:
-    """Modelled seconds of each candidate algorithm for one message of `nbytes`."""
-    a, bx, bl = model.alpha_s, model.inter_host_Bps, model.intra_host_Bps
-    hosts = topo.num_hosts if topo is not None else 1
-    out: dict[str, float] = {}
+          model: CostModel = DEFAULT_MODEL,
+          carries: Callable[[registry.Algorithm], bool] | None = None) -> dict[str, float]:
+    """Modelled seconds of each candidate algorithm for one message of `nbytes` (each
+    algorithm's own `cost`); `carries`: whether one can take this message (default: all)."""
     if size <= 1:
-        return {"ring": 0.0}
-    b_ring = bx if hosts > 1 else bl
-    out["ring"] = 2 * (size - 1) * a + 2 * (size - 1) / size * nbytes / b_ring
-    if topo is not None and hosts > 1 and topo.max_local > 1:
-        local = topo.max_local
-        out["hierarchical"] = (model.stages_s + 2 * a + 2 * (local - 1) * nbytes / bl
-                               + 2 * (hosts - 1) * a + 2 * (hosts - 1) / hosts * nbytes / bx)
-    if reducers > 0:
-        out["reduction_server"] = (model.stages_s + 4 * a
-                                   + max(nbytes, size * nbytes / reducers) / bx
-                                   + min(nbytes, model.rs_chunk_bytes) / bx)
-    return out
+        return {registry.BASELINE: 0.0}
+    hosts = topo.num_hosts if topo is not None else 1
+    local = topo.max_local if topo is not None else 1
+    return {a.name: a.cost(nbytes, size, hosts, local, reducers, model)
+            for a in registry.entries()
+            if a.cost is not None and a.offered(hosts, local, reducers)
+            and (carries is None or carries(a))}
 
 
 def choose(nbytes: int, size: int, topo: Topology | None, reducers: int,
-           model: CostModel = DEFAULT_MODEL) -> str:
-    """The algorithm `auto` uses for a message of `nbytes` (same on every rank)."""
-    c = costs(nbytes, size, topo, reducers, model)
-    order = ("ring", "hierarchical", "reduction_server")
-    return min((name for name in order if name in c), key=lambda k: (c[k], order.index(k)))
+           model: CostModel = DEFAULT_MODEL,
+           carries: Callable[[registry.Algorithm], bool] | None = None) -> str:
+    """The algorithm `auto` uses for a message of `nbytes` (same on every rank): the cheapest,
+    ties to the earlier in the table."""
+    c = costs(nbytes, size, topo, reducers, model, carries)
+    order = registry.names()
+    return min(c, key=lambda k: (c[k], order.index(k)))
+
+
+def _for_message(algos: Any, tensor: Any, opts: Any) -> str:
+    """The choice for one message of a group (its size, topology and reducers)."""
+    nbytes = tensor.numel() * tensor.element_size()
+    return choose(nbytes, algos.size, algos.topology(), algos.reducers,
+                  carries=lambda a: a.carries(tensor, opts))
+
+
+ALGORITHM = registry.attach("auto", choose=_for_message)

@@ -24,6 +24,7 @@ from typing import Any, Callable
 import torch
 from torch._C._distributed_c10d import BroadcastOptions, ReduceOptions
 
+from gradientflow import algorithm_registry as registry
 from gradientflow.algorithms.base import record_bytes
 from gradientflow.algorithms.topology import Topology
 
@@ -161,3 +162,42 @@ class HierarchicalChannel:
     def shutdown(self) -> None:
         for h in self._by_type.values():
             h.shutdown()
+
+
+class _Works:
+    """CUDA: the stages' Works, waited in order (orders the caller's stream)."""
+
+    def __init__(self, works: list[Any], tensors: list) -> None:
+        self._works = works
+        self._tensors = tensors
+
+    def wait(self, timeout=None) -> bool:
+        for w in self._works:
+            w.wait()
+        return True
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self._works)
+
+
+class HierarchicalHandler:
+    """A channel's hierarchical: its groups, created at the first message that needs them."""
+
+    def __init__(self, channel: Any) -> None:
+        a = channel.algos
+        self._channel = channel
+        self._hier = HierarchicalChannel(a.topology, a.rank, a.group_maker(),
+                                         f"gradientflow/algo/{channel.name}/")
+
+    def allreduce(self, device: torch.device, tensors: list, opts: Any) -> Any:
+        t = tensors[0]
+        with self._channel.lock:
+            if device.type == "cuda":
+                return _Works(self._hier.allreduce_issue(t, opts), tensors)
+            return self._channel.executor().submit(lambda: self._hier.allreduce_blocking(t, opts))
+
+    def shutdown(self) -> None:
+        self._hier.shutdown()
+
+
+ALGORITHM = registry.attach(NAME, build=HierarchicalHandler)

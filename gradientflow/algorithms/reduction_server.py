@@ -34,6 +34,7 @@ import torch
 from torch._C._distributed_c10d import (AllreduceOptions, PrefixStore, ProcessGroupGloo,
                                         ReduceOp)
 
+from gradientflow import algorithm_registry as registry
 from gradientflow.algorithms.base import StepFailed, record_bytes
 
 NAME = "reduction_server"
@@ -292,3 +293,22 @@ class ReductionServerChannel:
 
     def shutdown(self) -> None:
         pass  # groups are left to the process's exit: a gloo group in use must not be freed
+
+
+class ReductionServerHandler:
+    """A channel's reduction_server: its reducer connections, made at the first message."""
+
+    def __init__(self, channel: Any) -> None:
+        a = channel.algos
+        self._channel = channel
+        self._server = ReductionServerChannel(a.store, a.rank, a.size, a.reducers, a.timeout_s,
+                                              f"{a.label}.{channel.name}", a.label)
+
+    def allreduce(self, device: torch.device, tensors: list, opts: Any) -> Any:
+        t = tensors[0]
+        with self._channel.lock:
+            return self._channel.executor().submit(
+                lambda: self._server.allreduce_blocking(t, opts))
+
+
+ALGORITHM = registry.attach(NAME, build=ReductionServerHandler, carries=supports)

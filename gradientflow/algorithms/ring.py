@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from gradientflow import algorithm_registry as registry
 from gradientflow.algorithms.base import record_bytes
 from gradientflow.algorithms.topology import Topology
 
@@ -39,3 +40,19 @@ def allreduce(transport: Any, tensor: torch.Tensor, opts: Any, rank: int, size: 
     nbytes = tensor.numel() * tensor.element_size()
     record_bytes(label, nbytes, *traffic(topo, rank, size, nbytes))
     return transport.allreduce([tensor], opts)
+
+
+class RingHandler:
+    """A channel's ring: its transport's allreduce, the bytes counted under `label`."""
+
+    def __init__(self, channel: Any, label: str = NAME) -> None:
+        self._channel = channel
+        self._label = label
+
+    def allreduce(self, device: torch.device, tensors: list, opts: Any) -> Any:
+        a = self._channel.algos
+        return allreduce(self._channel.transport(device), tensors[0], opts, a.rank, a.size,
+                         a.known_topology(), label=self._label)
+
+
+ALGORITHM = registry.attach(NAME, build=RingHandler)

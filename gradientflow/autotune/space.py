@@ -15,6 +15,8 @@ import dataclasses
 import zlib
 from typing import Any, Mapping, Sequence
 
+from gradientflow import algorithm_registry as registry
+
 
 @dataclasses.dataclass(frozen=True)
 class Param:
@@ -59,7 +61,7 @@ PARAMS: dict[str, Param] = {p.name: p for p in (
     Param("chunk_size", 256, 4096, target="compression"),
     # The collective algorithm: its choices are those the group's topology offers
     # (algorithm_choices); only tuned where there are two that differ.
-    Param("algorithm", choices=("ring", "auto", "hierarchical", "reduction_server")),
+    Param("algorithm", choices=registry.choice_order()),
 )}
 # Tuned unless the caller names others: the chunk size is added when the tuner is given a
 # compression state, the algorithm where the topology offers a choice.
@@ -82,20 +84,9 @@ def params_of(names: Sequence[str | Param] | None) -> tuple[Param, ...]:
 
 
 def algorithm_choices(num_hosts: int, max_ranks_per_host: int, reducers: int) -> tuple[str, ...]:
-    """The algorithms that can differ on this topology, ring first (one entry: no choice).
-
-    On one host hierarchical is ring with extra steps and `auto` picks ring, so only ring is
-    left; across hosts with several ranks on one, hierarchical (and auto, which picks per
-    message) join; with reducers, reduction_server.
-    """
-    out = ["ring"]
-    if num_hosts > 1 and max_ranks_per_host > 1:
-        out.append("hierarchical")
-    if reducers >= 1:
-        out.append("reduction_server")
-    if len(out) > 1:
-        out.insert(1, "auto")
-    return tuple(out)
+    """The algorithms that can differ on this topology, ring first (one entry: no choice):
+    each says where it differs (gradientflow/algorithm_registry.py); auto joins where two do."""
+    return registry.offered(num_hosts, max_ranks_per_host, reducers)
 
 
 def with_choices(param: Param, choices: Sequence[str]) -> Param:

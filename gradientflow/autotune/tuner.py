@@ -136,6 +136,7 @@ class Tuner:
         if self.calls > 0:
             raise RuntimeError(f"gradientflow autotune: rank {self.rank}: tune_compression() "
                                "after tuning started; call it before the first training step")
+        _check_chunked(state)
         self.compression = state
         if "chunk_size" not in {p.name for p in self.params}:
             self.params = (*self.params, space.PARAMS["chunk_size"])
@@ -149,11 +150,13 @@ class Tuner:
         group's topology (read through the store, the same on every rank)."""
         params = list(space.params_of(names))
         named = {p.name for p in params}
-        if names is None and compression is not None:
+        if names is None and compression is not None and _chunked(compression):
             params.append(space.PARAMS["chunk_size"])
-        if "chunk_size" in named | {p.name for p in params} and compression is None:
-            raise ValueError("autotune: tuning chunk_size needs the DDP hook state it belongs "
-                             "to: Tuner(..., compression=state)")
+        if "chunk_size" in named | {p.name for p in params}:
+            if compression is None:
+                raise ValueError("autotune: tuning chunk_size needs the DDP hook state it "
+                                 "belongs to: Tuner(..., compression=state)")
+            _check_chunked(compression)
         algos = getattr(backend, "algorithms", None)
         topo = algos.known_topology() if algos is not None else None
         choices = space.algorithm_choices(
@@ -341,6 +344,18 @@ def block_score(samples: Sequence[float]) -> float:
     xs = sorted(samples)
     half = xs[:max(1, (len(xs) + 1) // 2)]
     return sum(half) / len(half)
+
+
+def _chunked(state: Any) -> bool:
+    """Whether a hook state's method has a chunk size to tune (CSC's option)."""
+    return hasattr(state.config, "chunk_size")
+
+
+def _check_chunked(state: Any) -> None:
+    if not _chunked(state):
+        raise ValueError(f"autotune: the chunk size is CSC's option, and this state's method "
+                         f"{state.config.method!r} has none: tune the engine's settings only, "
+                         "or give a CSC state")
 
 
 def tuned_compression(path: str) -> dict:

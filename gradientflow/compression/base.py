@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import abc
+import inspect
 import math
 from typing import Any, ClassVar, Generator, Sequence
 
@@ -22,20 +23,16 @@ class Compressor(abc.ABC):
 
     A compressor knows nothing of process groups: `reduce` yields each tensor to be
     SUM-allreduced in place and receives it reduced (see gradientflow.engine.stages). It owns
-    the per-rank state: error-feedback memory keyed by parameter name, the warm-up position
-    (epoch, step) and the wire statistics.
+    the per-rank state: error-feedback memory keyed by parameter name, the schedule position
+    (epoch, step) and the wire statistics. A method subclasses it in one file, registers itself
+    with `register_compressor` (its options beside it), and implements `reduce`; the rest has
+    defaults that fit any method.
     """
 
     name: ClassVar[str] = "?"
     # True only for the plain dense average: the optimizer then sums in the gradients' own dtype
     # without a compressor (and without its float32-only limit).
     dense_average: ClassVar[bool] = False
-    # Whether the density follows the config's warm-up schedule (CSC); others ignore it.
-    uses_warmup: ClassVar[bool] = False
-
-    @classmethod
-    def check_config(cls, config: CompressionConfig) -> None:
-        """Refuse a config this method cannot run (called by CompressionConfig at construction)."""
 
     @classmethod
     def applies_momentum(cls, config: CompressionConfig) -> bool:
@@ -105,11 +102,12 @@ class Compressor(abc.ABC):
         The engine calls it with the buffers of one fused batch. By default their stages are
         fused generically (engine.stages.fuse); a method that can do better (CSC: chunks chosen
         across the batch) overrides it. `final`: mark the last stage Final, so the engine need
-        not wait for it (only where no stage follows, as in the engine's own batches); a
-        method whose `reduce` takes no `final` ignores it. `prepared`: what `prepare` returned
-        for each buffer, if it ran.
+        not wait for it (only where no stage follows, as in the engine's own batches); passed
+        on to a `reduce` that takes `final`. `prepared`: what `prepare` returned for each
+        buffer, if it ran.
         """
-        return (yield from fuse([self.reduce(f, layout, loss_scale=loss_scale)
+        kw = {"final": final} if "final" in inspect.signature(self.reduce).parameters else {}
+        return (yield from fuse([self.reduce(f, layout, loss_scale=loss_scale, **kw)
                                  for f, layout in zip(flats, layouts)]))
 
     def _stage(self, tensor: torch.Tensor,
@@ -141,9 +139,14 @@ class Compressor(abc.ABC):
         """
         non_finite = self._step_was_non_finite()
         self.memory.end_step(revert=non_finite)
+        self._close_step(non_finite)
         self.stats.end_step(skipped=non_finite)
         self._step_finite = []
         self.step += 1
+
+    def _close_step(self, non_finite: bool) -> None:
+        """Keep, or undo when `non_finite`, the step's changes to state kept outside `memory`
+        (a method with such state overrides it)."""
 
     def _note_finite(self, ok) -> None:
         """Record whether a batch of this step reduced to finite values (a bool, or a 0-dim
@@ -162,45 +165,12 @@ class Compressor(abc.ABC):
         return not bool(torch.stack([t.to(dev) for t in tensors]).all())
 
     def check_schedule(self) -> None:
-        """Refuse to run an epoch-counted warm-up whose epoch nobody sets (it would never advance).
+        """Refuse to run a step whose schedule could not advance (a method with a schedule
+        overrides it; nothing to refuse here).
 
         The hook state and the optimizer call it on the user's thread before a step's first
         bucket, so the error reaches the caller instead of an engine thread.
         """
-        cfg = self.config
-        if (self.uses_warmup and cfg.warmup_unit == "epoch" and cfg.warmup_densities
-                and not self._epoch_told):
-            raise RuntimeError(
-                f"{type(self).__name__}: the warm-up counts epochs (warmup_unit='epoch') but no "
-                "epoch was set, so it would stay at its first stage "
-                f"({cfg.density_at(0, 0):g}) for ever: call set_epoch(epoch) at the start of "
-                "every epoch (on the hook state or the DistributedOptimizer), or count steps "
-                "(warmup_unit='step', the default)")
-
-    def density_in_force(self) -> float:
-        """Return the density the warm-up schedule prescribes now."""
-        self.check_schedule()
-        return self.config.density_at(self.epoch, self.step)
-
-    def clip_local(self, flat: torch.Tensor, layout: Layout, loss_scale: float = 1.0) -> None:
-        """DGC's local clipping: scale each parameter's gradient to norm <= clip_norm / sqrt(n).
-
-        `flat` is in loss-scaled units, so the bound is scaled too. Per parameter, as DGC's
-        implementation clips per tensor, so the result does not depend on the bucketing.
-        """
-        bound = self.config.clip_norm * float(loss_scale) / math.sqrt(self.world_size)
-        parts = [flat[start:end] for _, start, end in layout.slices() if end > start]
-        if not parts:
-            return
-        norms = torch.stack([torch.linalg.vector_norm(p) for p in parts])
-        factors = (bound / norms.clamp(min=1e-30)).clamp_(max=1.0).tolist()  # one sync
-        for p, f in zip(parts, factors):
-            if f < 1.0:
-                p.mul_(f)
-
-    def in_warmup(self) -> bool:
-        """Whether a warm-up stage (not the target density) is in force."""
-        return self.config.in_warmup(self.epoch, self.step)
 
     def follow_lr(self, lrs: dict[str, float]) -> None:
         """Express each named parameter's residual at its learning rate of this step (between

@@ -1,20 +1,25 @@
-"""Compression configuration: one frozen dataclass, validated at construction.
+"""Compression configuration: the settings every method shares, and the options of the method
+chosen (registered with it: registry.py), validated at construction.
 
-Defaults are chosen for ResNet-50-sized models (25.6 M parameters, 161 tensors, 54,120 of them
-in one-dimensional BN/bias tensors); the reason for each sits beside it.
+    CompressionConfig(method="csc", density=0.01)       # CSC's options beside the common ones
+    CompressionConfig(method="powersgd", rank=4)
+    CompressionConfig(method="fp16", density=0.01)      # ValueError: 'fp16' has no option 'density'
+
+A method's options are read as attributes of the config (`config.density`), as before the split.
 """
 from __future__ import annotations
 
-import math
+import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from ..fingerprint import text_fingerprint
 from . import registry
+from .registry import Options
 
-__all__ = ["CompressionConfig", "WIRE_DTYPES", "DGC_WARMUP", "DENSE_FIRST_WARMUP",
-           "DEFAULT_MOMENTUM", "queue_name"]
+__all__ = ["CompressionConfig", "WIRE_DTYPES", "COMMON", "wire_dtype_name", "queue_name"]
 
 # Names the wire dtype is given by in configs, flags and the environment.
 WIRE_DTYPES: dict[str, torch.dtype] = {
@@ -23,37 +28,38 @@ WIRE_DTYPES: dict[str, torch.dtype] = {
     "bf16": torch.bfloat16,
 }
 _DTYPE_NAMES = {v: k for k, v in WIRE_DTYPES.items()}
-
-# Deep Gradient Compression's warm-up (Lin et al. 2018, section 3.3): 75%, 93.75%, 98.4375%,
-# 99.6% sparsity over the first four epochs, then the target.
-DGC_WARMUP = (0.25, 0.0625, 0.015625, 0.004)
-# The default: one dense stage first (the first steps move the weights most, and a residual
-# built from a random start would carry stale directions for many steps), then DGC's stages.
-DENSE_FIRST_WARMUP = (1.0,) + DGC_WARMUP
-# The momentum the compressor applies when neither the config nor a bound optimizer gives one:
-# SGD's usual 0.9, the value DGC used for ResNet-50.
-DEFAULT_MOMENTUM = 0.9
+# The settings every method has; the rest are the method's own options.
+COMMON = ("method", "wire_dtype", "error_feedback")
 
 
-def _dtype_name(value, what: str) -> str:
+def wire_dtype_name(value: Any, what: str) -> str:
+    """The name ("fp32", "fp16", "bf16") of a wire dtype given by name or torch dtype; ValueError
+    naming `what` otherwise."""
     if isinstance(value, torch.dtype):
         if value not in _DTYPE_NAMES:
-            raise ValueError(
-                f"CompressionConfig: {what}={value} is not a wire dtype; use one of "
-                f"{sorted(WIRE_DTYPES)}"
-            )
+            raise ValueError(f"CompressionConfig: {what}={value} is not a wire dtype; use one of "
+                             f"{sorted(WIRE_DTYPES)}")
         return _DTYPE_NAMES[value]
     if value not in WIRE_DTYPES:
-        raise ValueError(
-            f"CompressionConfig: {what}={value!r} is not a wire dtype; use one of "
-            f"{sorted(WIRE_DTYPES)}"
-        )
+        raise ValueError(f"CompressionConfig: {what}={value!r} is not a wire dtype; use one of "
+                         f"{sorted(WIRE_DTYPES)}")
     return value
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False, repr=False)
 class CompressionConfig:
-    """Configure how one gradient buffer is compressed for the wire (immutable, validated).
+    """Configure how gradient buffers are compressed for the wire (immutable, validated).
+
+    Args:
+        method: a registered method ("csc" by default, "fp16", "powersgd", "none", ...).
+        wire_dtype: the dtype on the wire, "fp32", "fp16" or "bf16" (or a torch dtype); None:
+            the method's own default.
+        error_feedback: keep what was not sent (and the wire's rounding error) and add it back
+            at the next step.
+        options: the method's Options, whole (as `dataclasses.replace` passes them); the given
+            keywords are applied on top.
+        **given: the method's own options, e.g. ``density=0.01`` for CSC, ``rank=4`` for
+            PowerSGD. One the method does not have raises ValueError naming the method.
 
     Example::
 
@@ -62,159 +68,55 @@ class CompressionConfig:
         [1.0, 0.25, 0.0625, 0.015625, 0.01]
     """
 
-    # --- the algorithm ---------------------------------------------------------------------
     # "csc" by default: the point of the project; "fp16"/"bf16" only halve the bytes, "none"
     # is the dense FP32 average (the reference every other method is tested against).
-    method: str = "csc"
-
-    # --- CSC selection -----------------------------------------------------------------------
-    # 1% of the chunks: with an FP16 payload, two orders of magnitude fewer wire bytes
-    # (benchmarks/results/compression), while DGC trains ResNet-50 to full accuracy at 0.1%: 1%
-    # leaves a 10x margin because our selection is per chunk, coarser than DGC's per element.
-    density: float = 0.01
-    # 1024 elements = 4 KiB of FP32: the norm vector costs 4 bytes per chunk, i.e. 1/1024 of the
-    # dense bytes (about a fifth of a 1%-FP16 payload); halving C doubles that overhead, doubling
-    # it makes the selection coarser. Long contiguous chunks also keep pack/unpack at copy speed.
-    chunk_size: int = 1024
-    # L1 by default: one add per element (no multiply) and, unlike squared L2, it cannot
-    # overflow FP32 for any finite gradient a loss scaler lets through. "l2" selects the same
-    # chunks as the (squared) Euclidean norm would.
-    norm: str = "l1"
-    # Which chunks compete. "bucket" (the default) gives each bucket its own quota of
-    # ceil(density x chunks), fused or not; "pool" ranks the chunks of every bucket of one fused
-    # batch together (the engine fuses the buckets queued together, up to the fusion threshold
-    # in dense bytes), so what travels no longer depends on DDP's bucket_cap_mb. "bucket" is
-    # the default because "pool" lost accuracy against it in the digits experiment (the
-    # numbers: docs/DESIGN.md's defaults table): a whole-model ranking starves the layers whose
-    # gradients are small, as DGC's per-layer top-k does not.
-    selection: str = "bucket"
-
-    # --- wire format ---------------------------------------------------------------------------
+    method: str
     # FP16 halves the payload; values are pre-scaled by 1/world_size before the sum so the sum
     # cannot overflow where the inputs do not. bf16 trades mantissa for FP32's range.
-    wire_dtype: str = "fp16"
-    # Dtype for the tensors sent dense inside a CSC bucket (BN/bias); None = wire_dtype. FP16
-    # here halves the dense tail's bytes, a visible share of a 1% message; the rounding error
-    # stays in the residual.
-    dense_wire_dtype: str | None = None
+    wire_dtype: str
+    # Without it sparsification biases the update and accuracy drops (DGC, GRACE's ablations).
+    error_feedback: bool
+    options: Options
 
-    # --- dense warm-up ------------------------------------------------------------------------
-    # Density per warm-up stage before the target; a stage below the target is raised to it
-    # (warm-up only ever ramps down towards the target). () disables warm-up.
-    warmup_densities: tuple[float, ...] = DENSE_FIRST_WARMUP
-    # "step" by default: the compressor counts its own steps (one per completed backward pass),
-    # so the schedule advances with nothing for the user to call. "epoch" is DGC's unit: then
-    # call set_epoch(epoch) at the start of every epoch, like DistributedSampler.set_epoch.
-    warmup_unit: str = "step"
-    # Units (steps or epochs) per warm-up stage. 5 steps: the dense stage and DGC's three
-    # stages above 1% end after 20 steps, about one epoch of the digits experiment (22 steps an
-    # epoch), as DGC's first epochs are of ImageNet; a long run wants warmup_unit="epoch".
-    warmup_period: int = 5
-
-    # --- error feedback and momentum correction ----------------------------------------------
-    # Keep what was not sent (and the wire rounding error) and add it back next step: without it
-    # sparsification biases the update and accuracy drops (DGC, GRACE's ablations).
-    error_feedback: bool = True
-    # DGC momentum correction + factor masking: the compressor accumulates velocity, not
-    # gradient, and the optimizer then runs without momentum. Off by default: on Fashion-MNIST
-    # (3 epochs, 2 ranks, small matrices sent dense) the ResNet-shaped model with plain SGD ends
-    # 1.7 points higher without it (mean of 3 seeds), level with DDP (docs/DECISIONS.md has the
-    # other pairs); the optimizer keeps its own momentum, applied to the averaged sparse gradient,
-    # and the residual still follows its learning rates (momentum.LRFollower).
-    # When on, the hook registration and the DistributedOptimizer bind the SGD: the compressor
-    # applies its momentum, Nesterov and weight decay, read from its groups at every step, and
-    # its own step runs with them at 0, so nothing is applied twice (compression/momentum.py).
-    # A step at density 1 masks nothing (every chunk is sent, none is stale): the warm-up's
-    # dense stage is SGD with momentum on the average.
-    momentum_correction: bool = False
-    # None: the bound optimizer's momentum, followed at every step (DEFAULT_MOMENTUM without
-    # one). With an optimizer bound, a value here must be its momentum at registration.
-    momentum: float | None = None
-    nesterov: bool = False
-    # DGC's local gradient clipping: before accumulating, each rank scales every parameter's
-    # gradient to an L2 norm of at most clip_norm / sqrt(world_size), so the sum over ranks
-    # stays within clip_norm. None: no clipping (gradients may also be clipped by the user).
-    clip_norm: float | None = None
-
-    # --- what is sent dense --------------------------------------------------------------------
-    # DGC sparsifies only tensors with dim > 1: biases and BN parameters are tiny (54,120 of
-    # ResNet-50's 25.6 M values) but sensitive.
-    dense_1d: bool = True
-    # Matrices of fewer than 16 default chunks travel dense rather than compete for a bucket's
-    # quota with the large layers beside them (at 1%, shared evenly, a chunk travels about once
-    # in 100 steps): sent at every step, they closed most of the Fashion-MNIST models' gap to
-    # dense (docs/DECISIONS.md). They are few where models are large: ResNet-50 gains two
-    # (+4% bytes), AlexNet none.
-    min_numel: int = 16384
-
-    def __post_init__(self) -> None:
+    def __init__(self, method: str = "csc", *, wire_dtype: Any = None,
+                 error_feedback: bool = True, options: Options | None = None,
+                 **given: Any) -> None:
         try:
-            entry = registry.lookup(self.method)
+            entry = registry.lookup(method)
         except ValueError:
-            raise ValueError(f"CompressionConfig: method={self.method!r} is unknown; use one of "
+            raise ValueError(f"CompressionConfig: method={method!r} is unknown; use one of "
                              f"{registry.available()} (or register_compressor a new one)") from None
+        wire = entry.wire_dtype if wire_dtype is None else wire_dtype
         object.__setattr__(self, "method", entry.name)
-        if (
-            not isinstance(self.density, (int, float))
-            or not (0.0 < float(self.density) <= 1.0)
-            or math.isnan(self.density)
-        ):
-            raise ValueError(
-                f"CompressionConfig: density={self.density!r} must be in (0, 1] (the fraction of "
-                "chunks sent)"
-            )
-        if (
-            not isinstance(self.chunk_size, int)
-            or isinstance(self.chunk_size, bool)
-            or self.chunk_size < 1
-        ):
-            raise ValueError(
-                f"CompressionConfig: chunk_size={self.chunk_size!r} must be an integer >= 1 "
-                "(elements per chunk)"
-            )
-        if self.norm not in ("l1", "l2"):
-            raise ValueError(f"CompressionConfig: norm={self.norm!r} must be 'l1' or 'l2'")
-        if self.selection not in ("pool", "bucket"):
-            raise ValueError(f"CompressionConfig: selection={self.selection!r} must be 'pool' "
-                             "(top chunks across a fused batch of buckets) or 'bucket' (a quota "
-                             "per bucket)")
-        object.__setattr__(self, "wire_dtype", _dtype_name(self.wire_dtype, "wire_dtype"))
-        if self.dense_wire_dtype is not None:
-            object.__setattr__(
-                self, "dense_wire_dtype", _dtype_name(self.dense_wire_dtype, "dense_wire_dtype")
-            )
-        entry.compressor.check_config(self)
-        stages = tuple(self.warmup_densities)
-        for d in stages:
-            if not isinstance(d, (int, float)) or not (0.0 < float(d) <= 1.0):
-                raise ValueError(
-                    f"CompressionConfig: warmup_densities={stages!r}: every stage must be in (0, 1]"
-                )
-        object.__setattr__(self, "warmup_densities", stages)
-        if self.warmup_unit not in ("epoch", "step"):
-            raise ValueError(
-                f"CompressionConfig: warmup_unit={self.warmup_unit!r} must be 'epoch' or 'step'"
-            )
-        if not isinstance(self.warmup_period, int) or self.warmup_period < 1:
-            raise ValueError(
-                f"CompressionConfig: warmup_period={self.warmup_period!r} must be an integer >= 1"
-            )
-        if self.momentum is not None and not (0.0 <= float(self.momentum) < 1.0):
-            raise ValueError(f"CompressionConfig: momentum={self.momentum!r} must be in [0, 1) "
-                             "(or None: the optimizer's)")
-        if self.momentum_correction and not self.error_feedback:
-            raise ValueError(
-                "CompressionConfig: momentum_correction=True needs "
-                "error_feedback=True (the residual is where the corrected velocity accumulates); "
-                "pass momentum_correction=False as well")
-        if self.clip_norm is not None and not (isinstance(self.clip_norm, (int, float))
-                                               and 0.0 < float(self.clip_norm) < math.inf):
-            raise ValueError(f"CompressionConfig: clip_norm={self.clip_norm!r} must be a finite "
-                             "number > 0 (or None: no local clipping)")
-        if not isinstance(self.min_numel, int) or self.min_numel < 0:
-            raise ValueError(
-                f"CompressionConfig: min_numel={self.min_numel!r} must be an integer >= 0"
-            )
+        object.__setattr__(self, "wire_dtype", wire_dtype_name(wire, "wire_dtype"))
+        object.__setattr__(self, "error_feedback", bool(error_feedback))
+        object.__setattr__(self, "options", _build_options(entry, options, given))
+        self.options.check(self)
+
+    # --- the method's options, read as attributes ----------------------------------------------
+    def __getattr__(self, name: str) -> Any:
+        # Only called for names that are not the config's own; "options" missing means an
+        # instance still being built or unpickled.
+        if name.startswith("__") or name == "options":
+            raise AttributeError(name)
+        try:
+            options = object.__getattribute__(self, "options")
+        except AttributeError:
+            raise AttributeError(name) from None
+        try:
+            return getattr(options, name)
+        except AttributeError:
+            raise AttributeError(_no_option(self.method, name, type(options))) from None
+
+    def as_dict(self) -> dict[str, Any]:
+        """The common settings and the method's options as one flat dict (checkpoints, logs)."""
+        return {"method": self.method, "wire_dtype": self.wire_dtype,
+                "error_feedback": self.error_feedback,
+                **{f: getattr(self.options, f) for f in self.options.names()}}
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self.as_dict().items())
+        return f"CompressionConfig({args})"
 
     # --- derived values --------------------------------------------------------------------------
     @property
@@ -222,38 +124,30 @@ class CompressionConfig:
         """The torch dtype of the wire payload."""
         return WIRE_DTYPES[self.wire_dtype]
 
-    @property
-    def torch_dense_wire_dtype(self) -> torch.dtype:
-        """The torch dtype of the tensors a CSC bucket sends dense."""
-        return WIRE_DTYPES[self.dense_wire_dtype or self.wire_dtype]
 
-    @property
-    def momentum_value(self) -> float:
-        """The momentum factor the compressor applies under momentum correction."""
-        return DEFAULT_MOMENTUM if self.momentum is None else float(self.momentum)
+def _no_option(method: str, option: str, options: type[Options]) -> str:
+    """The sentence for an option `method` does not have."""
+    others = [m for m in registry.methods_with_option(option) if m != method]
+    where = f" ({option!r} is an option of {', '.join(map(repr, others))})" if others else ""
+    own = list(options.names())
+    return (f"CompressionConfig: method {method!r} has no option {option!r}{where}; its options "
+            f"are {own or 'none'}, beside the common {list(COMMON)}")
 
-    @property
-    def warmup_length(self) -> int:
-        """Units (epochs or steps) until the target density is in force."""
-        return len(self.warmup_densities) * self.warmup_period
 
-    def density_at(self, epoch: int, step: int) -> float:
-        """Return the density in force at this epoch/step (warm-up stage, never below target)."""
-        unit = epoch if self.warmup_unit == "epoch" else step
-        stage = unit // self.warmup_period
-        if 0 <= stage < len(self.warmup_densities):
-            return max(float(self.warmup_densities[stage]), float(self.density))
-        return float(self.density)
-
-    def in_warmup(self, epoch: int, step: int) -> bool:
-        """Whether a warm-up stage (not the steady-state target) is in force."""
-        unit = epoch if self.warmup_unit == "epoch" else step
-        return unit < self.warmup_length and self.density_at(epoch, step) != float(self.density)
-
-    def is_dense_param(self, shape: tuple[int, ...]) -> bool:
-        """Whether a parameter of this shape is sent dense inside a CSC bucket."""
-        numel = math.prod(shape)
-        return (self.dense_1d and len(shape) <= 1) or numel < self.min_numel
+def _build_options(entry: registry.Method, options: Options | None,
+                   given: dict[str, Any]) -> Options:
+    """The method's options: `options` (or the defaults) with `given` applied, validated."""
+    cls = entry.options
+    for name in given:
+        if name not in cls.names():
+            raise ValueError(_no_option(entry.name, name, cls))
+    if options is None:
+        return cls(**given)
+    if type(options) is not cls:
+        raise ValueError(f"CompressionConfig: options={type(options).__name__}(...) belong to "
+                         f"another method than {entry.name!r}; pass {entry.name!r}'s options "
+                         "as keywords")
+    return dataclasses.replace(options, **given) if given else options
 
 
 def queue_name(config: CompressionConfig, what: str = "bucket") -> str:

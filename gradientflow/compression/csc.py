@@ -54,6 +54,8 @@ from gradientflow import kernels
 from ..engine.stages import StageGen
 from . import wire_scale
 from .base import Compressor
+from .config import WIRE_DTYPES
+from .csc_options import CSCOptions
 from .csc_parts import Chosen, DenseRoute, Payload, Plan, Prepared, build_plan
 from .layout import Layout
 from .registry import register_compressor
@@ -75,12 +77,10 @@ def _all_finite(t: torch.Tensor) -> torch.Tensor:
     return torch.isfinite(t).all()
 
 
-@register_compressor("csc")
+@register_compressor("csc", options=CSCOptions)
 class CSCCompressor(Compressor):
     """Send the top ceil(density x chunks) chunks of grad + residual, agreed through allreduced
     chunk norms."""
-
-    uses_warmup = True
 
     @classmethod
     def applies_momentum(cls, config) -> bool:
@@ -94,7 +94,50 @@ class CSCCompressor(Compressor):
         self._own_terms = SGDTerms(config.momentum_value, config.nesterov)
         # The stored velocity is SGD's momentum buffer times this (sgd.SGDTerms.velocity_factor).
         self._velocity_factor = self._own_terms.velocity_factor
+        # The dtype of the dense part of a bucket (biases, norms) on the wire.
+        self._dense_dtype = WIRE_DTYPES[config.dense_wire_dtype or config.wire_dtype]
         kernels.start_threads()  # on the building (main) thread
+
+    # --- the warm-up schedule and local clipping ----------------------------------------------
+    def check_schedule(self) -> None:
+        """Refuse to run an epoch-counted warm-up whose epoch nobody sets (it would never advance).
+
+        The hook state and the optimizer call it on the user's thread before a step's first
+        bucket, so the error reaches the caller instead of an engine thread.
+        """
+        cfg = self.config
+        if cfg.warmup_unit == "epoch" and cfg.warmup_densities and not self._epoch_told:
+            raise RuntimeError(
+                f"{type(self).__name__}: the warm-up counts epochs (warmup_unit='epoch') but no "
+                "epoch was set, so it would stay at its first stage "
+                f"({cfg.density_at(0, 0):g}) for ever: call set_epoch(epoch) at the start of "
+                "every epoch (on the hook state or the DistributedOptimizer), or count steps "
+                "(warmup_unit='step', the default)")
+
+    def density_in_force(self) -> float:
+        """Return the density the warm-up schedule prescribes now."""
+        self.check_schedule()
+        return self.config.density_at(self.epoch, self.step)
+
+    def in_warmup(self) -> bool:
+        """Whether a warm-up stage (not the target density) is in force."""
+        return self.config.in_warmup(self.epoch, self.step)
+
+    def clip_local(self, flat: torch.Tensor, layout: Layout, loss_scale: float = 1.0) -> None:
+        """DGC's local clipping: scale each parameter's gradient to norm <= clip_norm / sqrt(n).
+
+        `flat` is in loss-scaled units, so the bound is scaled too. Per parameter, as DGC's
+        implementation clips per tensor, so the result does not depend on the bucketing.
+        """
+        bound = self.config.clip_norm * float(loss_scale) / math.sqrt(self.world_size)
+        parts = [flat[start:end] for _, start, end in layout.slices() if end > start]
+        if not parts:
+            return
+        norms = torch.stack([torch.linalg.vector_norm(p) for p in parts])
+        factors = (bound / norms.clamp(min=1e-30)).clamp_(max=1.0).tolist()  # one sync
+        for p, f in zip(parts, factors):
+            if f < 1.0:
+                p.mul_(f)
 
     def _plan(self, layout: Layout, device: torch.device) -> Plan:
         key = (layout, device)
@@ -166,7 +209,7 @@ class CSCCompressor(Compressor):
                 dense[id(it)] = (part[p.k * c:], p.local[p.k * c:])
         if own:
             # A dense dtype that is neither fp32 nor the chunks' wire dtype: its own stage.
-            dense_dtype = cfg.torch_dense_wire_dtype
+            dense_dtype = self._dense_dtype
             thirds = [kernels.cast_scaled(it.dense_v, 1.0 / n, dense_dtype) for it in own]
             locals_ = [t.clone() for t in thirds]
             reduced3 = yield from self._stage(_cat(thirds, dense_dtype), final=final)
@@ -192,7 +235,7 @@ class CSCCompressor(Compressor):
         d = plan.dense_numel
         # A bucket of dense parameters only (e.g. all BN) has no chunk worth sending.
         it.eligible = d != numel
-        wire_dtype, dense_dtype = cfg.torch_wire_dtype, cfg.torch_dense_wire_dtype
+        wire_dtype, dense_dtype = cfg.torch_wire_dtype, self._dense_dtype
         it.route = DenseRoute.of(d, dense_dtype, wire_dtype)
         if cfg.clip_norm is not None:
             self.clip_local(flat, layout, loss_scale)

@@ -7,25 +7,26 @@ lost over steps beyond the rounding of the sum itself.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from gradientflow import kernels
 
-from ..engine.stages import StageGen, fuse
+from ..engine.stages import StageGen
 from .base import Compressor
 from .layout import Layout
-from .registry import register_compressor
+from .registry import Options, register_compressor
 from .wire_scale import agree as agree_scale
 
-__all__ = ["HalfCompressor"]
+__all__ = ["HalfCompressor", "HalfOptions"]
 
 
-@register_compressor("fp16")
-class HalfCompressor(Compressor):
-    """Send the whole buffer in the half-precision wire dtype (config.wire_dtype: fp16 or bf16)."""
+@dataclass(frozen=True)
+class HalfOptions(Options):
+    """FP16's options: none of its own beyond the common ones; it refuses an FP32 wire."""
 
-    @classmethod
-    def check_config(cls, config) -> None:
+    def check(self, config) -> None:
         """Refuse an FP32 wire: this method exists to halve the bytes."""
         if config.wire_dtype == "fp32":
             raise ValueError(
@@ -33,6 +34,11 @@ class HalfCompressor(Compressor):
                 "wire_dtype='fp32'; "
                 "use wire_dtype 'fp16' or 'bf16' (or method 'none' for the dense FP32 average)"
             )
+
+
+@register_compressor("fp16", options=HalfOptions)
+class HalfCompressor(Compressor):
+    """Send the whole buffer in the half-precision wire dtype (config.wire_dtype: fp16 or bf16)."""
 
     def __init__(self, config, world_size: int) -> None:
         super().__init__(config, world_size)
@@ -47,12 +53,6 @@ class HalfCompressor(Compressor):
         if buf is None:
             buf = self._wire[key] = torch.empty(flat.numel(), dtype=key[2], device=flat.device)
         return buf
-
-    def reduce_many(self, flats, layouts, *, loss_scale: float = 1.0, final: bool = False,
-                    prepared=None) -> StageGen:
-        """Several buffers as one fused op (engine.stages.fuse), the last stage marked `final`."""
-        return (yield from fuse([self.reduce(f, layout, loss_scale=loss_scale, final=final)
-                                 for f, layout in zip(flats, layouts)]))
 
     def reduce(self, flat: torch.Tensor, layout: Layout, *, loss_scale: float = 1.0,
                final: bool = False) -> StageGen:

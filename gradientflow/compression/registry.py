@@ -1,8 +1,14 @@
-"""The one table of compression methods: per method its compressor, its hook state and its names.
+"""The one table of compression methods: per method its compressor, its options, its hook state
+and its names.
 
 A method is usable everywhere once it is registered here: `CompressionConfig(method=...)`
-validates against this table, the DDP hooks build the state its entry names (the generic
-`CompressionState` when none is attached), and the DistributedOptimizer accepts its names.
+validates its options against this table, the DDP hooks build the state its entry names (the
+generic `CompressionState` when none is attached), the DistributedOptimizer and Horovod's
+`hvd.Compression.<name>` accept its names.
+
+Adding a method is one file (a `Compressor` subclass decorated with `register_compressor`, with
+its `Options` beside it) plus its module's name in `BUILTIN` below.
+
 Leaf module: it imports nothing of gradientflow at run time, so the config can consult it
 without importing any compressor.
 """
@@ -16,16 +22,41 @@ if TYPE_CHECKING:
     from .base import Compressor
     from .config import CompressionConfig
 
-__all__ = ["Method", "register_compressor", "attach_hook", "lookup", "compressor_class",
-           "available", "make_compressor"]
+__all__ = ["BUILTIN", "Method", "Options", "register_compressor", "attach_hook", "lookup",
+           "compressor_class", "available", "make_compressor", "methods_with_option"]
+
+# The modules of the built-in methods, imported by the package (each registers itself).
+BUILTIN = ("none", "half", "csc", "powersgd")
+
+
+@dataclass(frozen=True)
+class Options:
+    """A method's own options (a frozen dataclass per method; this one has none).
+
+    A subclass declares its fields with their defaults and the reason for each, refuses a bad
+    value in `__post_init__` (ValueError naming the range), and a bad combination with the
+    common settings (method, wire dtype, error feedback) in `check`.
+    """
+
+    def check(self, config: "CompressionConfig") -> None:
+        """Refuse these options beside `config`'s common settings (nothing to refuse here)."""
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        """The option names, in declaration order."""
+        return tuple(f.name for f in dataclasses.fields(cls))
 
 
 @dataclass(frozen=True)
 class Method:
-    """One compression method: what computes it, what a DDP hook keeps for it, what it is called."""
+    """One compression method: what computes it, its options, what a DDP hook keeps for it, what
+    it is called."""
 
     name: str
     compressor: type["Compressor"]
+    options: type[Options] = Options
+    # The wire dtype a config of this method gets when none is given.
+    wire_dtype: str = "fp16"
     # Further names accepted wherever a method is named (configs, optimizer arguments, flags).
     aliases: tuple[str, ...] = ()
     # The DDP hook state class and hook function (None: the generic CompressionState's).
@@ -47,9 +78,16 @@ _METHODS: dict[str, Method] = {}
 _BY_NAME: dict[str, str] = {}  # every name and alias -> the method's own name
 
 
-def register_compressor(name: str, *, aliases: tuple[str, ...] = ()
+def register_compressor(name: str, *, options: type[Options] = Options, wire_dtype: str = "fp16",
+                        aliases: tuple[str, ...] = ()
                         ) -> Callable[[type["Compressor"]], type["Compressor"]]:
-    """Register a Compressor subclass as method `name` (a class decorator).
+    """Register a Compressor subclass as method `name`, with its options (a class decorator).
+
+    Args:
+        name: the method's name in configs, flags and `hvd.Compression.<name>`.
+        options: its Options subclass (a frozen dataclass; default: no options of its own).
+        wire_dtype: the wire dtype of a config that names none ("fp32", "fp16" or "bf16").
+        aliases: further names for it.
 
     Example::
 
@@ -57,6 +95,11 @@ def register_compressor(name: str, *, aliases: tuple[str, ...] = ()
         ... class Toy(NoCompression): ...
         >>> CompressionConfig(method="toy")          # accepted from now on
     """
+    if not (isinstance(options, type) and issubclass(options, Options)
+            and dataclasses.is_dataclass(options)):
+        raise TypeError(f"register_compressor({name!r}): options must be a dataclass subclass of "
+                        f"gradientflow.compression.Options, got {options!r}")
+
     def deco(cls):
         known = _BY_NAME.get(name)
         if known is not None and _METHODS[known].compressor is not cls:
@@ -67,7 +110,7 @@ def register_compressor(name: str, *, aliases: tuple[str, ...] = ()
                 raise ValueError(f"register_compressor: alias {alias!r} already names method "
                                  f"{_BY_NAME[alias]!r}")
         cls.name = name
-        _METHODS[name] = Method(name, cls, tuple(aliases))
+        _METHODS[name] = Method(name, cls, options, wire_dtype, tuple(aliases))
         for n in _METHODS[name].names:
             _BY_NAME[n] = name
         return cls
@@ -90,6 +133,11 @@ def lookup(name: str) -> Method:
 def available() -> list[str]:
     """Return the registered methods' own names, sorted."""
     return sorted(_METHODS)
+
+
+def methods_with_option(option: str) -> list[str]:
+    """Return the registered methods that have option `option`, sorted (for error messages)."""
+    return sorted(m.name for m in _METHODS.values() if option in m.options.names())
 
 
 def compressor_class(name: str) -> type["Compressor"]:

@@ -277,7 +277,7 @@ class CompressionState:
         """Return this rank's shard: residual/momentum by parameter name, schedule, statistics."""
         return {
             "rank": self.rank,
-            "config": dataclasses.asdict(self.config),
+            "config": self.config.as_dict(),
             **self.compressor.state_dict(),
         }
 

@@ -320,8 +320,9 @@ class _Allreduce(torch.autograd.Function):
 
 def _check_compression(compression, op_name: str) -> None:
     if getattr(compression, "tensor_level", True) is False:
-        raise ValueError(f"{op_name}: compression={compression.__name__} selects chunks with "
-                         "a residual kept across steps, so it compresses gradients only: pass "
+        raise ValueError(f"{op_name}: compression={compression.__name__} keeps state across "
+                         "steps (a residual) agreed with the other ranks, so it compresses "
+                         "gradients only: pass "
                          "it to hvd.DistributedOptimizer, or use Compression.fp16 here")
 
 

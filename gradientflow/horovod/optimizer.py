@@ -12,25 +12,25 @@ import warnings
 import torch
 
 from gradientflow.horovod.basics import ProcessSet, global_process_set
-from gradientflow.horovod.compression import (Compression, CSCCompressor, FP16Compressor,
-                                              NoneCompressor)
+from gradientflow.horovod.compression import Compression
 from gradientflow.horovod.mpi_ops import _ADASUM, Adasum, Average, ReduceOp, Sum
 
 __all__ = ["DistributedOptimizer"]
 
 
 def _compression_arg(compression):
-    """The gradientflow.optim `compression` argument a Horovod compressor stands for."""
-    if isinstance(compression, type) and issubclass(compression, CSCCompressor):
-        return compression.config() if compression.options else "csc"
-    if isinstance(compression, type) and issubclass(compression, FP16Compressor):
-        return "fp16"
-    if compression is None or (isinstance(compression, type)
-                               and issubclass(compression, NoneCompressor)):
+    """The gradientflow.optim `compression` argument a Horovod compressor stands for (None or a
+    CompressionConfig): each compressor class says which (its `config()`)."""
+    if compression is None:
         return None
-    raise ValueError(f"compression={compression!r} is not offered by hvd.DistributedOptimizer: "
-                     "use hvd.Compression.none, hvd.Compression.fp16 or hvd.Compression.csc "
-                     "(a custom Compressor needs its own wire format in gradientflow.compression)")
+    config = getattr(compression, "config", None) if isinstance(compression, type) else None
+    if config is None:
+        raise ValueError(f"compression={compression!r} is not offered by "
+                         "hvd.DistributedOptimizer: use hvd.Compression.none, "
+                         "hvd.Compression.fp16 or a gradientflow method (hvd.Compression.csc, "
+                         "hvd.Compression.powersgd, ...); a custom Compressor needs its own "
+                         "method registered in gradientflow.compression")
+    return config()
 
 
 def _check_named(named_parameters, optimizer) -> list:
@@ -93,8 +93,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
         optimizer: any torch.optim optimizer; the result is an instance of its class.
         named_parameters: model.named_parameters(); names must be unique and cover every
             parameter the optimizer updates.
-        compression: hvd.Compression.none (default), .fp16, or .csc (GradientFlow's
-            coarse-grained sparse communication, with error feedback). CSC's momentum
+        compression: hvd.Compression.none (default), .fp16, .csc (GradientFlow's
+            coarse-grained sparse communication, with error feedback), or any other
+            gradientflow method by name (.powersgd, with .configure(rank=4)). CSC's momentum
             correction applies a torch.optim.SGD's momentum and weight decay in the compressor,
             read at every step; another optimizer needs
             hvd.Compression.csc.configure(momentum_correction=False).
@@ -140,14 +141,13 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     if named_parameters is not None:
         named_parameters = _check_named(named_parameters, optimizer)
     comp = _compression_arg(compression)
-    if comp is not None and comp != "fp16":
-        # Under momentum correction CSC applies the optimizer's SGD settings in the compressor:
-        # refuse what it cannot reproduce here, in Horovod's own spelling of the fix.
-        from gradientflow.compression import CompressionConfig
+    if comp is not None:
+        # A method that applies momentum (CSC under momentum correction) applies the optimizer's
+        # SGD settings in the compressor: refuse what it cannot reproduce here, in Horovod's
+        # own spelling of the fix.
         from gradientflow.compression.momentum import check_optimizer
 
-        check_optimizer(CompressionConfig(method="csc") if comp == "csc" else comp, optimizer,
-                        "hvd.DistributedOptimizer",
+        check_optimizer(comp, optimizer, "hvd.DistributedOptimizer",
                         off="compression=hvd.Compression.csc.configure(momentum_correction=False)")
     kwargs = {}
     partition = _partition_bytes(groups, optimizer)

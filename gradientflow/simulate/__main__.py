@@ -13,7 +13,7 @@ import json
 import math
 import sys
 
-from gradientflow.simulate.cluster import PRESETS, Cluster, preset
+from gradientflow.simulate.cluster import ALGORITHMS, PRESETS, Cluster, preset
 from gradientflow.simulate.models import MODELS, load
 from gradientflow.simulate.step import simulate
 
@@ -61,7 +61,7 @@ def parser() -> argparse.ArgumentParser:
     w.add_argument("--dataset-size", type=int, default=None, help="samples per epoch")
     w.add_argument("--epochs", type=float, default=None)
     m = ap.add_argument_group("method overrides")
-    m.add_argument("--algorithm", choices=["ring", "hierarchical", "reduction_server"])
+    m.add_argument("--algorithm", choices=ALGORITHMS)
     m.add_argument("--transport", choices=["gpu", "host"])
     m.add_argument("--fusion-mb", type=float, help="fusion threshold, MiB (0: per tensor)")
     m.add_argument("--solo-mb", type=float, help="solo threshold, MB (0: none)")

@@ -10,7 +10,9 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-ALGORITHMS = ("ring", "hierarchical", "reduction_server")
+from gradientflow import algorithm_registry as registry
+
+ALGORITHMS = registry.simulated()  # the algorithms whose cluster model is registered
 TRANSPORTS = ("gpu", "host")
 MB = 10**6
 
@@ -109,8 +111,9 @@ class Method:
     reducers: int = 0  # reduction_server: 0 = as many reducers as nodes, each at inter_gbps
 
     def __post_init__(self) -> None:
-        if self.algorithm not in ALGORITHMS:
-            raise ValueError(f"Method: algorithm={self.algorithm!r}; use one of {ALGORITHMS}")
+        if self.algorithm not in registry.simulated():
+            raise ValueError(f"Method: algorithm={self.algorithm!r}; use one of "
+                             f"{registry.simulated()}")
         if self.transport not in TRANSPORTS:
             raise ValueError(f"Method: transport={self.transport!r}; use one of {TRANSPORTS}")
         if self.fusion_threshold < 0 or self.solo_threshold < 0 or self.cycle_ms < 0:

@@ -1,4 +1,6 @@
-"""Alpha-beta costs of the allreduce algorithms, and the bytes each GPU sends.
+"""Alpha-beta costs of the allreduce algorithms, and the bytes each GPU sends: each
+algorithm's formula is its `simulate` in gradientflow/algorithm_registry.py; this module
+describes the cluster to it.
 
 For S bytes per GPU on n GPUs (g per node, N nodes), per-step latency a and per-direction
 bandwidth B (line rate x link efficiency):
@@ -14,6 +16,7 @@ bandwidth B (line rate x link efficiency):
 """
 from __future__ import annotations
 
+from gradientflow import algorithm_registry as registry
 from gradientflow.simulate.cluster import Cluster, Method
 
 GBIT = 1e9 / 8  # bytes/s per Gbit/s
@@ -25,27 +28,26 @@ def _bw(cl: Cluster, method: Method, gbps: float) -> float:
     return cl.link_efficiency * gbps * GBIT
 
 
-def allreduce_parts(cl: Cluster, method: Method, nbytes: float) -> tuple[float, float]:
-    """(latency seconds, transfer seconds) to allreduce `nbytes` per GPU on the cluster."""
-    n, g, N = cl.gpus, cl.local, cl.nodes
-    if n == 1 or nbytes <= 0:
-        return 0.0, 0.0
-    algo = method.algorithm
-    if algo != "ring" and N == 1:
-        algo = "ring"  # one node: both two-level algorithms are the node's ring
+def links(cl: Cluster, method: Method) -> registry.Links:
+    """The cluster as the numbers an algorithm's formula reads (algorithm_registry.Links)."""
     a_in, a_out = cl.intra_latency_us * 1e-6, cl.inter_latency_us * 1e-6
     if method.transport == "host":
         a_in = a_out = cl.host_latency_us * 1e-6
-    if algo == "ring":
-        b = _bw(cl, method, min(cl.inter_gbps, cl.intra_gbps) if N > 1 else cl.intra_gbps)
-        return 2 * (n - 1) * (a_out if N > 1 else a_in), 2 * (n - 1) * nbytes / n / b
-    lat = 2 * (g - 1) * a_in
-    xfer = 2 * (g - 1) * nbytes / g / _bw(cl, method, cl.intra_gbps)
-    b_inter = _bw(cl, method, cl.inter_gbps)
-    if algo == "hierarchical":
-        return lat + 2 * (N - 1) * a_out, xfer + 2 * (N - 1) * nbytes / N / b_inter
-    k = method.reducers or N
-    return lat + 2 * a_out, xfer + nbytes / min(b_inter, k * b_inter / N)
+    return registry.Links(cl.gpus, cl.local, cl.nodes, a_in, a_out,
+                          _bw(cl, method, cl.intra_gbps), _bw(cl, method, cl.inter_gbps),
+                          method.reducers)
+
+
+def _algorithm(cl: Cluster, method: Method) -> registry.Algorithm:
+    # One node: every two-level algorithm is the node's ring.
+    return registry.lookup(method.algorithm if cl.nodes > 1 else registry.BASELINE)
+
+
+def allreduce_parts(cl: Cluster, method: Method, nbytes: float) -> tuple[float, float]:
+    """(latency seconds, transfer seconds) to allreduce `nbytes` per GPU on the cluster."""
+    if cl.gpus == 1 or nbytes <= 0:
+        return 0.0, 0.0
+    return _algorithm(cl, method).simulate(links(cl, method), nbytes)
 
 
 def allreduce_time(cl: Cluster, method: Method, nbytes: float) -> float:
@@ -55,16 +57,9 @@ def allreduce_time(cl: Cluster, method: Method, nbytes: float) -> float:
 
 def bytes_sent(cl: Cluster, method: Method, nbytes: float) -> float:
     """Bytes one GPU sends (intra-node and inter-node together) to allreduce `nbytes`."""
-    n, g, N = cl.gpus, cl.local, cl.nodes
-    if n == 1:
+    if cl.gpus == 1:
         return 0.0
-    algo = method.algorithm if N > 1 else "ring"
-    if algo == "ring":
-        return 2 * (n - 1) / n * nbytes
-    intra = 2 * (g - 1) / g * nbytes
-    if algo == "hierarchical":
-        return intra + 2 * (N - 1) / N * nbytes / g
-    return intra + nbytes / g  # each GPU's share of its node's single copy to the reducers
+    return _algorithm(cl, method).sim_bytes(links(cl, method), nbytes)
 
 
 def algorithm_bandwidth(cl: Cluster, method: Method, nbytes: float) -> float:

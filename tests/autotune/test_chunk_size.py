@@ -226,3 +226,21 @@ def test_env_autotune_tunes_the_chunk_size_and_a_later_run_reloads_it(pools, tmp
     again = pools(2).run(train_with_env_autotune, env=env2, timeout=120)
     for r in again:
         assert r["loaded"] == out_path and r["chunk"] == saved["chunk_size"]
+
+
+def test_a_method_without_chunks_gets_no_chunk_size_to_tune():
+    """A PowerSGD state has no chunk size: it is left out of the default space, and asking
+    for it says whose option it is."""
+    from gradientflow.autotune.tuner import Tuner
+    from gradientflow.compression import CompressionConfig
+
+    class State:
+        config = CompressionConfig(method="powersgd", rank=2)
+
+    class Backend:
+        def size(self):
+            return 2
+
+    assert "chunk_size" not in {p.name for p in Tuner._space(None, State(), Backend())}
+    with pytest.raises(ValueError, match="method 'powersgd' has none"):
+        Tuner._space(["chunk_size"], State(), Backend())

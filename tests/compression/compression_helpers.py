@@ -8,7 +8,7 @@ import math
 import torch
 from hypothesis import HealthCheck, settings, strategies as st
 
-from gradientflow.compression import CompressionConfig, Layout, make_compressor
+from gradientflow.compression import CompressionConfig, Layout, lookup, make_compressor
 from gradientflow.engine.stages import drive_lockstep
 
 # Applied per test, not as a global profile, so other test directories keep their own settings.
@@ -30,6 +30,15 @@ def layouts(draw, max_params: int = 5, max_numel: int = 700):
                 (f"w{i}", (draw(st.integers(1, 30)), draw(st.integers(1, max_numel // 30))))
             )
     return Layout.from_shapes(shapes)
+
+
+def method_config(method: str, *, wire_dtype=None, error_feedback: bool = True,
+                  **options) -> CompressionConfig:
+    """A config of `method` with those of `options` the method has (a test that sweeps methods
+    gives CSC's options to every method; the others have none of them)."""
+    own = lookup(method).options.names()
+    return CompressionConfig(method=method, wire_dtype=wire_dtype, error_feedback=error_feedback,
+                             **{k: v for k, v in options.items() if k in own})
 
 
 def make_ranks(cfg: CompressionConfig, world: int):
@@ -76,7 +85,8 @@ def lost_tolerance(cfg: CompressionConfig, world: int, sent_abs: torch.Tensor) -
     typical |v|, while a lost chunk leaves out its |v| whole (a per-example bound of 62.5 at
     |sums| below 20 let that pass).
     """
-    u = max(unit_roundoff(cfg.wire_dtype), unit_roundoff(cfg.dense_wire_dtype or cfg.wire_dtype))
+    dense = getattr(cfg, "dense_wire_dtype", None)  # CSC's option
+    u = max(unit_roundoff(cfg.wire_dtype), unit_roundoff(dense or cfg.wire_dtype))
     return ((world - 1) * u * (1 + world * u) + 8 * 2.0 ** -24) * sent_abs + 1e-12
 
 

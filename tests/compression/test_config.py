@@ -17,7 +17,7 @@ from gradientflow.compression import (DENSE_FIRST_WARMUP, DGC_WARMUP, Compressio
     (dict(norm="l3"), r"'l1' or 'l2'"),
     (dict(wire_dtype="fp8"), r"one of \['bf16', 'fp16', 'fp32'\]"),
     (dict(wire_dtype=torch.int8), r"not a wire dtype"),
-    (dict(method="topk"), r"unknown; use one of \[.csc., .fp16., .none.\]"),
+    (dict(method="topk"), r"unknown; use one of \[.csc., .fp16., .none., .powersgd.\]"),
     (dict(method="fp16", wire_dtype="fp32"), r"half-precision"),
     (dict(warmup_densities=(0.5, 0.0)), r"every stage must be in \(0, 1\]"),
     (dict(warmup_unit="batch"), r"'epoch' or 'step'"),
@@ -72,7 +72,47 @@ def test_registry_builds_by_name():
     assert set(available()) >= {"csc", "fp16", "none"}
     assert make_compressor(CompressionConfig(method="fp16"), 2).name == "fp16"
     with pytest.raises(ValueError, match="not registered"):
-        compressor_class("powersgd")
+        compressor_class("topk")
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(method="fp16", density=0.01), r"method 'fp16' has no option 'density' \('density' is "
+                                         r"an option of 'csc'\)"),
+    (dict(method="none", chunk_size=8), r"method 'none' has no option 'chunk_size'"),
+    (dict(method="csc", rank=4), r"method 'csc' has no option 'rank' \('rank' is an option of "
+                                 r"'powersgd'\)"),
+    (dict(method="powersgd", density=0.1), r"method 'powersgd' has no option 'density'.*"
+                                           r"its options are \['rank'"),
+    (dict(method="csc", densty=0.1), r"method 'csc' has no option 'densty'; its options are "
+                                     r"\['density'"),
+])
+def test_an_option_the_method_does_not_have_is_refused_naming_the_method(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        CompressionConfig(**kwargs)
+
+
+def test_options_read_replace_compare_and_pickle_as_one_config():
+    """The method's options read as the config's attributes; dataclasses.replace, equality,
+    hashing, pickling and the flat dict keep working across the core/options split."""
+    import dataclasses
+    import pickle
+
+    cfg = CompressionConfig(method="csc", density=0.05, wire_dtype="bf16")
+    assert (cfg.density, cfg.chunk_size, cfg.wire_dtype) == (0.05, 1024, "bf16")
+    smaller = dataclasses.replace(cfg, chunk_size=64)
+    assert smaller.chunk_size == 64 and smaller.density == 0.05 and smaller != cfg
+    with pytest.raises(ValueError, match=r"chunk_size=0"):
+        dataclasses.replace(cfg, chunk_size=0)
+    assert pickle.loads(pickle.dumps(cfg)) == cfg and hash(cfg) == hash(
+        CompressionConfig(method="csc", density=0.05, wire_dtype="bf16"))
+    flat = cfg.as_dict()
+    assert flat["density"] == 0.05 and flat["method"] == "csc" and "options" not in flat
+    assert CompressionConfig(**flat) == cfg
+    fp16 = CompressionConfig(method="fp16")
+    assert not hasattr(fp16, "density") and fp16.as_dict() == {
+        "method": "fp16", "wire_dtype": "fp16", "error_feedback": True}
+    with pytest.raises(ValueError, match="belong to another method"):
+        dataclasses.replace(cfg, method="fp16")
 
 
 def test_default_recipe_is_dense_first_in_steps_with_the_optimizers_momentum():
@@ -109,7 +149,7 @@ def test_epoch_warmup_without_set_epoch_raises_saying_what_to_call():
     c.set_epoch(0)
     drive_lockstep([c.reduce(torch.randn(lay.numel), lay)])
     assert c.density_in_force() == 1.0
-    fp16 = make_compressor(CompressionConfig(method="fp16", warmup_unit="epoch"), 1)
+    fp16 = make_compressor(CompressionConfig(method="fp16"), 1)
     fp16.check_schedule()  # no warm-up to drive: nothing to set
 
 

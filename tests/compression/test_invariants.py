@@ -6,6 +6,7 @@ from hypothesis import given, strategies as st
 
 from compression_helpers import (
     SETTINGS,
+    method_config,
     flat_slot,
     grads_for,
     layouts,
@@ -39,7 +40,7 @@ def test_nothing_lost_without_momentum(
     """
     if method == "fp16" and wire == "fp32":
         wire = "fp16"
-    cfg = CompressionConfig(method=method, density=density, chunk_size=chunk, wire_dtype=wire,
+    cfg = method_config(method, density=density, chunk_size=chunk, wire_dtype=wire,
                             dense_wire_dtype=dense_wire, warmup_densities=(), min_numel=0,
                             momentum_correction=False)
     comps = make_ranks(cfg, world)

@@ -5,14 +5,15 @@ import torch
 from hypothesis import given, strategies as st
 
 from compression_helpers import (SETTINGS, FakeBucket, flat_slot, grads_for, layouts, make_ranks,
-                                 step)
+                                 method_config, step)
 from gradientflow.compression import CompressionConfig, Layout
 from gradientflow.engine.stages import drive_lockstep
 from gradientflow.hooks import CSCState, FP16State
 
 
 @SETTINGS
-@given(layout=layouts(), world=st.integers(1, 3), method=st.sampled_from(["csc", "fp16"]),
+@given(layout=layouts(), world=st.integers(1, 3),
+       method=st.sampled_from(["csc", "fp16", "powersgd"]),
        scales=st.lists(st.sampled_from([2.0 ** e for e in range(0, 12)]), min_size=2, max_size=6),
        seed=st.integers(0, 2**16))
 def test_scaled_gradients_give_the_unscaled_result(layout, world, method, scales, seed):
@@ -21,14 +22,15 @@ def test_scaled_gradients_give_the_unscaled_result(layout, world, method, scales
     Power-of-two scales are exact in binary floating point, so the two runs round alike except
     in FP16's subnormal range (hence a small absolute tolerance).
     """
-    cfg = CompressionConfig(
-        method=method,
+    cfg = method_config(
+        method,
         density=0.25,
         chunk_size=8,
-        wire_dtype="bf16" if method == "csc" else "fp16",
+        wire_dtype={"csc": "bf16", "fp16": "fp16", "powersgd": "fp32"}[method],
         warmup_densities=(),
         min_numel=0,
         momentum_correction=False,
+        rank=2,
     )
     scaled, plain = make_ranks(cfg, world), make_ranks(cfg, world)
     for t, s in enumerate(scales):

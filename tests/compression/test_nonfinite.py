@@ -8,8 +8,7 @@ import copy
 import torch
 from hypothesis import given, strategies as st
 
-from compression_helpers import SETTINGS, grads_for, layouts, make_ranks, step
-from gradientflow.compression import CompressionConfig
+from compression_helpers import SETTINGS, grads_for, layouts, make_ranks, method_config, step
 
 
 def _states(comps):
@@ -39,8 +38,8 @@ def test_non_finite_step_restores_state_on_every_rank(
     bad_rank %= world
     if method == "fp16" and wire == "fp32":
         wire = "fp16"
-    cfg = CompressionConfig(
-        method="fp16" if method == "fp16" else "csc",
+    cfg = method_config(
+        "fp16" if method == "fp16" else "csc",
         density=0.3,
         chunk_size=8,
         wire_dtype=wire,
@@ -83,7 +82,7 @@ def test_a_later_bucket_overflowing_undoes_the_earlier_buckets_of_the_step(world
 
     a = Layout.from_shapes([("a.weight", (20, 10)), ("a.bias", (20,))])
     b = Layout.from_shapes([("b.weight", (8, 20))])
-    cfg = CompressionConfig(method="fp16" if method == "fp16" else "csc", density=0.3, chunk_size=8,
+    cfg = method_config("fp16" if method == "fp16" else "csc", density=0.3, chunk_size=8,
                             warmup_densities=(), momentum_correction=method == "csc-momentum")
     comps = make_ranks(cfg, world)
     for t in range(2):

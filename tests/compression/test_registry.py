@@ -1,10 +1,12 @@
 """One registry entry per method: a newly registered one is usable from config, hook, optimizer."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
-from gradientflow.compression import (CompressionConfig, Compressor, available, lookup,
+from gradientflow.compression import (CompressionConfig, Compressor, Options, available, lookup,
                                       register_compressor, registry)
 from gradientflow.engine.stages import drive_lockstep
 
@@ -15,7 +17,15 @@ def toy(monkeypatch):
     monkeypatch.setattr(registry, "_METHODS", dict(registry._METHODS))
     monkeypatch.setattr(registry, "_BY_NAME", dict(registry._BY_NAME))
 
-    @register_compressor("toy", aliases=("toy-alias",))
+    @dataclasses.dataclass(frozen=True)
+    class ToyOptions(Options):
+        scale: float = 1.0  # what the toy multiplies the average by
+
+        def __post_init__(self):
+            if not self.scale > 0:
+                raise ValueError(f"CompressionConfig: scale={self.scale!r} must be > 0")
+
+    @register_compressor("toy", options=ToyOptions, aliases=("toy-alias",))
     class Toy(Compressor):
         calls = 0
 
@@ -23,7 +33,7 @@ def toy(monkeypatch):
             layout.check(flat, "Toy.reduce")
             type(self).calls += 1
             self.stats.add_bucket(numel=flat.numel())
-            flat.div_(self.world_size)
+            flat.div_(self.world_size / self.config.scale)
             return (yield from self._stage(flat))
 
     return Toy
@@ -36,8 +46,9 @@ def test_builtin_entries_hold_compressor_state_and_names():
     assert lookup("csc").state is hooks.CSCState and lookup("csc").hook is hooks.csc_hook
     assert lookup("fp16").state is hooks.FP16State
     assert lookup("none").dense and not lookup("csc").dense
+    assert lookup("powersgd").options.names()[0] == "rank"
     with pytest.raises(ValueError, match="not registered"):
-        lookup("powersgd")
+        lookup("topk")
 
 
 def test_a_registered_method_is_usable_from_config_hook_and_optimizer(toy):
@@ -82,6 +93,20 @@ def test_a_registered_method_is_usable_from_config_hook_and_optimizer(toy):
     model(torch.ones(1, 3)).sum().backward()
     opt.step()
     assert toy.calls == 3
+
+
+def test_a_method_registers_its_own_options_checked_where_they_are_declared(toy):
+    assert CompressionConfig(method="toy", scale=2.0).scale == 2.0
+    assert CompressionConfig(method="toy").scale == 1.0
+    with pytest.raises(ValueError, match=r"scale=0 must be > 0"):
+        CompressionConfig(method="toy", scale=0)
+    with pytest.raises(ValueError, match=r"method 'toy' has no option 'density'.*\['scale'\]"):
+        CompressionConfig(method="toy", density=0.1)
+
+
+def test_register_refuses_options_that_are_not_an_options_dataclass():
+    with pytest.raises(TypeError, match="options must be a dataclass subclass"):
+        register_compressor("bad", options=dict)
 
 
 def test_register_refuses_a_taken_name(toy):

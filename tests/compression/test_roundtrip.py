@@ -8,7 +8,7 @@ import math
 import torch
 from hypothesis import given, strategies as st
 
-from compression_helpers import SETTINGS, grads_for, layouts, make_ranks, recording
+from compression_helpers import SETTINGS, grads_for, layouts, make_ranks, method_config, recording
 from gradientflow.compression import CompressionConfig
 from gradientflow.compression.wire_scale import scale_for
 from gradientflow.engine.stages import drive_lockstep
@@ -115,7 +115,7 @@ def test_fp16_prescale_never_overflows_where_a_post_scaled_sum_would(world, seed
     from gradientflow.compression import Layout
     layout = Layout.from_shapes([("w", (16, 16))])
     for method, extra in (("fp16", {}), ("csc", dict(density=1.0, chunk_size=16))):
-        cfg = CompressionConfig(method=method, wire_dtype="fp16", warmup_densities=(), **extra)
+        cfg = method_config(method, wire_dtype="fp16", warmup_densities=(), **extra)
         comps = make_ranks(cfg, world)
         out = drive_lockstep([c.reduce(g.clone(), layout) for c, g in zip(comps, grads)])[0]
         assert bool(torch.isfinite(out).all()), method

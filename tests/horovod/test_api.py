@@ -388,6 +388,16 @@ def test_compression_contract():
     assert custom.config().density == 0.05 and hvd.Compression.csc.options == {}
     with pytest.raises(ValueError):
         hvd.Compression.csc.configure(density=2.0)
+    # Every registered gradientflow method is Compression.<name>, configured by its own options.
+    psgd = hvd.Compression.powersgd.configure(rank=2)
+    assert psgd.config().rank == 2 and psgd.config().method == "powersgd"
+    assert hvd.Compression.powersgd is hvd.Compression.powersgd
+    with pytest.raises(ValueError, match="method 'powersgd' has no option 'density'"):
+        hvd.Compression.powersgd.configure(density=0.1)
+    with pytest.raises(ValueError, match=r"Compression.powersgd compresses gradients only"):
+        hvd.Compression.powersgd.compress(x)
+    with pytest.raises(AttributeError, match="has no 'topk'"):
+        hvd.Compression.topk
     assert [int(op) for op in (hvd.Average, hvd.Sum, hvd.Adasum, hvd.Min, hvd.Max,
                                hvd.Product)] == list(range(6))
 

@@ -1,0 +1,244 @@
+"""PowerSGD (Vogels et al. 2019): each gradient matrix travels as two rank-r factors, with error
+feedback and a warm start.
+
+Per flat buffer, on every rank, each matrix M (a parameter of shape (rows, *rest) viewed as
+rows x cols, with the residual added) whose factors are worth it::
+
+    P_i = M Q                          Q: cols x r, the same on every rank (kept between steps)
+    stage 1: SUM-allreduce [every P_i / n | the dense part / n]
+    P = orthonormal basis of the reduced P (QR: the same on every rank, from the same sum)
+    Q_i = M^T P
+    stage 2: SUM-allreduce [every Q_i / n]          -> Q = the average of the Q_i
+    out = P Q^T                        (= P P^T times the average of the M: exact at full rank)
+    residual = M - P Q_i^T             (what this rank's own factors did not carry)
+    Q is kept for the next step (the warm start: one power iteration a step)
+
+The residuals sum over ranks to the sum of the M minus n times the output, so no gradient mass
+is lost (up to the wire's rounding of the sum). Vectors (biases, norms) and matrices whose
+factors would not save `min_compression_rate` times their size travel dense in stage 1, as
+torch's PowerSGD hook does. Stage tensors of every buffer of a fused batch travel back to back
+(the generic fuse of engine.stages), so a batch of buckets makes two collectives.
+
+The options are `PowerSGDOptions` below; `CompressionConfig(method="powersgd", rank=4)`.
+Its wire is FP32 unless the config names another dtype (a half wire's rounding stays in the
+residual).
+"""
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass
+
+import torch
+
+from ..engine.stages import StageGen
+from .base import Compressor
+from .layout import Layout
+from .registry import Options, register_compressor
+
+__all__ = ["PowerSGDCompressor", "PowerSGDOptions"]
+
+
+@dataclass(frozen=True)
+class PowerSGDOptions(Options):
+    """PowerSGD's options (validated at construction; see each field's reason)."""
+
+    # Rank of the factors: the paper's ResNet-18/CIFAR runs reach full accuracy at rank 2-4;
+    # the wire carries (rows + cols) x rank values per matrix instead of rows x cols.
+    rank: int = 4
+    # A matrix travels as factors only if they are this many times smaller than it; below, it
+    # travels dense (torch's PowerSGD default, 2: small matrices gain little and lose accuracy).
+    min_compression_rate: float = 2.0
+    # Keep Q between steps (one power iteration a step, the paper's warm start); False draws
+    # a fresh Q at every step.
+    warm_start: bool = True
+    # Steps sent dense before the factors start (torch's start_powerSGD_iter): the first steps
+    # move the weights most. 0: factors from the first step.
+    start_step: int = 0
+    # Seed of the first Q (drawn alike on every rank, per parameter name).
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.rank) or self.rank < 1:
+            raise ValueError(f"CompressionConfig: rank={self.rank!r} must be an integer >= 1 "
+                             "(the rank of the factors)")
+        r = self.min_compression_rate
+        if not isinstance(r, (int, float)) or not 0.0 <= float(r) < math.inf:
+            raise ValueError(f"CompressionConfig: min_compression_rate={r!r} must be a finite "
+                             "number >= 0 (0: every matrix travels as factors)")
+        if not _is_int(self.start_step) or self.start_step < 0:
+            raise ValueError(f"CompressionConfig: start_step={self.start_step!r} must be an "
+                             "integer >= 0")
+        if not _is_int(self.seed) or self.seed < 0:
+            raise ValueError(f"CompressionConfig: seed={self.seed!r} must be an integer >= 0")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class _Matrix:
+    """One parameter that travels as factors: where it lives in the buffer, its matrix shape."""
+
+    name: str
+    start: int
+    rows: int
+    cols: int
+    rank: int
+
+    @property
+    def end(self) -> int:
+        return self.start + self.rows * self.cols
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """Per layout: the matrices sent as factors, and the positions of everything sent dense."""
+
+    matrices: tuple[_Matrix, ...]
+    dense_idx: torch.Tensor  # int64 positions of the dense elements
+
+
+def _build_plan(layout: Layout, opts: PowerSGDOptions, factors: bool) -> _Plan:
+    mats, dense = [], []
+    for (name, start, end), shape in zip(layout.slices(), layout.shapes):
+        if end == start:
+            continue
+        if factors and len(shape) >= 2:
+            rows = shape[0]
+            cols = (end - start) // rows
+            r = min(opts.rank, rows, cols)
+            if (rows + cols) * r * float(opts.min_compression_rate) < rows * cols:
+                mats.append(_Matrix(name, start, rows, cols, r))
+                continue
+        dense.append(torch.arange(start, end, dtype=torch.int64))
+    idx = torch.cat(dense) if dense else torch.empty(0, dtype=torch.int64)
+    return _Plan(tuple(mats), idx)
+
+
+def orthonormalize(p: torch.Tensor) -> torch.Tensor:
+    """An orthonormal basis of the columns of `p` (rows x r, rows >= r), by QR: the same on
+    every rank for the same input."""
+    return torch.linalg.qr(p, mode="reduced").Q
+
+
+@register_compressor("powersgd", options=PowerSGDOptions, wire_dtype="fp32")
+class PowerSGDCompressor(Compressor):
+    """Send each large gradient matrix as two rank-r factors (P, then Q), with error feedback."""
+
+    def __init__(self, config, world_size: int) -> None:
+        super().__init__(config, world_size)
+        # Parameter name -> Q (cols x r, float32), the same on every rank; the warm start.
+        self._q: dict[str, torch.Tensor] = {}
+        # This step's new Qs: kept by end_step only if the step reduced to finite values.
+        self._q_next: dict[str, torch.Tensor] = {}
+        self._plans: dict[tuple[Layout, torch.device, bool], _Plan] = {}
+
+    def _plan(self, layout: Layout, device: torch.device, factors: bool) -> _Plan:
+        key = (layout, device, factors)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = _build_plan(layout, self.config.options, factors)
+            plan = self._plans[key] = _Plan(plan.matrices, plan.dense_idx.to(device))
+        return plan
+
+    def _q_of(self, m: _Matrix, device: torch.device) -> torch.Tensor:
+        """The Q this step starts from: the kept one, or one drawn alike on every rank."""
+        opts = self.config.options
+        q = self._q.get(m.name) if opts.warm_start else None
+        if q is not None and q.shape == (m.cols, m.rank):
+            # Orthonormal again: the same span (so the same output), but P = M Q then stays
+            # at the scale of M, where the kept average Q would square it (a half wire
+            # overflows).
+            return orthonormalize(q.to(device))
+        salt = zlib.crc32(m.name.encode()) + (0 if opts.warm_start else self.step << 32)
+        gen = torch.Generator().manual_seed(opts.seed * 1_000_003 + salt)
+        return orthonormalize(torch.randn(m.cols, m.rank, generator=gen)).to(device)
+
+    # --- the op -----------------------------------------------------------------------------------
+    def reduce(self, flat: torch.Tensor, layout: Layout, *, loss_scale: float = 1.0,
+               final: bool = False) -> StageGen:
+        """Return the StageGen of one buffer: 2 collectives (1 when nothing travels as factors);
+        see the module docstring."""
+        layout.check(flat, "PowerSGDCompressor.reduce")
+        if flat.numel() == 0:
+            return flat
+        cfg, n = self.config, self.world_size
+        wire, ef = cfg.torch_wire_dtype, cfg.error_feedback
+        factors = self.step >= cfg.options.start_step
+        plan = self._plan(layout, flat.device, factors)
+        self.stats.add_bucket(numel=flat.numel(), elements_sent_dense=plan.dense_idx.numel(),
+                              warmup=not factors)
+        if ef:
+            mem = self.memory.get(layout, ("residual", "_residual_spare"), flat, loss_scale)
+            v = torch.add(flat, mem["residual"], out=mem["_residual_spare"])
+        else:
+            v = flat
+        mats = [v[m.start:m.end].view(m.rows, m.cols) for m in plan.matrices]
+        qs = [self._q_of(m, flat.device) for m in plan.matrices]
+        dense_v = v.index_select(0, plan.dense_idx)
+
+        # --- stage 1: P_i = M Q for every matrix, and the dense part, all pre-scaled by 1/n ----
+        stage1 = torch.cat([(mat @ q).reshape(-1) for mat, q in zip(mats, qs)] + [dense_v])
+        stage1 = stage1.mul_(1.0 / n).to(wire)
+        local_dense = stage1[stage1.numel() - dense_v.numel():].clone() if ef else None
+        reduced1 = yield from self._stage(stage1, final=final and not mats)
+        finite = [torch.isfinite(reduced1).all()]
+        p_sizes = [m.rows * m.rank for m in plan.matrices]
+        *p_parts, dense_avg = reduced1.split(p_sizes + [dense_v.numel()])
+
+        # --- stage 2: Q_i = M^T P for every matrix, pre-scaled by 1/n -----------------------------
+        outs: list[torch.Tensor] = []
+        if mats:
+            ps = [orthonormalize(part.float().view(m.rows, m.rank))
+                  for part, m in zip(p_parts, plan.matrices)]
+            stage2 = torch.cat([(mat.t() @ p).reshape(-1) for mat, p in zip(mats, ps)])
+            stage2 = stage2.mul_(1.0 / n).to(wire)
+            local_q = stage2.clone() if ef else None
+            reduced2 = yield from self._stage(stage2, final=final)
+            finite.append(torch.isfinite(reduced2).all())
+            q_sizes = [m.cols * m.rank for m in plan.matrices]
+            sents = local_q.split(q_sizes) if ef else [None] * len(mats)
+            for m, mat, p, q_avg, sent in zip(plan.matrices, mats, ps, reduced2.split(q_sizes),
+                                              sents):
+                q_avg = q_avg.float().view(m.cols, m.rank)
+                outs.append(p @ q_avg.t())
+                if ef:  # what this rank's own Q_i (as sent) did not carry
+                    mat.sub_(p @ (sent.float().view(m.cols, m.rank) * n).t())
+                self._q_next[m.name] = q_avg.clone()  # not a view of the engine's buffer
+
+        # --- the average in place, the residual committed ---------------------------------------
+        for m, out in zip(plan.matrices, outs):
+            flat[m.start:m.end].copy_(out.reshape(-1))
+        if dense_v.numel():
+            flat.index_copy_(0, plan.dense_idx, dense_avg.float())
+            if ef:  # the dense part's rounding error on the wire (0 on an FP32 wire)
+                v.index_copy_(0, plan.dense_idx, dense_v - local_dense.float() * n)
+        if ef:
+            self.memory.commit(layout, (("residual", "_residual_spare"),))
+        ok = finite[0] if len(finite) == 1 else torch.stack(finite).all()
+        self._note_finite(ok)
+        # A non-finite batch shows in its output, so GradScaler skips the step on every rank.
+        head = flat[:1]
+        head.copy_(torch.where(ok, head, torch.full_like(head, math.nan)))
+        return flat
+
+    def _close_step(self, non_finite: bool) -> None:
+        """Keep this step's Qs for the next (the warm start), unless the step is undone."""
+        if not non_finite:
+            self._q.update(self._q_next)
+        self._q_next = {}
+
+    # --- checkpoints ------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """The base state and the kept Qs by parameter name (the same on every rank)."""
+        return {**super().state_dict(),
+                "powersgd_q": {k: q.detach().cpu().clone() for k, q in self._q.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore a state saved by `state_dict` (without Qs: drawn again at the next step)."""
+        super().load_state_dict(state)
+        kept = state.get("powersgd_q") or {}
+        self._q = {k: q.detach().clone().float() for k, q in kept.items()}
+        self._q_next = {}
