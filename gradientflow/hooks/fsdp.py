@@ -135,24 +135,29 @@ class FSDPCompressionState:
 
     # --- statistics ---------------------------------------------------------------------------
     def stats(self) -> dict:
-        """Wire bytes per step on this rank, by where they travel: "replicate" (HSDP's all-reduce
-        across the replicate dimension) and "shard" (the compressed reduce-scatter), each summed
-        over the parameter groups (see gradientflow.compression.stats for the fields)."""
+        """Wire bytes on this rank by where they travel: "replicate" (HSDP's all-reduce across the
+        replicate dimension) and "shard" (the compressed reduce-scatter), summed over the
+        parameter groups.
+
+        Each holds the steps counted, and per step (steady state: after the warm-up, or the
+        whole-run average while no steady step has run yet) the wire bytes, the dense FP32
+        equivalent and their ratio, as gradientflow.compression.stats defines them.
+        """
         out: dict = {}
-        for unit in self.units:
-            for where, comp in (("shard", unit.rs), ("replicate", unit.ar)):
-                if comp is None:
-                    continue
-                d = comp.stats.as_dict()
-                acc = out.setdefault(where, {})
-                for k, v in d.items():
-                    if isinstance(v, (int, float)) and not isinstance(v, bool):
-                        acc[k] = acc.get(k, 0) + v
-                    elif isinstance(v, dict):
-                        sub = acc.setdefault(k, {})
-                        for kk, vv in v.items():
-                            if isinstance(vv, (int, float)) and not isinstance(vv, bool):
-                                sub[kk] = sub.get(kk, 0) + vv
+        for where in ("shard", "replicate"):
+            comps = [u.rs if where == "shard" else u.ar for u in self.units]
+            comps = [c for c in comps if c is not None]
+            if not comps:
+                continue
+            dicts = [c.stats.as_dict() for c in comps]
+            steady = all(d["steady_steps"] for d in dicts)
+            per = [d["steady" if steady else "average"] for d in dicts]
+            wire = sum(p["wire_bytes"] or 0 for p in per)
+            dense = sum(p["dense_fp32_bytes"] or 0 for p in per)
+            out[where] = {"steps": dicts[0]["steps"], "steady": steady,
+                          "wire_bytes_per_step": wire, "dense_fp32_bytes_per_step": dense,
+                          "ratio": dense / wire if wire else None,
+                          "wire_bytes": sum(d["wire_bytes"] for d in dicts)}
         return out
 
     # --- checkpoints --------------------------------------------------------------------------
