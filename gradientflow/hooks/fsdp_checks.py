@@ -13,11 +13,12 @@ import torch.distributed as dist
 
 from ..compression import CompressionConfig
 
-__all__ = ["Group", "SUPPORTED_METHODS", "find_groups", "check_config", "is_fsdp_model"]
+__all__ = ["Group", "HOOKS", "SUPPORTED_METHODS", "find_groups", "check_config", "is_fsdp_model"]
 
 # The methods that run under FSDP2 (the others are registered for DDP's buckets only).
 SUPPORTED_METHODS = ("none", "fp16", "csc")
-_HOOKS = ("set_custom_reduce_scatter", "set_all_reduce_hook", "set_requires_all_reduce",
+# What registration calls or reads on FSDPModule; a torch lacking any of them is refused.
+HOOKS = ("set_custom_reduce_scatter", "set_all_reduce_hook", "set_requires_all_reduce",
           "set_gradient_divide_factor", "set_force_sum_reduction_for_comms", "_get_fsdp_state")
 
 
@@ -77,7 +78,7 @@ def find_groups(model: torch.nn.Module) -> list[Group]:
     """The model's FSDP parameter groups, each checked; ValueError names what to change."""
     where = _where()
     cls = _fsdp_module_class()
-    missing = [h for h in _HOOKS if cls is None or not hasattr(cls, h)]
+    missing = [h for h in HOOKS if cls is None or not hasattr(cls, h)]
     if missing:
         raise ValueError(
             f"{where}: torch {torch.__version__} lacks FSDPModule.{', .'.join(missing)}, which "
@@ -147,17 +148,20 @@ def _check_group(pg, label: str, where: str) -> None:
                 f"{where}: a parameter of {label} is {fp.sharded_param.dtype}; compression "
                 "needs float32 gradients: keep float32 parameters (a MixedPrecisionPolicy "
                 "param_dtype computes in lower precision while they stay float32)")
-    if pg.gradient_divide_factor is not None or pg.force_sum_reduction_for_comms:
+    if (getattr(pg, "gradient_divide_factor", None) is not None
+            or getattr(pg, "force_sum_reduction_for_comms", False)):
         raise ValueError(
             f"{where}: {label} has set_gradient_divide_factor or "
             "set_force_sum_reduction_for_comms set, but a compressed reduction computes the "
             "average; leave both unset")
-    if not pg.all_reduce_grads and pg.reduce_grads:
+    if not getattr(pg, "all_reduce_grads", True) and getattr(pg, "reduce_grads", True):
         raise ValueError(
             f"{where}: {label} has set_requires_all_reduce(False), but the replicate "
             "dimension's reduction is compressed at every reduce-scatter; accumulate with "
             "set_requires_gradient_sync(False) instead (it works)")
-    if not isinstance(pg._reduce_scatter_comm, DefaultReduceScatter) or pg._all_reduce_hook:
+    comm = getattr(pg, "_reduce_scatter_comm", None)
+    if (comm is not None and not isinstance(comm, DefaultReduceScatter)) or getattr(
+            pg, "_all_reduce_hook", None):
         raise ValueError(
             f"{where}: {label} already has a custom reduce-scatter or all-reduce hook (was "
             "the model registered twice?); register a model once")

@@ -10,24 +10,28 @@ from __future__ import annotations
 import pytest
 import torch
 
+from gradientflow.hooks.fsdp_checks import HOOKS  # noqa: E402
+
 fsdp = pytest.importorskip("torch.distributed.fsdp")
-if not hasattr(fsdp.FSDPModule, "set_custom_reduce_scatter"):  # pragma: no cover
-    pytest.skip("this torch's FSDP2 has no custom reduce-scatter", allow_module_level=True)
+if not all(hasattr(fsdp.FSDPModule, h) for h in HOOKS):  # pragma: no cover
+    pytest.skip(f"torch {torch.__version__}'s FSDP2 lacks a hook registration calls",
+                allow_module_level=True)
 
 STEPS = 80  # the issue's exactness run; the model is tiny so it takes seconds
 DIM = 32
+OUT = 5  # uneven over 2 shards: FSDP pads the head's rows, and so do the layouts
 
 
 def _model() -> torch.nn.Module:
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(8, DIM), torch.nn.ReLU(),
                                torch.nn.Linear(DIM, DIM), torch.nn.ReLU(),
-                               torch.nn.Linear(DIM, 4))
+                               torch.nn.Linear(DIM, OUT))
 
 
 def _teacher(x: torch.Tensor) -> torch.Tensor:
     g = torch.Generator().manual_seed(7)
-    w = torch.randn(8, 4, generator=g)
+    w = torch.randn(8, OUT, generator=g)
     return torch.tanh(x @ w)
 
 
@@ -120,11 +124,13 @@ def test_hsdp_csc_at_one_percent_keeps_replicas_identical_and_the_loss_falls(poo
     assert replicate["steady"] and replicate["ratio"] > 5, replicate
 
 
-def test_fsdp2_fp16_and_csc_train_and_ranks_agree(pools):
+@pytest.mark.parametrize("world,hsdp", [(2, False), (4, True)], ids=["fsdp2", "hsdp"])
+def test_fp16_and_csc_train_and_replicas_agree(pools, world, hsdp):
     for cfg in (dict(method="fp16"), dict(method="csc", density=0.01)):
-        runs = pools(2).run(train, False, cfg, 40, 0.1, timeout=240)
-        for i, (x, y) in enumerate(zip(runs[0]["full"], runs[1]["full"])):
-            assert torch.equal(x, y), f"{cfg}: ranks disagree on parameter {i}"
+        runs = pools(world).run(train, hsdp, cfg, 40, 0.1, timeout=240)
+        for a, b in ((0, 1),) if not hsdp else ((0, 2), (1, 3)):
+            for i, (x, y) in enumerate(zip(runs[a]["full"], runs[b]["full"])):
+                assert torch.equal(x, y), f"{cfg}: ranks {a} and {b} differ in parameter {i}"
         losses = runs[0]["losses"]
         assert sum(losses[-5:]) < 0.7 * sum(losses[:5]), f"{cfg}: loss did not fall: {losses}"
 
@@ -161,7 +167,15 @@ def dcp_round_trip(rank, world, hsdp: bool, cfg: dict, ckpt_dir: str, before: in
     set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
     for s in range(before, before + after):
         _step(model, opt, rank, s)
-    return {"first": first, "again": _full(model)}
+    again = _full(model)
+    # The control: model and optimizer loaded, the compression state not: it must show.
+    msd, osd = get_state_dict(model, opt)
+    sd = {"model": msd, "optim": osd}
+    dcp.load(sd, checkpoint_id=ckpt_dir)
+    set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    for s in range(before, before + after):
+        _step(model, opt, rank, s)
+    return {"first": first, "again": again, "without": _full(model)}
 
 
 def dcp_load_elsewhere(rank, world, hsdp: bool, cfg: dict, ckpt_dir: str):
@@ -194,6 +208,9 @@ def test_dcp_round_trip_resumes_exactly(pools, tmp_path, world, hsdp):
         for i, (a, b) in enumerate(zip(r["again"], r["first"])):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7,
                                        msg=lambda m: f"rank {rank} parameter {i}: {m}")
+        assert any(not torch.allclose(a, b, rtol=1e-6, atol=1e-7)
+                   for a, b in zip(r["without"], r["first"])), \
+            "resuming without the compression state gave the same run: the test shows nothing"
 
 
 def test_dcp_load_on_another_mesh_drops_residuals_with_a_warning(pools, tmp_path):
@@ -208,6 +225,17 @@ def test_dcp_load_on_another_mesh_drops_residuals_with_a_warning(pools, tmp_path
 
 
 # ---------------------------------------------------------------- bad input
+def test_a_torch_without_the_hooks_is_refused_with_the_version_that_has_them(monkeypatch):
+    from gradientflow.hooks import fsdp_checks
+
+    class OldFSDPModule:  # a torch whose FSDP2 has the all-reduce hook only
+        set_all_reduce_hook = None
+
+    monkeypatch.setattr(fsdp_checks, "_fsdp_module_class", lambda: OldFSDPModule)
+    with pytest.raises(ValueError, match=r"lacks FSDPModule\.set_custom_reduce_scatter.*2\.14"):
+        fsdp_checks.find_groups(torch.nn.Linear(2, 2))
+
+
 def refusals(rank, world):
     """Rank body: each bad setup's error sentence (None where registration went through)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
