@@ -35,6 +35,7 @@ from ..compression import CompressionConfig
 from ..compression.momentum import follow_optimizer
 from .fsdp_checks import check_config, find_groups, is_fsdp_model
 from .fsdp_comms import CompressedReduceScatter, ReplicateHook, Unit
+from .fsdp_reshard import reshard_units
 
 __all__ = ["FSDPCompressionState", "register_fsdp", "is_fsdp_model"]
 
@@ -72,6 +73,8 @@ class FSDPCompressionState:
             # A step's reductions end before the optimizer steps: the next reduction opens a step.
             optimizer.register_step_post_hook(lambda *_: self._close_step())
         self._names = {id(p): n for n, p in model.named_parameters()}
+        self._shapes = {n: shape for g in groups for n, shape in g.shapes.items()}
+        self._rows = all(g.rows for g in groups)
         self._install(groups)
 
     # --- registration -------------------------------------------------------------------------
@@ -162,7 +165,8 @@ class FSDPCompressionState:
 
     # --- checkpoints --------------------------------------------------------------------------
     def _local_state(self) -> dict:
-        return {"units": {u.name: {k: c.state_dict() for k, c in u.compressors().items()}
+        return {"coord": (self.replicate_rank, self.shard_rank),
+                "units": {u.name: {k: c.state_dict() for k, c in u.compressors().items()}
                           for u in self.units}}
 
     def state_dict(self) -> dict:
@@ -188,8 +192,8 @@ class FSDPCompressionState:
         """Load a checkpoint made by `state_dict` (after dcp.load filled it in).
 
         Saved on the same mesh: every rank gets its own residuals back exactly. On another
-        mesh the residuals are dropped, with a warning saying what that costs; the warm-up
-        position is kept.
+        mesh they are resharded with their sum kept (fsdp_reshard.py), or, where that cannot
+        be done, dropped, with a warning saying what that costs; the warm-up position is kept.
         """
         blob = state.get("gradientflow_fsdp") if isinstance(state, dict) else None
         if not isinstance(blob, (bytes, bytearray)) or not blob:
@@ -201,20 +205,31 @@ class FSDPCompressionState:
             raise ValueError(f"FSDPCompressionState.load_state_dict (rank {self.rank}): format "
                              f"{saved.get('format')!r} is not {_FORMAT!r}")
         if tuple(saved["mesh"]) == self._mesh() and len(saved["ranks"]) == self.world_size:
-            self._load_units(saved["ranks"][self.rank]["units"], keep_memory=True)
+            self._load_units(saved["ranks"][self.rank]["units"])
             return
-        self._load_units(saved["ranks"][0]["units"], keep_memory=False)
-        d = float(self.config.density)
-        waits = max(1, round(1.0 / d))
+        moved = _mesh_text(saved["mesh"]), _mesh_text(self._mesh())
+        if self._rows and saved["config"].get("method") == self.config.method:
+            residuals = reshard_units(saved, self.units, self.shard_rank, self._shapes)
+            self._load_units(saved["ranks"][0]["units"], residuals)
+            warnings.warn(
+                f"FSDPCompressionState (rank {self.rank}): the checkpoint was saved on a "
+                f"{moved[0]} mesh and is loaded on {moved[1]}: the error-feedback residuals "
+                "were resharded, their sum kept (every rank now holds its part of the old "
+                "ranks' average), so no gradient is lost; which chunks are sent next may "
+                "differ from a run that stayed on the old mesh.", RuntimeWarning, stacklevel=2)
+            return
+        self._load_units(saved["ranks"][0]["units"], {})
         warnings.warn(
             f"FSDPCompressionState (rank {self.rank}): the checkpoint was saved on a "
-            f"{_mesh_text(saved['mesh'])} mesh and is loaded on {_mesh_text(self._mesh())}: the "
-            f"error-feedback residuals were dropped. At density {d:g} a chunk waits about "
-            f"{waits} steps before it is sent, so up to about {waits} steps of unsent gradient "
-            "are lost once; training continues from the loaded weights.",
+            f"{moved[0]} mesh and is loaded on {moved[1]}: the error-feedback residuals were "
+            "dropped (the parameters are not all sharded by rows, or the method changed). "
+            f"{_drop_cost(saved['config'])} Training continues from the loaded weights.",
             RuntimeWarning, stacklevel=2)
 
-    def _load_units(self, units: dict, keep_memory: bool) -> None:
+    def _load_units(self, units: dict, residuals: dict | None = None) -> None:
+        """Load each unit's compressors from `units` (one rank's saved states); `residuals`
+        ({unit: {key: {"memory", "residual_lr"}}}, reshard_units') replaces their residuals when
+        given ({}: none for any)."""
         for unit in self.units:
             saved = units.get(unit.name)
             if saved is None:
@@ -223,13 +238,26 @@ class FSDPCompressionState:
                     f"no state for FSDP module {unit.name or 'the root module'!r}; it holds "
                     f"{sorted(units)}: was the model sharded differently?")
             for key, comp in unit.compressors().items():
-                if key not in saved:
+                if not saved:  # saved where this unit compressed nothing (method "none")
                     continue
-                s = dict(saved[key])
-                if not keep_memory:
-                    s["memory"] = {}
+                s = dict(saved.get(key) or next(iter(saved.values())))
+                if residuals is not None:
+                    moved = residuals.get(unit.name, {}).get(key, {})
+                    s["memory"] = moved.get("memory", {})
+                    s["residual_lr"] = moved.get("residual_lr", {})
                 s["world_size"] = comp.world_size
                 comp.load_state_dict(s)
+
+
+def _drop_cost(config: dict) -> str:
+    """What dropping the residuals of a checkpoint saved under `config` (asdict) costs."""
+    if config.get("method") != "csc":
+        return ("They held the wire's rounding error only (a fraction of an FP16 ulp of one "
+                "step's gradient per element): next to nothing is lost.")
+    d = float(config.get("density", 1.0))
+    waits = max(1, round(1.0 / d))
+    return (f"At density {d:g} a chunk waits about {waits} steps before it is sent, so up to "
+            f"about {waits} steps of unsent gradient are lost once.")
 
 
 def _mesh_text(mesh) -> str:

@@ -39,13 +39,16 @@ def is_fsdp_model(model) -> bool:
 
 @dataclass
 class Group:
-    """One FSDP parameter group: its module, its name in checkpoints, its torch state, and
-    (parameter name, padded shard shape) of its parameters in FSDP's order."""
+    """One FSDP parameter group: its module, its name in checkpoints, its torch state,
+    (parameter name, padded shard shape) of its parameters in FSDP's order, their full shapes,
+    and whether every one is sharded on dim 0 (its pieces are rows)."""
 
     module: torch.nn.Module
     name: str
     fsdp_group: object
     pieces: list
+    shapes: dict
+    rows: bool
 
 
 def _where() -> str:
@@ -101,7 +104,7 @@ def find_groups(model: torch.nn.Module) -> list[Group]:
         for pg in pgs:
             _check_group(pg, label, where)
             meshes.add(id(pg.mesh_info.mesh))
-            pieces = []
+            pieces, shapes, rows = [], {}, True
             for fp in pg.fsdp_params:
                 name = names.get(id(fp.sharded_param))
                 if name is None:
@@ -109,7 +112,9 @@ def find_groups(model: torch.nn.Module) -> list[Group]:
                         f"{where}: a parameter of {label} is not among model.named_parameters(); "
                         "register the model that was sharded (the root fully_shard module)")
                 pieces.append((name, tuple(int(s) for s in fp.padded_sharded_param_size)))
-            groups.append(Group(mod, mod_name, pg, pieces))
+                shapes[name] = tuple(int(s) for s in fp.sharded_param.shape)
+                rows = rows and getattr(getattr(fp, "fsdp_placement", None), "dim", 0) == 0
+            groups.append(Group(mod, mod_name, pg, pieces, shapes, rows))
     if not groups:
         raise ValueError(f"{where}: the model has no fully_shard parameters to compress")
     if len(meshes) > 1:

@@ -104,8 +104,14 @@ class HalfReduceScatter:
         out_wire = torch.empty(output.numel(), dtype=dtype, device=flat.device)
         self.stats.add_wire(wire.numel() * wire.element_size())
         dist.reduce_scatter_tensor(out_wire, wire, group=group)
-        kernels.upcast_finite(out_wire, ws.post, out=output)
-        if cfg.error_feedback:
+        if output.is_cuda:  # as HalfCompressor: the one-pass test is the CPU kernel's
+            kernels.upcast_scaled(out_wire, ws.post, out=output)
+            finite = bool(torch.isfinite(output).all())
+        else:
+            finite = kernels.upcast_finite(out_wire, ws.post, out=output)
+        # A non-finite step (the loss diverged) keeps the residual it had: a residual of
+        # infinities would poison every later step even after the loss recovers.
+        if cfg.error_feedback and finite:
             self.memory.commit(layout, (("residual", "_residual_spare"),))
 
     def end_step(self) -> None:
@@ -118,8 +124,9 @@ class HalfReduceScatter:
         """The rounding residual is a few ulps of one step's gradient: it is not rescaled."""
 
     def state_dict(self) -> dict:
-        return {"method": self.name, "world_size": self.world_size, "step": self.step,
-                "memory": self.memory.state_dict(), "stats": self.stats.state_dict()}
+        return {"method": self.name, "world_size": self.world_size, "epoch": 0,
+                "step": self.step, "memory": self.memory.state_dict(),
+                "stats": self.stats.state_dict(), "residual_lr": {}}
 
     def load_state_dict(self, state: dict) -> None:
         self.step = int(state["step"])

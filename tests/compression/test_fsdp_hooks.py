@@ -158,6 +158,7 @@ def dcp_round_trip(rank, world, hsdp: bool, cfg: dict, ckpt_dir: str, before: in
         _step(model, opt, rank, s)
     msd, osd = get_state_dict(model, opt)
     dcp.save({"model": msd, "optim": osd, "compression": state}, checkpoint_id=ckpt_dir)
+    blob = state.state_dict()["gradientflow_fsdp"]  # what was saved, for the test to read
     for s in range(before, before + after):
         _step(model, opt, rank, s)
     first = _full(model)
@@ -175,7 +176,7 @@ def dcp_round_trip(rank, world, hsdp: bool, cfg: dict, ckpt_dir: str, before: in
     set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
     for s in range(before, before + after):
         _step(model, opt, rank, s)
-    return {"first": first, "again": again, "without": _full(model)}
+    return {"first": first, "again": again, "without": _full(model), "blob": blob}
 
 
 def dcp_load_elsewhere(rank, world, hsdp: bool, cfg: dict, ckpt_dir: str):
@@ -196,7 +197,9 @@ def dcp_load_elsewhere(rank, world, hsdp: bool, cfg: dict, ckpt_dir: str):
         warnings.simplefilter("always")
         dcp.load(sd, checkpoint_id=ckpt_dir)
     set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
-    return {"warnings": [str(w.message) for w in caught], "loss": _step(model, opt, rank, 99)}
+    blob = state.state_dict()["gradientflow_fsdp"]
+    return {"warnings": [str(w.message) for w in caught], "blob": blob,
+            "loss": _step(model, opt, rank, 99)}
 
 
 @pytest.mark.parametrize("world,hsdp", [(2, False), (4, True)], ids=["fsdp2", "hsdp"])
@@ -213,15 +216,40 @@ def test_dcp_round_trip_resumes_exactly(pools, tmp_path, world, hsdp):
             "resuming without the compression state gave the same run: the test shows nothing"
 
 
-def test_dcp_load_on_another_mesh_drops_residuals_with_a_warning(pools, tmp_path):
+def _residual_mass(blob: bytes) -> dict:
+    """{(unit, parameter): the residuals' share of the averaged gradient} of a checkpoint."""
+    import io
+
+    from gradientflow.hooks.fsdp_reshard import _mass
+
+    saved = torch.load(io.BytesIO(blob), weights_only=False)
+    shapes = {n: tuple(p.shape) for n, p in _model().named_parameters()}
+    units = {u for entry in saved["ranks"] for u in entry["units"]}
+    return {(u, n): m for u in units for n, m in _mass(saved, u, shapes)[0].items()}
+
+
+def test_dcp_load_on_another_mesh_reshards_residuals_keeping_their_sum(pools, tmp_path):
     cfg = dict(method="csc", density=0.05)
     ckpt = str(tmp_path / "ckpt")
-    pools(4).run(dcp_round_trip, True, cfg, ckpt, 3, 0, timeout=240)
+    saved = pools(4).run(dcp_round_trip, True, cfg, ckpt, 3, 0, timeout=240)
+    want = _residual_mass(saved[0]["blob"])
+    assert sum(float(m.abs().sum()) for m in want.values()) > 0
+    # HSDP 2 x 2 (CSC on the replicate all-reduce) -> FSDP2 on 2 ranks (CSC on the reduce-scatter)
     runs = pools(2).run(dcp_load_elsewhere, False, cfg, ckpt, timeout=240)
     for rank, r in enumerate(runs):
         text = " ".join(r["warnings"])
-        assert "residuals were dropped" in text and "steps" in text, (rank, r["warnings"])
+        assert "resharded" in text and "no gradient is lost" in text, (rank, r["warnings"])
+        got = _residual_mass(r["blob"])
+        assert set(got) == set(want)
+        for key in want:
+            torch.testing.assert_close(got[key], want[key], rtol=1e-6, atol=1e-9,
+                                       msg=lambda m: f"rank {rank} {key}: {m}")
         assert r["loss"] == r["loss"]  # finite: training continues
+    # Another method cannot take the residuals: dropped, and the warning says what it costs.
+    runs = pools(2).run(dcp_load_elsewhere, False, dict(method="fp16"), ckpt, timeout=240)
+    for rank, r in enumerate(runs):
+        text = " ".join(r["warnings"])
+        assert "dropped" in text and "steps of unsent gradient" in text, (rank, r["warnings"])
 
 
 # ---------------------------------------------------------------- bad input
