@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from ..compression import CompressionConfig
 from ..compression.momentum import follow_optimizer
+from ._state import _share_cores
 from .fsdp_checks import check_config, find_groups, is_fsdp_model
 from .fsdp_comms import CompressedReduceScatter, ReplicateHook, Unit
 from .fsdp_reshard import reshard_units
@@ -54,7 +55,6 @@ class FSDPCompressionState:
 
         groups = find_groups(model)
         mesh_info = groups[0].fsdp_group.mesh_info
-        self.config = config
         self.hsdp = isinstance(mesh_info, HSDPMeshInfo)
         self.shard_world = int(mesh_info.shard_mesh_size)
         self.shard_rank = int(mesh_info.shard_mesh_rank)
@@ -62,8 +62,7 @@ class FSDPCompressionState:
         self.replicate_rank = int(mesh_info.replicate_mesh_rank) if self.hsdp else 0
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
-        self.units = [Unit(g.name, g.pieces, self.shard_world, self.shard_rank,
-                           self.replicate_world, config) for g in groups]
+        self._names = {id(p): n for n, p in model.named_parameters()}
         self._step_open = False
         self._follower = None
         if optimizer is not None:
@@ -72,7 +71,11 @@ class FSDPCompressionState:
                 self._no_velocity, follow_lr=self._follow_lr)
             # A step's reductions end before the optimizer steps: the next reduction opens a step.
             optimizer.register_step_post_hook(lambda *_: self._close_step())
-        self._names = {id(p): n for n, p in model.named_parameters()}
+        self.config = config
+        # The compression kernels' share of the host's cores, as the DDP hooks take it.
+        _share_cores(dist.group.WORLD, self.world_size)
+        self.units = [Unit(g.name, g.pieces, self.shard_world, self.shard_rank,
+                           self.replicate_world, config) for g in groups]
         self._shapes = {n: shape for g in groups for n, shape in g.shapes.items()}
         self._rows = all(g.rows for g in groups)
         self._install(groups)
@@ -107,7 +110,7 @@ class FSDPCompressionState:
         by_name = {self._names[i]: lr for i, lr in lrs.items() if i in self._names}
         for unit in self.units:
             per: dict = {}
-            for pname, targets in unit.residual_names().items():
+            for pname, targets in unit.residual_names.items():
                 if pname in by_name:
                     for comp, rname in targets:
                         per.setdefault(id(comp), (comp, {}))[1][rname] = by_name[pname]

@@ -164,21 +164,18 @@ class Unit:
             self.rs = make_compressor(config, shard_world)
         if hsdp:
             self.ar = make_compressor(config, replicate_world)
+        # Parameter name -> [(compressor, the name its residual is kept under)].
+        self.residual_names: dict[str, list[tuple[object, str]]] = {}
+        for p in self.shard_layout.names:
+            targets = self.residual_names.setdefault(p, [])
+            if self.ar is not None:
+                targets.append((self.ar, p))
+            if self.rs is not None:
+                targets.extend((self.rs, f"{p}#{r}") for r in range(shard_world))
 
     def compressors(self) -> dict[str, object]:
         """{"rs": ..., "ar": ...}: the compressors this unit runs."""
         return {k: c for k, c in (("rs", self.rs), ("ar", self.ar)) if c is not None}
-
-    def residual_names(self) -> dict[str, list[tuple[object, str]]]:
-        """Parameter name -> [(compressor, the name its residual is kept under)]."""
-        out: dict[str, list] = {}
-        for p in self.shard_layout.names:
-            if self.ar is not None:
-                out.setdefault(p, []).append((self.ar, p))
-            if self.rs is not None:
-                out.setdefault(p, []).extend(
-                    (self.rs, n) for n in self.full_layout.names if n.rsplit("#", 1)[0] == p)
-        return out
 
 
 class CompressedReduceScatter(_ReduceScatterBase):

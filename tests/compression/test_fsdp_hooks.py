@@ -135,6 +135,30 @@ def test_fp16_and_csc_train_and_replicas_agree(pools, world, hsdp):
         assert sum(losses[-5:]) < 0.7 * sum(losses[:5]), f"{cfg}: loss did not fall: {losses}"
 
 
+def follow_rates(rank, world, hsdp: bool):
+    """Rank body: the residuals' learning rates after the optimizer's rate changes."""
+    import gradientflow.hooks as hooks
+
+    model = _shard(_model(), _mesh(world, hsdp))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    state = hooks.register(model, _config(method="csc", density=0.05), optimizer=opt)
+    for s in range(2):
+        _step(model, opt, rank, s)
+    for g in opt.param_groups:
+        g["lr"] = 0.025
+    _step(model, opt, rank, 2)
+    return {f"{u.name}/{k}": sorted(set(c.residual_lr.values())) + [len(c.residual_lr)]
+            for u in state.units for k, c in u.compressors().items()}
+
+
+@pytest.mark.parametrize("world,hsdp", [(2, False), (4, True)], ids=["fsdp2", "hsdp"])
+def test_residuals_follow_the_optimizers_learning_rate(pools, world, hsdp):
+    for rank, rates in enumerate(pools(world).run(follow_rates, hsdp, timeout=240)):
+        assert rates, rank
+        for where, (*lrs, count) in rates.items():
+            assert lrs == [0.025] and count > 0, (rank, where, lrs)
+
+
 def test_fp16_wire_at_fsdp2_reduce_scatter_is_close_to_fp32(pools):
     want = pools(2).run(train, False, None, 10, backend="gloo", timeout=240)
     got = pools(2).run(train, False, dict(method="fp16"), 10, timeout=240)
