@@ -28,8 +28,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import (markdown_table, median, paired_ratio, results_dir,  # noqa: E402
-                               write_result)
+from benchmarks.common import (machine_line, markdown_table, median,  # noqa: E402
+                               paired_ratio, results_dir, write_result)
 
 NAME = "fsdp_step"
 VARIANTS = ("bound", "dense", "csc")
@@ -122,6 +122,7 @@ def main(argv=None) -> int:
     if args.quick:
         width, layers, warmup, launches, reps = 256, 2, 26, 1, 3
     world = 4
+    load_before = "/".join(f"{x:.2f}" for x in os.getloadavg())
     per_launch = []
     where = ""
     for i in range(launches):
@@ -151,6 +152,8 @@ def main(argv=None) -> int:
     params = layers * (width * width + width) + width * 10 + 10
     md = "\n".join([
         "## HSDP step time: dense, CSC 1% and the communication-free bound",
+        "",
+        machine_line() + f" Load average {load_before} when it started.",
         "",
         f"2 emulated hosts x 2 ranks, {where}; mesh (replicate 2, shard 2), each shard group "
         f"inside a host. MLP of {layers} Linear({width}, {width}) layers and a head "
