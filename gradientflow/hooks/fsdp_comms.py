@@ -20,11 +20,12 @@ Two places, one per FSDP parameter group (a `fully_shard` module's parameters, o
   HalfCompressor, CSCCompressor) on the rank's reduce-scattered shard.
 
 Residual memory: on the replicate all-reduce the input is the shard, so the residual is one FP32
-copy of the rank's shard (the compressors also keep a spare of its size, which the next residual
-is written into and which a non-finite step is undone from). On a compressed reduce-scatter what a rank did not send is its own
-contribution to EVERY rank's piece, so it keeps one FP32 copy of the group's unsharded gradient
-(shard-group size x its shard): no compression of a reduce-scatter can keep less without losing
-that gradient mass. Under HSDP the reduce-scatter inside a host therefore stays dense under CSC.
+copy of the rank's shard (the compressors also keep a spare of its size, which the next residual is
+written into and which a non-finite step is undone from). On a compressed reduce-scatter what a
+rank did not send is its own contribution to EVERY rank's piece, so it keeps one FP32 copy of the
+group's unsharded gradient (shard-group size x its shard): no compression of a reduce-scatter can
+keep less without losing that gradient mass. Under HSDP the reduce-scatter inside a host therefore
+stays dense under CSC.
 """
 from __future__ import annotations
 
