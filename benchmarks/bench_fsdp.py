@@ -30,8 +30,9 @@ NAME = "fsdp"
 
 
 def worker(rank: int, world: int, width: int, layers: int, steps: int,
-           method: str | None) -> dict:
-    """One rank: HSDP training of the MLP for `steps` steps; the replicate-dimension bytes."""
+           method: str | None, hsdp: bool = True) -> dict:
+    """One rank: HSDP (or FSDP2) training of the MLP for `steps` steps; the bytes its
+    registration counted, by where they travel."""
     import torch
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -44,7 +45,8 @@ def worker(rank: int, world: int, width: int, layers: int, steps: int,
     for _ in range(layers):
         mods += [torch.nn.Linear(width, width), torch.nn.ReLU()]
     model = torch.nn.Sequential(*mods, torch.nn.Linear(width, 10))
-    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    mesh = (init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+            if hsdp else init_device_mesh("cpu", (world,)))
     for m in model:
         if isinstance(m, torch.nn.Linear):
             fully_shard(m, mesh=mesh)
@@ -68,7 +70,7 @@ def worker(rank: int, world: int, width: int, layers: int, steps: int,
     shard_numel = sum(p.to_local().numel() for p in model.parameters())
     out = {"rank": rank, "shard_numel": shard_numel, "losses": losses}
     if state is not None:
-        out["replicate"] = state.stats()["replicate"]
+        out.update(state.stats())
     return out
 
 
@@ -106,6 +108,28 @@ def main(argv=None) -> int:
     dense = rows[0]["wire_bytes_per_step"]
     for row in rows:
         row["fewer_than_dense"] = dense / row["wire_bytes_per_step"]
+    # FSDP2 on a 1-D mesh: CSC replaces the reduce-scatter by an all-reduce of the selected
+    # chunks. A ring sends (n-1)/n of a reduce-scatter's input and 2(n-1)/n of an all-reduce's
+    # tensor from each rank: those are compared.
+    fsdp_rows = []
+    for label, method in (("FSDP2 (FSDP's own reduce-scatter)", None), ("FSDP2 + CSC 1%", "csc")):
+        res = launch("benchmarks.bench_fsdp:worker", world,
+                     dict(width=width, layers=layers, steps=steps, method=method, hsdp=False),
+                     timeout_s=900)
+        if not res.ok:
+            print(res.error)
+            return 1
+        r0 = res.results[0]
+        if method is None:
+            handed = 4.0 * r0["shard_numel"] * world
+            ring = handed * (world - 1) / world
+        else:
+            handed = r0["shard"]["wire_bytes_per_step"]
+            ring = handed * 2 * (world - 1) / world
+        fsdp_rows.append({"config": label, "handed": handed, "ring": ring,
+                          "final_loss": r0["losses"][-1]})
+    for row in fsdp_rows:
+        row["fewer_than_dense"] = fsdp_rows[0]["ring"] / row["ring"]
     params = sum(width * width + width for _ in range(layers)) + width * 10 + 10
     md = "\n".join([
         "## HSDP: bytes across the replicate dimension per step",
@@ -120,10 +144,20 @@ def main(argv=None) -> int:
                        ["configuration", "bytes / step (rank 0)", "x fewer than dense",
                         "final loss"]),
         "",
+        f"FSDP2 on a 1-D mesh of {world} ranks, the same model: CSC replaces each group's "
+        "reduce-scatter by a CSC all-reduce of its flat gradient, the shard then taken "
+        "(hooks/fsdp_comms.py says why). Bytes handed to the collective per step, and what a "
+        "ring sends from each rank: (n-1)/n of a reduce-scatter's input, 2(n-1)/n of an "
+        "all-reduce's tensor.",
+        "",
+        markdown_table(["config", "handed", "ring", "fewer_than_dense", "final_loss"],
+                       fsdp_rows, ["configuration", "bytes handed / step", "ring bytes sent "
+                                   "/ step", "x fewer than dense", "final loss"]),
+        "",
         f"Command: `python benchmarks/bench_fsdp.py{' --quick' if args.quick else ''}`",
     ])
-    write_result(args.out, NAME, {"rows": rows, "width": width, "layers": layers,
-                                  "steps": steps, "world": world}, md)
+    write_result(args.out, NAME, {"rows": rows, "fsdp_rows": fsdp_rows, "width": width,
+                                  "layers": layers, "steps": steps, "world": world}, md)
     print(md)
     return 0
 
