@@ -18,6 +18,7 @@ from ..compression import CompressionConfig, attach_hook, lookup
 from ._state import CompressionState, compression_hook
 from .csc_hook import CSCState, csc_hook
 from .fp16_hook import FP16State, fp16_hook
+from .fsdp import FSDPCompressionState, is_fsdp_model, register_fsdp
 
 __all__ = [
     "CompressionState",
@@ -26,6 +27,7 @@ __all__ = [
     "csc_hook",
     "FP16State",
     "fp16_hook",
+    "FSDPCompressionState",
     "register",
 ]
 
@@ -36,12 +38,13 @@ attach_hook("none", CompressionState, compression_hook)
 
 
 def register(ddp_model, config: CompressionConfig | None = None, process_group=None, *,
-             optimizer=None, grad_scaler=None) -> CompressionState:
+             optimizer=None, grad_scaler=None) -> CompressionState | FSDPCompressionState:
     """Register the hook `config.method` names on a DDP model, with its parameter names bound;
-    return the state.
+    return the state. A model sharded with `fully_shard` (FSDP2, or HSDP on a 2-D mesh) gets
+    compression inside its reductions instead (hooks/fsdp.py) and an FSDPCompressionState.
 
     Args:
-        ddp_model: the DistributedDataParallel model.
+        ddp_model: the DistributedDataParallel model (or a `fully_shard` model).
         config: a CompressionConfig (default: CSC at 1% with the default recipe).
         process_group: the group (default: the DDP model's).
         optimizer: the torch.optim.SGD stepping the model: the residuals follow its learning
@@ -60,6 +63,9 @@ def register(ddp_model, config: CompressionConfig | None = None, process_group=N
         raise TypeError(
             f"register: config must be a CompressionConfig, got {type(config).__name__}"
         )
+    if is_fsdp_model(ddp_model):
+        return register_fsdp(ddp_model, config, process_group, optimizer=optimizer,
+                             grad_scaler=grad_scaler)
     entry = lookup(config.method)
     state_cls, hook = entry.state or CompressionState, entry.hook or compression_hook
     state = state_cls(
