@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any, Callable, Hashable
 
 import torch
 
-from gradientflow.engine import completion, streams
+from gradientflow.engine import completion, own_routes, streams
 from gradientflow.engine.checks import (EXCHANGE, INBAND, Check, own_route,
                                         refuses_only_the_call, signature)
 from gradientflow.engine.fusion import FusableOp, solo_cut
@@ -177,54 +177,23 @@ class Issue:
             return self._issue_solo(tensors, opts, tensor, reduce_op, tp)
         main = self._transport_for
         route = own_route(tensor, reduce_op, self._parts.world_size) if self._own_routes else 0
-        if route == INBAND:  # summed inside its own check round: nothing left to send
-            launch = lambda seq: self._inband_done(seq, tensors)  # noqa: E731
-        elif route == EXCHANGE:
-            waited = not async_op
-            launch = lambda seq: self._exchange(  # noqa: E731
-                main(tensor.device), tensor, seq, waited)
-        else:
-            launch = lambda seq: main(tensor.device).allreduce(tensors, opts)  # noqa: E731
+        stats = self._stats
+
+        def launch(seq: int) -> Any:  # once the round agreed the call on every rank
+            if route == INBAND:  # summed inside the round: nothing left to send
+                stats.record_inband()
+                return own_routes.done(self._works, seq, tensors)
+            if route == EXCHANGE:
+                stats.record_exchange()
+                return own_routes.exchange(main(tensor.device), tensor, self._parts.rank,
+                                           self._works, seq,
+                                           None if async_op else self._parts.rounds.wait)
+            return main(tensor.device).allreduce(tensors, opts)
+
         return self._issue("all_reduce", lambda seq, chk: self._eager(
             seq, "all_reduce", lambda: launch(seq), tensors, tensor.device, chk), tensor, opts,
             tensor.device, reduce_op, outputs=tensors,
             payload=tensor if route == INBAND else None, route=route)
-
-    def _inband_done(self, seq: int, tensors: list) -> FutureWork:
-        """The Work of an allreduce its round already summed: complete, its value the tensors."""
-        fut = completion.new_source()
-        fut.set_result(tensors)
-        self._stats.record_inband()
-        return FutureWork(fut, self._works, seq, "all_reduce")
-
-    def _exchange(self, transport: Any, tensor: torch.Tensor, seq: int,
-                  waited: bool) -> FutureWork:
-        """An allreduce of two ranks as one all-to-all of the whole tensor, the peer's then
-        added to this rank's (checks.EXCHANGE); its round already agreed dtype and size.
-
-        `waited` (a synchronous call): done here, waiting on the transport as a round does
-        (in slices, ending on the group's fault); a future chained to the transport's
-        would cost a thread hand-off or two on the way back.
-        """
-        flat = tensor.view(-1)
-        theirs = torch.empty_like(flat)
-        n = flat.numel()
-        splits = [0, n] if self._parts.rank == 0 else [n, 0]
-        work = transport.alltoall_base(theirs, flat, splits, splits)
-        self._stats.record_exchange()
-        if waited:
-            self._parts.rounds.wait(work)
-            flat.add_(theirs)
-            fut = completion.new_source()
-            fut.set_result([tensor])
-            return FutureWork(fut, self._works, seq, "all_reduce")
-
-        def add(fut: torch.futures.Future) -> list:
-            fut.value()  # re-raises the transport's error
-            flat.add_(theirs)
-            return [tensor]
-
-        return FutureWork(work.get_future().then(add), self._works, seq, "all_reduce")
 
     def collective(self, name: str, device: torch.device, call: Callable[[Any], Any],
                    outputs: Any, opts: Any = None, sig: torch.Tensor | None = None,

@@ -1,0 +1,49 @@
+"""The launches of the eager allreduces that take a route of their own (checks.own_route).
+
+- INBAND: the check round already summed the tensor (rounds.py adds the peers' payloads), so
+  the launch only hands back a Work that is complete.
+- EXCHANGE: one all-to-all of the whole tensor on the transport, the peer's then added to this
+  rank's; the round before it agreed dtype and size, so the all-to-all's byte counts match.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from gradientflow.engine import completion
+from gradientflow.engine.work import FutureWork, WorkOwner
+
+
+def done(works: WorkOwner, seq: int, tensors: list) -> FutureWork:
+    """The Work of an allreduce its round already summed: complete, its value the tensors."""
+    fut = completion.new_source()
+    fut.set_result(tensors)
+    return FutureWork(fut, works, seq, "all_reduce")
+
+
+def exchange(transport: Any, tensor: torch.Tensor, rank: int, works: WorkOwner, seq: int,
+             wait: Callable[[Any], None] | None) -> FutureWork:
+    """An allreduce of two ranks as one all-to-all of the whole tensor, the peer's added to
+    this rank's (a + b on one, b + a on the other: gloo's bits).
+
+    `wait` (a synchronous call): the transport's Work is waited here with it (rounds.wait: in
+    slices, ending on the group's fault) and the Work handed back is complete; a future
+    chained to the transport's would cost a thread hand-off or two on the way back.
+    """
+    flat = tensor.view(-1)
+    theirs = torch.empty_like(flat)
+    n = flat.numel()
+    splits = [0, n] if rank == 0 else [n, 0]
+    work = transport.alltoall_base(theirs, flat, splits, splits)
+    if wait is not None:
+        wait(work)
+        flat.add_(theirs)
+        return done(works, seq, [tensor])
+
+    def add(fut: torch.futures.Future) -> list:
+        fut.value()  # re-raises the transport's error
+        flat.add_(theirs)
+        return [tensor]
+
+    return FutureWork(work.get_future().then(add), works, seq, "all_reduce")
