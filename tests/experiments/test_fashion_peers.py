@@ -250,3 +250,21 @@ def test_compare_peers_runs_a_subset_in_every_stage():
         want = (["ddp-gloo", rx.OURS] if folder.endswith("schedule")
                 else ["ddp-gloo", "powersgd-2", rx.OURS])
         assert settings == want, folder
+
+
+def test_the_report_says_which_commits_hosts_and_span_its_runs_cover(tmp_path):
+    logs = tmp_path / "alexnet_shaped" / "1gbps-plain" / "logs"
+    logs.mkdir(parents=True)
+    for i, (commit, start, end) in enumerate([("abc", "2026-01-01T10:00:00+00:00",
+                                               "2026-01-01T10:05:00+00:00"),
+                                              ("def", "2026-01-01T09:00:00+00:00",
+                                               "2026-01-01T09:04:00+00:00")]):
+        (logs / f"ddp-gloo-seed{i}.meta.json").write_text(json.dumps(
+            {"commit": commit, "host": "h", "started_utc": start, "ended_utc": end}))
+    (logs / "nocomm-seed0.meta.json").write_text(json.dumps({"wall_s": 1.0}))  # an older run
+    prov = compare.provenance(tmp_path)
+    assert prov["commits"] == ["abc", "def", "unrecorded"] and prov["runs"] == 3
+    line = compare.provenance_line(prov)
+    assert "started 2026-01-01T09:00:00+00:00 and ended 2026-01-01T10:05:00+00:00" in line
+    assert "1 without recorded times" in line
+    assert line in compare.markdown([], 3, [0], "cmd", prov)
