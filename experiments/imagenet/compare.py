@@ -447,7 +447,7 @@ def main(argv=None) -> int:
     if args.peers is not None:
         args.peers = sorted({*args.peers, "ddp-gloo", rx.OURS})
     if args.quick:
-        args.seeds = args.seeds[:1]
+        args.seeds, args.step_repeats = args.seeds[:1], min(args.step_repeats, 2)
     command = "python experiments/imagenet/compare.py " + " ".join(map(shlex.quote, argv))
     t0 = time.perf_counter()
     if not args.no_run:
