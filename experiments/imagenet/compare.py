@@ -43,6 +43,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+import protocol  # noqa: E402
 import run_experiment as rx  # noqa: E402
 from sweep import read_log  # noqa: E402
 
@@ -66,8 +67,12 @@ def stages(args) -> list:
     common = ["--data", "fashion-mnist", "--keep", "--timeout", str(args.timeout)]
     if args.lock and str(args.lock) != "none":
         common += ["--lock", str(args.lock)]
-    cap = ["--train-args", f"--steps-per-epoch {args.quick_steps}"] if args.quick else []
-    step = ["--train-args", f"--steps-per-epoch {args.step_steps}"]
+    # The protocol (protocol.py): every epoch is scored on the validation split (the target and
+    # the time to it), the test set once at the end of a training stage (the reported top-1).
+    split = f"--val-split {protocol.VAL_SPLITS['fashion-mnist']}"
+    cap = ["--train-args", f"{split} --report-test"
+           + (f" --steps-per-epoch {args.quick_steps}" if args.quick else "")]
+    step = ["--train-args", f"{split} --steps-per-epoch {args.step_steps}"]
     # The step-time stages repeat (one seed per repeat), interleaved like every stage.
     repeats = [str(r) for r in range(args.step_repeats)]
     chosen = args.peers
@@ -153,6 +158,14 @@ def provenance(out: Path) -> dict:
             "without_times": len(metas) - len(starts)}
 
 
+def reported_top1(log: list) -> float:
+    """The run's test top-1, read once after its last epoch (--report-test); runs made before
+    the protocol have none, and their last epoch's score (on the test set) stands in."""
+    if log[-1].get("eval_set") == "validation":
+        return protocol.report_top1(log)
+    return log[-1]["val_top1"]
+
+
 def mean_sd(values: list) -> tuple:
     vals = [v for v in values if v is not None]
     if not vals:
@@ -172,7 +185,7 @@ def peer_row(key: str, logs: list, target: float, step10: float | None,
     derived4 = [(e + 1) * steps * step4 if e is not None and step4 else None for e in epochs]
     return {
         "label": rx.SETTINGS[key][0], "seeds": len(logs),
-        "top1": [log[-1]["val_top1"] for log in logs],
+        "top1": [reported_top1(log) for log in logs],
         "epoch_at_target": epochs, "time_to_target_1g": times,
         "wire_bytes_per_step_nic": statistics.median(nic) if nic else None,
         "wire_bytes_per_step_counted": statistics.median(log[-1]["wire_bytes_per_step"]
@@ -293,7 +306,10 @@ def markdown(results: list, epochs: int, seeds: list, command: str,
     lines = ["# GradientFlow against what a user would pick instead: Fashion-MNIST", "",
              f"2 CPU ranks on an emulated switch (a network namespace per rank, tbf both ways), "
              f"global batch 128, {epochs} epochs, seeds {', '.join(map(str, seeds))}; "
-             f"mean ± standard deviation over seeds. Target: the top-1 every DDP seed reached by "
+             f"mean ± standard deviation over seeds of the test top-1, read once after the last "
+             f"epoch (runs made before the protocol: the last epoch's test score). Every epoch "
+             f"is scored on the validation split held out of the training set (runs before the "
+             f"protocol: on the test set). Target: the validation top-1 every DDP seed reached by "
              f"its next-to-last epoch. Time to target: the training time (validation left out) "
              f"up to the first epoch at or above it. Wire bytes: what rank 0's NIC sent per step "
              f"in the last epoch (every protocol's bytes). 10 Gbit/s and 4 ranks: each seed's "
@@ -424,7 +440,8 @@ def plot(out: Path, res: dict) -> Path | None:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    p.add_argument("--seeds", nargs="+", type=int, default=list(protocol.REPORT_SEEDS[:3]),
+                   help="the training stages' seeds: report seeds, 10 and up (protocol.py)")
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     p.add_argument("--lock", type=Path, default=LOCK,
@@ -446,6 +463,10 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.peers is not None:
         args.peers = sorted({*args.peers, "ddp-gloo", rx.OURS})
+    try:
+        protocol.check_role("report", args.seeds)
+    except protocol.ProtocolError as exc:
+        p.error(str(exc))
     if args.quick:
         args.seeds, args.step_repeats = args.seeds[:1], min(args.step_repeats, 2)
     command = "python experiments/imagenet/compare.py " + " ".join(map(shlex.quote, argv))

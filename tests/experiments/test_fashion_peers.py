@@ -191,7 +191,7 @@ def test_the_demo_without_root_adds_a_ring_allreduce_of_the_measured_bytes():
 
 def test_compare_runs_every_peer_at_1_gbps_and_times_them_at_10_gbps_and_4_ranks():
     args = argparse.Namespace(
-        seeds=[0, 1, 2], epochs=3, lock=None, timeout=60, quick=False, quick_steps=40,
+        seeds=[10, 11, 12], epochs=3, lock=None, timeout=60, quick=False, quick_steps=40,
         step_steps=60, step_repeats=5, peers=None)
     stages = dict(compare.stages(args))
     assert set(stages) == {f"{m}/{s}" for m in compare.MODELS
@@ -200,9 +200,14 @@ def test_compare_runs_every_peer_at_1_gbps_and_times_them_at_10_gbps_and_4_ranks
         "alexnet_shaped/1gbps-4ranks-step"}
     plain = stages["resnet_shaped/1gbps-plain"]
     assert all(k in plain for k in rx.PEERS) and "nocomm" in plain
-    assert plain[plain.index("--seeds") + 1:plain.index("--seeds") + 4] == ["0", "1", "2"]
+    assert plain[plain.index("--seeds") + 1:plain.index("--seeds") + 4] == ["10", "11", "12"]
+    # the protocol: validation every epoch, the test set once; step stages never read it
+    assert plain[plain.index("--train-args") + 1] == "--val-split 10000 --report-test"
+    step_args = stages["resnet_shaped/10gbps-step"]
+    assert step_args[step_args.index("--train-args") + 1] == \
+        "--val-split 10000 --steps-per-epoch 60"
     four = stages["alexnet_shaped/1gbps-4ranks-step"]
-    assert four[four.index("--nproc") + 1] == "4" and "--steps-per-epoch 60" in four
+    assert four[four.index("--nproc") + 1] == "4" and "--steps-per-epoch 60" in " ".join(four)
     step = stages["alexnet_shaped/1gbps-step"]
     assert "nocomm" in step and step[step.index("--link-gbps") + 1] == "1"
     # every step-time stage repeats 5 times: seeds 0-4, one run of each setting per seed
@@ -243,7 +248,7 @@ def test_the_step_table_says_how_much_faster_than_ddp_any_setting_can_step():
 
 def test_compare_peers_runs_a_subset_in_every_stage():
     args = argparse.Namespace(
-        seeds=[0, 1, 2], epochs=3, lock=None, timeout=60, quick=False, quick_steps=40,
+        seeds=[10, 11, 12], epochs=3, lock=None, timeout=60, quick=False, quick_steps=40,
         step_steps=60, step_repeats=5, peers=["ddp-gloo", "powersgd-2", rx.OURS])
     for folder, argv in compare.stages(args):
         settings = argv[argv.index("--settings") + 1:argv.index("--seeds")]
@@ -268,3 +273,13 @@ def test_the_report_says_which_commits_hosts_and_span_its_runs_cover(tmp_path):
     assert "started 2026-01-01T09:00:00+00:00 and ended 2026-01-01T10:05:00+00:00" in line
     assert "1 without recorded times" in line
     assert line in compare.markdown([], 3, [0], "cmd", prov)
+
+
+def test_compare_reports_on_report_seeds_and_the_test_set_read_once(capsys):
+    with pytest.raises(SystemExit) as exc:
+        compare.main(["--seeds", "0", "1", "2", "--no-run"])
+    assert exc.value.code == 2 and "seeds 0-9" in capsys.readouterr().err
+    new = [{"val_top1": 80.0, "eval_set": "validation"},
+           {"val_top1": 85.0, "eval_set": "validation", "test_top1": 84.2}]
+    assert compare.reported_top1(new) == 84.2  # never the validation score
+    assert compare.reported_top1([{"val_top1": 85.1}]) == 85.1  # a run before the protocol
