@@ -277,7 +277,7 @@ def test_the_report_says_which_commits_hosts_and_span_its_runs_cover(tmp_path):
 
 def test_compare_reports_on_report_seeds_and_the_test_set_read_once(capsys):
     with pytest.raises(SystemExit) as exc:
-        compare.main(["--seeds", "0", "1", "2", "--no-run"])
+        compare.main(["--seeds", "0", "1", "2", "--timeout", "1"])
     assert exc.value.code == 2 and "seeds 0-9" in capsys.readouterr().err
     new = [{"val_top1": 80.0, "eval_set": "validation"},
            {"val_top1": 85.0, "eval_set": "validation", "test_top1": 84.2}]
