@@ -6,7 +6,6 @@ logs can say whether they came from one invocation of one commit on one machine.
 from __future__ import annotations
 
 import datetime
-import functools
 import socket
 import subprocess
 from pathlib import Path
@@ -19,10 +18,9 @@ def utc_now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 
 
-@functools.lru_cache(maxsize=1)
 def commit() -> str:
     """The checkout's commit, with "+dirty" when tracked files differ from it ("unknown" outside
-    a git checkout)."""
+    a git checkout). Read when a run starts: the code it runs is the checkout's at its launch."""
     try:
         head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=REPO,
                               capture_output=True, text=True, timeout=30, check=True).stdout

@@ -161,7 +161,7 @@ def run_one(
             "--seed", str(seed), "--dist-backend", backend]
     with held(lock):
         load_before = os.getloadavg()
-        started = provenance.utc_now()
+        started, commit = provenance.utc_now(), provenance.commit()
         t0 = time.perf_counter()
         try:
             if link_gbps is None and key not in HOROVOD:
@@ -176,7 +176,7 @@ def run_one(
     meta = {"setting": key, "seed": seed, "transport": backend, "link_gbps": link_gbps,
             "nproc": nproc, "wall_s": round(wall, 1), "loadavg_before": load_before,
             "loadavg_after": load_after, "args": args, "started_utc": started,
-            "ended_utc": provenance.utc_now(), "commit": provenance.commit(),
+            "ended_utc": provenance.utc_now(), "commit": commit,
             "host": provenance.host(), **provenance.run_fields(read_log(log))}
     stem.with_name(stem.name + ".meta.json").write_text(json.dumps(meta) + "\n")
     print(f"  {SETTINGS[key][0]:<12} seed {seed}: {wall:5.1f} s, "

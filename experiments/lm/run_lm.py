@@ -58,7 +58,8 @@ def run_one(out: Path, setting: str, seed: int, steps: int, extra: list, timeout
            str(HERE / "train_lm.py"), *args, "--json-log", str(log)]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
-    started, load, t0 = provenance.utc_now(), os.getloadavg(), time.perf_counter()
+    started, load, commit = provenance.utc_now(), os.getloadavg(), provenance.commit()
+    t0 = time.perf_counter()
     try:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -70,7 +71,7 @@ def run_one(out: Path, setting: str, seed: int, steps: int, extra: list, timeout
     meta = {"setting": setting, "seed": seed, "args": args, "started_utc": started,
             "ended_utc": provenance.utc_now(), "wall_s": round(time.perf_counter() - t0, 1),
             "loadavg_before": load, "loadavg_after": os.getloadavg(),
-            "commit": provenance.commit(), "host": provenance.host(),
+            "commit": commit, "host": provenance.host(),
             **provenance.run_fields(read_log(log))}
     stem.with_suffix(".meta.json").write_text(json.dumps(meta) + "\n")
     print(f"  {setting} seed {seed}: {meta['wall_s']:.0f} s, val loss "
