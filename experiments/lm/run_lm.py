@@ -87,9 +87,17 @@ def done(out: Path, setting: str, seed: int, steps: int, extra: list) -> bool:
             and json.loads(meta.read_text()).get("args") == want)
 
 
-def summarise(out: Path, settings: list, seeds: list) -> dict:
+def label(key: str, extra: list) -> str:
+    """A setting's name in the table, with the density --train-args gives CSC."""
+    if key == "csc" and "--density" in extra:
+        density = float(extra[extra.index("--density") + 1])
+        return f"GradientFlow CSC {100 * density:g}% (default recipe)"
+    return LABELS[key]
+
+
+def summarise(out: Path, settings: list, seeds: list, extra: list = ()) -> dict:
     """{setting: row} of the finished runs: final losses per seed, curves, cost."""
-    rows = {}
+    extra, rows = list(extra), {}
     for key in settings:
         logs = {s: read_log(out / "logs" / f"{key}-seed{s}.jsonl") for s in seeds}
         logs = {s: log for s, log in logs.items() if log and "test_loss" in log[-1]}
@@ -99,7 +107,8 @@ def summarise(out: Path, settings: list, seeds: list) -> dict:
                  for s in logs}
         steps = [r["step"] for r in next(iter(logs.values()))]
         rows[key] = {
-            "label": LABELS[key], "val_loss": {s: log[-1]["val_loss"] for s, log in logs.items()},
+            "label": label(key, extra),
+            "val_loss": {s: log[-1]["val_loss"] for s, log in logs.items()},
             "test_loss": {s: log[-1]["test_loss"] for s, log in logs.items()},
             "curve": {st: statistics.mean(log[i]["val_loss"] for log in logs.values())
                       for i, st in enumerate(steps)},
@@ -196,13 +205,16 @@ def main(argv=None) -> int:
     p.add_argument("--smoke", action="store_true",
                    help="300 steps, seed 10, DDP and CSC, into results/smoke (not the result)")
     p.add_argument("--no-run", action="store_true")
+    p.add_argument("--title", default=None, help="the report's title (default: the stage's; "
+                   "--smoke: a smoke run's)")
     args = p.parse_args(argv)
     if args.smoke:
         args.steps, args.seeds, args.settings = 300, args.seeds[:1], ["ddp", "csc"]
     out = args.out or HERE / "results" / ("smoke" if args.smoke else "")
     extra = shlex.split(args.train_args)
-    title = ("SMOKE RUN, not the result: the transformer stage's machinery at 300 steps, one seed"
-             if args.smoke else "A transformer with AdamW: DDP, CSC 1% and torch's FP16 hook")
+    title = args.title or (
+        "SMOKE RUN, not the result: the transformer stage's machinery at 300 steps, one seed"
+        if args.smoke else "A transformer with AdamW: DDP, CSC 1% and torch's FP16 hook")
     command = "python experiments/lm/run_lm.py " + " ".join(map(shlex.quote, argv))
     failures = []
     if not args.no_run:
@@ -227,7 +239,7 @@ def main(argv=None) -> int:
 
         with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
             list(pool.map(one, todo))
-    rows = summarise(out, args.settings, args.seeds)
+    rows = summarise(out, args.settings, args.seeds, extra)
     out.mkdir(parents=True, exist_ok=True)
     text = markdown(rows, args.seeds, args.steps, title, command.strip())
     (out / "results.md").write_text(text)

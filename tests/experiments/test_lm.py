@@ -106,3 +106,9 @@ def test_the_report_gives_csc_against_ddp_in_percent_paired_by_seed(tmp_path):
     text = run_lm.markdown(rows, [10, 11, 12], 200, "t", "cmd")
     assert "**met** (+0.67%)" in text and "| 10.0x |" in text
     assert "| 200 | 2.0333 | 2.0470 |" in text  # the curve's last point, mean over seeds
+
+
+def test_the_table_names_the_density_the_runs_were_given():
+    assert run_lm.label("csc", ["--density", "0.1"]) == "GradientFlow CSC 10% (default recipe)"
+    assert run_lm.label("csc", []) == run_lm.LABELS["csc"]
+    assert run_lm.label("ddp", ["--density", "0.1"]) == run_lm.LABELS["ddp"]
