@@ -164,3 +164,12 @@ def test_every_run_records_when_where_which_commit_and_each_ranks_cpu(tmp_path):
     assert len(meta["rank_cpu_s"]) == 1 and meta["cpu_s"] == pytest.approx(
         sum(meta["rank_cpu_s"]), abs=0.1) and meta["cpu_s"] > 0
     assert len(meta["loadavg_before"]) == 3 and len(meta["loadavg_after"]) == 3
+
+
+def test_a_run_that_read_the_test_set_once_is_summarised_by_it():
+    logs = {"dense": [_log([50.0, 60.0]), _log([55.0, 65.0])]}
+    _fill(logs)
+    logs["dense"][0][-1].update(test_top1=58.0, test_top5=90.0)  # --report-test
+    s = rx.summarise(logs)["dense"]
+    assert (s["top1_min"], s["top1_max"]) == (58.0, 65.0)  # the other run predates it
+    assert s["top5_mean"] == pytest.approx(95.0)
