@@ -111,7 +111,8 @@ def warm_up(out: Path) -> None:
 
 
 def load_stage(folder: Path) -> dict:
-    """{setting: [log per seed]} of a stage's finished runs, plus 'unavailable' reasons."""
+    """{setting: [log per seed]} of a stage's finished runs, their seeds in the same order,
+    plus 'unavailable' reasons."""
     runs = {}
     for path in sorted((folder / "logs").glob("*.jsonl")):
         key, _, seed = path.stem.rpartition("-seed")
@@ -120,6 +121,7 @@ def load_stage(folder: Path) -> dict:
             runs.setdefault(key, {})[int(seed)] = log
     why = folder / "unavailable.json"
     return {"runs": {k: [v[s] for s in sorted(v)] for k, v in runs.items()},
+            "seeds": {k: sorted(v) for k, v in runs.items()},
             "unavailable": json.loads(why.read_text()) if why.exists() else {}}
 
 
@@ -229,7 +231,7 @@ def summarise_model(out: Path, model: str) -> dict:
         for key, logs in stage["runs"].items():
             rows[key] = peer_row(key, logs, target, ten.get(key), four.get(key))
             metas = [rx.read_meta(out / model / f"1gbps-{recipe}", key, s)
-                     for s in range(len(logs))]
+                     for s in stage["seeds"][key]]
             rows[key]["loadavg"] = [m["loadavg_before"][0] for m in metas if m]
         unavailable = dict(stage["unavailable"])
         for link in ("10 Gbit/s", FOUR_RANK_LINK):
