@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 # torch would download a multi-GB build.
 TORCH_PINS := torch==2.14.1 torchvision==0.29.1
 
-.PHONY: install test test-oldest lint demo horovod compare bench experiment sweep simulate bench-algorithms bench-pipeline step-anatomy gpu-check bench-autotune test-ray clean
+.PHONY: install test test-oldest lint demo horovod compare converge lm bench experiment sweep simulate bench-algorithms bench-pipeline step-anatomy gpu-check bench-autotune test-ray clean
 
 install: $(STAMP)
 
@@ -79,6 +79,21 @@ $(VENV)-horovod/.installed: experiments/imagenet/build_horovod.sh | install
 compare: install
 	-$(MAKE) horovod  # a failed build leaves Horovod's rows saying why, not the run undone
 	$(PY) experiments/imagenet/compare.py
+
+# Accuracy at convergence on report seeds 10-14 that no choice saw (experiments/imagenet/
+# converge.py): both models, DDP, the CSC default with and without momentum correction, torch's
+# FP16 hook and PowerSGD rank 4, warm-up + cosine for 30 epochs, each epoch scored on a
+# validation split, the test set once at the end; loopback (accuracy does not depend on the
+# link); resumes. make converge DATA=digits: the digits. JOBS=N: N runs at a time.
+JOBS ?= 1
+converge: install
+	$(PY) experiments/imagenet/converge.py --jobs $(JOBS) \
+		--data $(if $(filter digits,$(DATA)),digits,fashion-mnist)
+
+# A byte-level GPT with AdamW on the Jargon File (Debian's jargon-text, installed on first use
+# as root): DDP, CSC 1% and torch's FP16 hook, seeds 10-12 (experiments/lm/; resumes).
+lm: install
+	$(PY) experiments/lm/run_lm.py --jobs $(JOBS)
 
 # every benchmark; make bench ARGS=--quick for tiny sizes (benchmarks/results/quick/)
 ARGS ?=

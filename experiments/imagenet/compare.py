@@ -11,9 +11,11 @@ run_experiment.PEERS plus the no-communication bound, each run by run_experiment
 1. 1 Gbit/s, plain SGD (constant learning rate), every peer, 3 seeds, full epochs: accuracy,
    epochs and time to the target, wire bytes measured on the NIC, images/s.
 2. 1 Gbit/s, warm-up + cosine schedule, DDP and GradientFlow's default, 3 seeds.
-3. 1 and 10 Gbit/s, every peer and the bound, one seed, a capped number of steps: the step
-   time on each link (its own table: a short stage that stands without stages 1-2, and the
-   bound's step says the most any setting can gain over DDP's there). Training is the same
+3. 1 and 10 Gbit/s, every peer and the bound, --step-repeats runs each (5; one seed per
+   repeat, the settings interleaved within each), a capped number of steps: the step time on
+   each link as the median of the repeats with their range (its own table: a short stage that
+   stands without stages 1-2, and the bound's step says the most any setting can gain over
+   DDP's there). Training is the same
    computation whatever the link (the link changes when bytes arrive, not what they are), so
    the time to the target at 10 Gbit/s is each seed's epochs to the target from stage 1 times
    the step time measured here. Stated as derived in the table.
@@ -21,8 +23,12 @@ run_experiment.PEERS plus the no-communication bound, each run by run_experiment
 
 The target top-1 of a model and recipe is what every DDP seed has reached by its
 next-to-last epoch (the lowest of them, rounded down to half a point): a target dense reaches,
-with one epoch to spare. Each stage holds --lock during each run (not between runs) and records
-the load average before and after it. Writes OUT/results.md, OUT/summary.json, OUT/<model>.png.
+with one epoch to spare. Within every stage the settings interleave seed by seed (A B C A B C,
+not A A A B B B), so that a drift of the machine's load hits them alike. Each stage holds --lock
+during each run (not between runs) and records the load average before and after it; every
+run's meta file also has its start and end time, the commit, the host and each rank's CPU time,
+and the report's header says which commits, hosts and time span its runs cover.
+Writes OUT/results.md, OUT/summary.json, OUT/<model>.png.
 """
 from __future__ import annotations
 
@@ -37,6 +43,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+import protocol  # noqa: E402
 import run_experiment as rx  # noqa: E402
 from sweep import read_log  # noqa: E402
 
@@ -60,8 +67,14 @@ def stages(args) -> list:
     common = ["--data", "fashion-mnist", "--keep", "--timeout", str(args.timeout)]
     if args.lock and str(args.lock) != "none":
         common += ["--lock", str(args.lock)]
-    cap = ["--train-args", f"--steps-per-epoch {args.quick_steps}"] if args.quick else []
-    step = ["--train-args", f"--steps-per-epoch {args.step_steps}"]
+    # The protocol (protocol.py): every epoch is scored on the validation split (the target and
+    # the time to it), the test set once at the end of a training stage (the reported top-1).
+    split = f"--val-split {protocol.VAL_SPLITS['fashion-mnist']}"
+    cap = ["--train-args", f"{split} --report-test"
+           + (f" --steps-per-epoch {args.quick_steps}" if args.quick else "")]
+    step = ["--train-args", f"{split} --steps-per-epoch {args.step_steps}"]
+    # The step-time stages repeat (one seed per repeat), interleaved like every stage.
+    repeats = [str(r) for r in range(args.step_repeats)]
     chosen = args.peers
 
     def peers(*keys: str) -> list:
@@ -78,14 +91,14 @@ def stages(args) -> list:
             "--recipe", "schedule", "--settings", *peers("ddp-gloo", rx.OURS), "--seeds", *seeds,
             "--epochs", str(args.epochs), "--link-gbps", "1", *cap]))
         out.append((f"{model}/{STEP_STAGES['1 Gbit/s']}", base + [
-            "--recipe", "plain", "--settings", *peers(*rx.PEERS, BOUND), "--seeds", seeds[0],
+            "--recipe", "plain", "--settings", *peers(*rx.PEERS, BOUND), "--seeds", *repeats,
             "--epochs", "2", "--link-gbps", "1", *step]))
         out.append((f"{model}/{STEP_STAGES['10 Gbit/s']}", base + [
-            "--recipe", "plain", "--settings", *peers(*rx.PEERS, BOUND), "--seeds", seeds[0],
+            "--recipe", "plain", "--settings", *peers(*rx.PEERS, BOUND), "--seeds", *repeats,
             "--epochs", "2", "--link-gbps", "10", *step]))
     out.append((f"{FOUR_RANKS}/{STEP_STAGES[FOUR_RANK_LINK]}", common + [
         "--arch", FOUR_RANKS, "--recipe", "plain", "--settings", *peers(*rx.PEERS, BOUND),
-        "--seeds", seeds[0],
+        "--seeds", *repeats,
         "--epochs", "2", "--link-gbps", "1", "--nproc", "4", *step]))
     return out
 
@@ -98,7 +111,8 @@ def warm_up(out: Path) -> None:
 
 
 def load_stage(folder: Path) -> dict:
-    """{setting: [log per seed]} of a stage's finished runs, plus 'unavailable' reasons."""
+    """{setting: [log per seed]} of a stage's finished runs, their seeds in the same order,
+    plus 'unavailable' reasons."""
     runs = {}
     for path in sorted((folder / "logs").glob("*.jsonl")):
         key, _, seed = path.stem.rpartition("-seed")
@@ -107,6 +121,7 @@ def load_stage(folder: Path) -> dict:
             runs.setdefault(key, {})[int(seed)] = log
     why = folder / "unavailable.json"
     return {"runs": {k: [v[s] for s in sorted(v)] for k, v in runs.items()},
+            "seeds": {k: sorted(v) for k, v in runs.items()},
             "unavailable": json.loads(why.read_text()) if why.exists() else {}}
 
 
@@ -118,10 +133,39 @@ def target_of(ddp_logs: list) -> float | None:
 
 
 def step_time(logs: list) -> float | None:
-    """Seconds per step of a timing run: its last epoch (the first pays for start-up)."""
+    """Seconds per step of a timing stage: the median over its repeats of each run's last epoch
+    (the first pays for start-up)."""
     if not logs:
         return None
     return statistics.median(log[-1]["train_time_s"] / log[-1]["steps"] for log in logs)
+
+
+def step_spread(logs: list) -> tuple | None:
+    """(fastest, slowest) seconds per step over a timing stage's repeats."""
+    if not logs:
+        return None
+    steps = [log[-1]["train_time_s"] / log[-1]["steps"] for log in logs]
+    return min(steps), max(steps)
+
+
+def provenance(out: Path) -> dict:
+    """Every run's meta file under `out`: the commits and hosts, the first start and last end,
+    how many runs: whether a table comes from one invocation of one commit."""
+    metas = [json.loads(p.read_text()) for p in sorted(out.rglob("*.meta.json"))]
+    starts = [m["started_utc"] for m in metas if m.get("started_utc")]
+    ends = [m["ended_utc"] for m in metas if m.get("ended_utc")]
+    return {"runs": len(metas), "commits": sorted({m.get("commit", "unrecorded") for m in metas}),
+            "hosts": sorted({m.get("host", "unrecorded") for m in metas}),
+            "first_start": min(starts) if starts else None, "last_end": max(ends) if ends else None,
+            "without_times": len(metas) - len(starts)}
+
+
+def reported_top1(log: list) -> float:
+    """The run's test top-1, read once after its last epoch (--report-test); runs made before
+    the protocol have none, and their last epoch's score (on the test set) stands in."""
+    if log[-1].get("eval_set") == "validation":
+        return protocol.report_top1(log)
+    return log[-1]["val_top1"]
 
 
 def mean_sd(values: list) -> tuple:
@@ -143,7 +187,7 @@ def peer_row(key: str, logs: list, target: float, step10: float | None,
     derived4 = [(e + 1) * steps * step4 if e is not None and step4 else None for e in epochs]
     return {
         "label": rx.SETTINGS[key][0], "seeds": len(logs),
-        "top1": [log[-1]["val_top1"] for log in logs],
+        "top1": [reported_top1(log) for log in logs],
         "epoch_at_target": epochs, "time_to_target_1g": times,
         "wire_bytes_per_step_nic": statistics.median(nic) if nic else None,
         "wire_bytes_per_step_counted": statistics.median(log[-1]["wire_bytes_per_step"]
@@ -175,7 +219,10 @@ def summarise_model(out: Path, model: str) -> dict:
              if link != FOUR_RANK_LINK or model == FOUR_RANKS}
     steps = step_rows(timed)
     ten, four = steps.get("10 Gbit/s", {}), steps.get(FOUR_RANK_LINK, {})
-    result = {"model": model, "recipes": {}, "steps": steps}
+    result = {"model": model, "recipes": {}, "steps": steps,
+              "step_spread": {link: {key: (step_spread(logs), len(logs))
+                                     for key, logs in stage["runs"].items()}
+                              for link, stage in timed.items() if link in steps}}
     for recipe, stage in (("plain", plain), ("schedule", sched)):
         target = target_of(stage["runs"].get("ddp-gloo", []))
         if target is None:
@@ -184,7 +231,7 @@ def summarise_model(out: Path, model: str) -> dict:
         for key, logs in stage["runs"].items():
             rows[key] = peer_row(key, logs, target, ten.get(key), four.get(key))
             metas = [rx.read_meta(out / model / f"1gbps-{recipe}", key, s)
-                     for s in range(len(logs))]
+                     for s in stage["seeds"][key]]
             rows[key]["loadavg"] = [m["loadavg_before"][0] for m in metas if m]
         unavailable = dict(stage["unavailable"])
         for link in ("10 Gbit/s", FOUR_RANK_LINK):
@@ -245,18 +292,33 @@ def _mb(n: float | None) -> str:
     return "-" if n is None else f"{n / 1e6:.3f}" if n >= 1e4 else f"{n / 1e6:.4f}"
 
 
-def markdown(results: list, epochs: int, seeds: list, command: str) -> str:
+def provenance_line(prov: dict) -> str:
+    """Where the table's runs come from, said once: commits, hosts, the time span."""
+    if not prov or not prov.get("runs"):
+        return ""
+    return (f"Runs: {prov['runs']} from commit(s) {', '.join(prov['commits'])} on "
+            f"{', '.join(prov['hosts'])}, started {prov['first_start'] or '?'} and ended "
+            f"{prov['last_end'] or '?'} (UTC)"
+            + (f"; {prov['without_times']} without recorded times (older runs)"
+               if prov["without_times"] else "") + ".")
+
+
+def markdown(results: list, epochs: int, seeds: list, command: str,
+             prov: dict | None = None) -> str:
     lines = ["# GradientFlow against what a user would pick instead: Fashion-MNIST", "",
              f"2 CPU ranks on an emulated switch (a network namespace per rank, tbf both ways), "
              f"global batch 128, {epochs} epochs, seeds {', '.join(map(str, seeds))}; "
-             f"mean ± standard deviation over seeds. Target: the top-1 every DDP seed reached by "
+             f"mean ± standard deviation over seeds of the test top-1, read once after the last "
+             f"epoch (runs made before the protocol: the last epoch's test score). Every epoch "
+             f"is scored on the validation split held out of the training set (runs before the "
+             f"protocol: on the test set). Target: the validation top-1 every DDP seed reached by "
              f"its next-to-last epoch. Time to target: the training time (validation left out) "
              f"up to the first epoch at or above it. Wire bytes: what rank 0's NIC sent per step "
              f"in the last epoch (every protocol's bytes). 10 Gbit/s and 4 ranks: each seed's "
              f"epochs to the target at 1 Gbit/s times the step time measured there (derived: "
              f"the link changes when bytes arrive, not what they are). A setting missing from "
              f"a table did not run in that stage (the command's --peers, or its own line says "
-             f"why).", ""]
+             f"why).", "", *([provenance_line(prov), ""] if provenance_line(prov) else [])]
     for res in results:
         for recipe, rec in res["recipes"].items():
             lines += [f"## {LABELS[res['model']]}, {recipe} recipe: target "
@@ -308,9 +370,12 @@ def step_markdown(res: dict) -> list[str]:
     if not steps:
         return []
     links = list(steps)
-    lines = [f"## {LABELS[res['model']]}: step time by link (one seed, the last of two capped "
-             "epochs)", "",
-             "| setting | " + " | ".join(f"{link}: ms, DDP's over it" for link in links) + " |",
+    spread = res.get("step_spread") or {}
+    lines = [f"## {LABELS[res['model']]}: step time by link (each run's last of two capped "
+             "epochs; the median over the stage's repeats, fastest-slowest in brackets, n "
+             "repeats, interleaved setting by setting)", "",
+             "| setting | " + " | ".join(f"{link}: ms (range, n), DDP's over it"
+                                       for link in links) + " |",
              "|---|" + "---|" * len(links)]
     for key in [*rx.PEERS, BOUND]:
         if not any(key in steps[link] for link in links):
@@ -318,8 +383,9 @@ def step_markdown(res: dict) -> list[str]:
         cells = []
         for link in links:
             t, d = steps[link].get(key), steps[link].get("ddp-gloo")
-            cells.append("-" if not t else f"{1e3 * t:.0f}, {d / t:.2f}x" if d else
-                         f"{1e3 * t:.0f}")
+            (lo, hi), n = spread.get(link, {}).get(key) or ((t, t), 1)
+            ms = f"{1e3 * t:.0f} ({1e3 * lo:.0f}-{1e3 * hi:.0f}, n={n})" if t else "-"
+            cells.append(ms if not t or not d else f"{ms}, {d / t:.2f}x")
         lines.append(f"| {rx.SETTINGS[key][0]} | " + " | ".join(cells) + " |")
     lines.append("")
     for link in links:
@@ -376,7 +442,8 @@ def plot(out: Path, res: dict) -> Path | None:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    p.add_argument("--seeds", nargs="+", type=int, default=list(protocol.REPORT_SEEDS[:3]),
+                   help="the training stages' seeds: report seeds, 10 and up (protocol.py)")
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     p.add_argument("--lock", type=Path, default=LOCK,
@@ -384,6 +451,8 @@ def main(argv=None) -> int:
     p.add_argument("--timeout", type=float, default=1800, help="seconds allowed per run")
     p.add_argument("--step-steps", type=int, default=60,
                    help="steps per epoch of the step-time stages (10 Gbit/s, 4 ranks)")
+    p.add_argument("--step-repeats", type=int, default=5,
+                   help="runs of each setting in each step-time stage, interleaved (default 5)")
     p.add_argument("--quick", action="store_true",
                    help="one seed, --quick-steps steps an epoch: checks the machinery only")
     p.add_argument("--quick-steps", type=int, default=40)
@@ -396,8 +465,13 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.peers is not None:
         args.peers = sorted({*args.peers, "ddp-gloo", rx.OURS})
+    try:  # a report of logs already made (--no-run) may name the seeds they were made on
+        if not args.no_run:
+            protocol.check_role("report", args.seeds)
+    except protocol.ProtocolError as exc:
+        p.error(str(exc))
     if args.quick:
-        args.seeds = args.seeds[:1]
+        args.seeds, args.step_repeats = args.seeds[:1], min(args.step_repeats, 2)
     command = "python experiments/imagenet/compare.py " + " ".join(map(shlex.quote, argv))
     t0 = time.perf_counter()
     if not args.no_run:
@@ -413,7 +487,7 @@ def main(argv=None) -> int:
     results = [summarise_model(args.out, m) for m in MODELS]
     (args.out / "summary.json").parent.mkdir(parents=True, exist_ok=True)
     (args.out / "summary.json").write_text(json.dumps(results, indent=2) + "\n")
-    text = markdown(results, args.epochs, args.seeds, command.strip())
+    text = markdown(results, args.epochs, args.seeds, command.strip(), provenance(args.out))
     (args.out / "results.md").write_text(text)
     plots = [p for p in (plot(args.out, r) for r in results) if p]
     print(text)

@@ -22,6 +22,8 @@ import sys
 import time
 from pathlib import Path
 
+from protocol import VAL_SPLITS
+
 HERE = Path(__file__).resolve().parent
 # Where prepare.py writes the built-in digits, below any checkout.
 BUILTIN_DATA_SUFFIX = "experiments/imagenet/data/digits"
@@ -273,6 +275,10 @@ def parse_args(argv=None):
     p.add_argument("--reference-density", default=0.01, type=float)
     p.add_argument("--reference-chunk-size", default=1024, type=int)
     p.add_argument("--epochs", default=6, type=int, help="epochs per run")
+    p.add_argument("--val-split", default=None, type=int, metavar="N",
+                   help="training images held out as the validation split the recommendation "
+                   "ranks (default: 360 on the built-in digits, none on other data, which then "
+                   "gets no recommendation)")
     p.add_argument("-a", "--arch", default=None, help="model (default: the recipe's resnet18)")
     p.add_argument("--train-args", default="", help="extra train.py flags for every run, one "
                    "string; they come last, so they override the recipe's")
@@ -306,6 +312,10 @@ def common_train_args(args) -> list:
                   "--lr-warmup-epochs", "1", "-j", "4", "--no-checkpoint"]
     if args.arch:
         recipe[recipe.index("-a") + 1] = args.arch
+    split = args.val_split if args.val_split is not None else (
+        VAL_SPLITS["digits"] if args.data is None else 0)
+    if split:  # choices rank the validation split, never the test set (protocol.py)
+        recipe += ["--val-split", str(split)]
     return recipe + ["--dist-backend", args.dist_backend]
 
 

@@ -51,6 +51,9 @@ def summarise(runs: dict) -> list:
             "top1_mean": statistics.mean(finals),
             "top1_sd": statistics.stdev(finals) if len(finals) > 1 else 0.0,
             "top1_all": finals,
+            # What the top-1 was scored on: a recommendation ranks validation splits only.
+            "eval_set": ("validation" if all(log[-1].get("eval_set") == "validation"
+                                             for log in logs) else "test"),
             "wire_bytes_per_step": _last_median(logs, "wire_bytes_per_step"),
             "wire_bytes_per_step_run": statistics.median(
                 sum(r["wire_bytes"] for r in log) / sum(r["steps"] for r in log) for log in logs),
@@ -96,13 +99,19 @@ def recommend(rows: list, gbps: float, within_pct: float, ranks: int,
     """The most accurate setting whose predicted step time is within `within_pct` of the fastest.
 
     Ties in accuracy go to the faster setting. Returns the choice, the fastest, and every
-    setting's predicted time.
+    setting's predicted time. A choice ranks validation splits only (protocol.py): where an
+    eligible setting was scored on the test set the choice is None and "why" says so.
     """
     compute_s = compute_time(rows)
     times = {r["key"]: predict_step_s(r, gbps, ranks, latency_us, compute_s) for r in rows}
     fastest = min(rows, key=lambda r: times[r["key"]])
     limit = times[fastest["key"]] * (1 + within_pct / 100)
     eligible = [r for r in rows if times[r["key"]] <= limit]
+    on_test = [r["label"] for r in eligible if r.get("eval_set") != "validation"]
+    if on_test:
+        return {"gbps": gbps, "choice": None, "fastest": fastest, "limit_s": limit,
+                "times": times, "why": f"{', '.join(on_test)} scored on the test set; a choice "
+                "ranks a validation split only (train.py --val-split; the sweep's --val-split)"}
     best = max(eligible, key=lambda r: (r["top1_mean"], -times[r["key"]]))
     return {"gbps": gbps, "choice": best, "fastest": fastest, "limit_s": limit, "times": times}
 
@@ -113,6 +122,8 @@ def _bytes(n: float) -> str:
 
 def recommendation_line(rec: dict, within_pct: float) -> str:
     c, f, t = rec["choice"], rec["fastest"], rec["times"]
+    if c is None:
+        return f"{rec['gbps']:g} Gbit/s: no recommendation: {rec['why']}"
     return (f"{rec['gbps']:g} Gbit/s: {c['label']} "
             f"(top-1 {c['top1_mean']:.2f} ± {c['top1_sd']:.2f}%, "
             f"{_bytes(c['wire_bytes_per_step'])}/step, predicted {1e3 * t[c['key']]:.0f} ms/step); "
@@ -222,7 +233,7 @@ def report(grid: list, seeds: list, args, links: list, common: list,
     (out / "sweep.md").write_text(text)
     (out / "sweep.json").write_text(json.dumps(
         {"rows": rows, "ranks": ranks, "within_pct": args.within, "latency_us": args.latency_us,
-         "recommendations": [{"gbps": r["gbps"], "choice": r["choice"]["key"],
+         "recommendations": [{"gbps": r["gbps"], "choice": r["choice"] and r["choice"]["key"],
                               "fastest": r["fastest"]["key"], "predicted_s": r["times"]}
                              for r in recs]}, indent=1) + "\n")
     plot = pareto_plot(rows, out / "pareto.png")

@@ -52,6 +52,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.debugging_hooks import noop_hoo
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from models import ARCHS, SHAPED  # noqa: E402  (models.py sits beside this script)
+import protocol  # noqa: E402  (the validation split and the report seeds)
 
 PROG = "train.py"
 # The four IDX files torchvision's FashionMNIST reads from ROOT/FashionMNIST/raw/, uncompressed.
@@ -261,6 +262,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--num-classes", default=1000, type=int)
     p.add_argument("--augment", default="imagenet", choices=["imagenet", "light", "none"],
                    help="imagenet: RandomResizedCrop+flip; light: small crop jitter, no flip; none")
+    p.add_argument("--val-split", default=0, type=int, metavar="N",
+                   help="hold N training images out as a validation split scored every epoch "
+                   "(protocol.py); 0: every epoch is scored on the test set, as before")
+    p.add_argument("--report-test", action="store_true",
+                   help="with --val-split: score the test set once, after the last epoch, into "
+                   "its own fields (test_top1, ...); refused on screening seeds 0-9")
     p.add_argument(
         "--steps-per-epoch",
         default=0,
@@ -305,6 +312,8 @@ class Config:
     epochs: int
     start_epoch: int
     steps_per_epoch: int      # 0: the whole data set
+    val_split: int            # images held out of training and scored every epoch; 0: none
+    report_test: bool         # score the test set once, after the last epoch
     batch_size: int           # global
     per_rank_batch: int       # batch_size / world_size
     peak_lr: float            # lr * batch_size / lr_base_batch
@@ -464,9 +473,17 @@ def resolve(args: argparse.Namespace, env=os.environ) -> Config:
             "--epochs must be >= 1 and --start-epoch in [0, epochs], "
             f"got {args.epochs}, {args.start_epoch}"
         )
-    for name in ("workers", "steps_per_epoch"):
+    for name in ("workers", "steps_per_epoch", "val_split"):
         if getattr(args, name) < 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 0")
+    if args.report_test:
+        if not args.val_split:
+            raise ConfigError("--report-test needs --val-split: without a validation split every "
+                              "epoch is already scored on the test set")
+        try:
+            protocol.check_report_seed(args.seed)
+        except protocol.ProtocolError as exc:
+            raise ConfigError(str(exc))
     if (
         image_size < 8
         or args.num_classes < 2
@@ -505,6 +522,8 @@ def resolve(args: argparse.Namespace, env=os.environ) -> Config:
         epochs=args.epochs,
         start_epoch=args.start_epoch,
         steps_per_epoch=args.steps_per_epoch,
+        val_split=args.val_split,
+        report_test=args.report_test,
         batch_size=args.batch_size,
         per_rank_batch=args.batch_size // world_size,
         peak_lr=args.lr * args.batch_size / args.lr_base_batch,
@@ -607,11 +626,13 @@ class InMemoryImages(torch.utils.data.Dataset):
 
 def fashion_mnist(cfg: Config, channels: int):
     """Fashion-MNIST's 60,000 training and 10,000 test images through torchvision's class
-    (its IDX reader; nothing is downloaded), as InMemoryImages."""
+    (its IDX reader; nothing is downloaded), as InMemoryImages: the training set, a maker of
+    its unaugmented view (the validation split's), the test set."""
     import torchvision.datasets as datasets
 
     sets = [datasets.FashionMNIST(cfg.data, train=train, download=False) for train in (True, False)]
     return (InMemoryImages(sets[0].data, sets[0].targets, cfg.augment, channels),
+            lambda: InMemoryImages(sets[0].data, sets[0].targets, "none", channels),
             InMemoryImages(sets[1].data, sets[1].targets, "none", channels))
 
 
@@ -622,7 +643,22 @@ def in_channels(cfg: Config) -> int:
 
 
 def build_datasets(cfg: Config):
-    """ImageNet's standard transforms on an ImageFolder, Fashion-MNIST, or FakeData for --dummy."""
+    """(training set, the set scored every epoch, the test set read once at the end or None).
+
+    With --val-split the set scored every epoch is the validation split carved out of the
+    training set (protocol.carve) and the test set is kept for --report-test; without it every
+    epoch is scored on the test set.
+    """
+    train, view, test = source_datasets(cfg)
+    if not cfg.val_split:
+        return train, test, None
+    train, val = protocol.carve(train, view(), cfg.val_split)
+    return train, val, test
+
+
+def source_datasets(cfg: Config):
+    """ImageNet's standard transforms on an ImageFolder, Fashion-MNIST, or FakeData for --dummy:
+    (training set, a maker of its view with the evaluation transforms, test set)."""
     import torchvision.datasets as datasets
     import torchvision.transforms as T
 
@@ -634,10 +670,10 @@ def build_datasets(cfg: Config):
         n_train = cfg.steps_per_epoch * cfg.batch_size if cfg.steps_per_epoch else 1281167
         n_val = cfg.steps_per_epoch * cfg.batch_size if cfg.steps_per_epoch else 50000
         shape = (in_channels(cfg), cfg.image_size, cfg.image_size)
-        return (
-            datasets.FakeData(n_train, shape, cfg.num_classes, T.ToTensor()),
-            datasets.FakeData(n_val, shape, cfg.num_classes, T.ToTensor(), random_offset=n_train),
-        )
+        train = datasets.FakeData(n_train, shape, cfg.num_classes, T.ToTensor())
+        return (train, lambda: train,
+                datasets.FakeData(n_val, shape, cfg.num_classes, T.ToTensor(),
+                                  random_offset=n_train))
     s = cfg.image_size
     train_tf = {
         "imagenet": [T.RandomResizedCrop(s), T.RandomHorizontalFlip()],
@@ -651,14 +687,11 @@ def build_datasets(cfg: Config):
         if cfg.augment == "imagenet"
         else [T.Resize(s), T.CenterCrop(s)]
     )
-    return (
-        datasets.ImageFolder(
-            os.path.join(cfg.data, "train"), T.Compose(train_tf + [T.ToTensor(), normalize])
-        ),
-        datasets.ImageFolder(
-            os.path.join(cfg.data, "val"), T.Compose(val_tf + [T.ToTensor(), normalize])
-        ),
-    )
+    def folder(split: str, tf: list):
+        return datasets.ImageFolder(os.path.join(cfg.data, split),
+                                    T.Compose(tf + [T.ToTensor(), normalize]))
+
+    return folder("train", train_tf), lambda: folder("train", val_tf), folder("val", val_tf)
 
 
 def make_loader(dataset, cfg: Config, sampler, device) -> torch.utils.data.DataLoader:
@@ -1059,6 +1092,15 @@ def evaluate(cfg, model, criterion, val_set, device) -> dict:
     }
 
 
+def rank_cpu_seconds(cfg: Config) -> list:
+    """Each rank's CPU time so far (user + system, every thread of its process), in rank order:
+    what a run cost the machine, beside its wall time."""
+    times = torch.zeros(cfg.world_size, dtype=torch.float64)
+    times[cfg.rank] = time.process_time()
+    dist.all_reduce(times)  # exact: a plain all_reduce is never compressed
+    return [round(t, 2) for t in times.tolist()]
+
+
 def maybe_kill_self(cfg: Config) -> None:
     """--fault-kill-at-step: the last rank dies as a crash would (SIGKILL: no cleanup, no
     exception), in torchrun's first attempt only, so that the restarted job can finish."""
@@ -1176,7 +1218,7 @@ def main(argv=None) -> int:
             random.seed(cfg.seed)
             torch.manual_seed(cfg.seed)
             torch.backends.cudnn.deterministic = True
-        train_set, val_set = build_datasets(cfg)
+        train_set, val_set, test_set = build_datasets(cfg)
         model = build_model(cfg).to(device)
         criterion = nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing).to(device)
         optimizer = build_optimizer(model, cfg)
@@ -1195,7 +1237,10 @@ def main(argv=None) -> int:
             print(
                 f"model: {cfg.arch}, "
                 f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f} M parameters; "
-                f"train {len(train_set)} / val {len(val_set)} images",
+                f"train {len(train_set)} / "
+                + (f"validation split {len(val_set)}" if cfg.val_split else f"val {len(val_set)}")
+                + (f" / test {len(test_set)}, read once after the last epoch"
+                   if cfg.report_test else "") + " images",
                 flush=True,
             )
         if cfg.evaluate:
@@ -1227,6 +1272,11 @@ def main(argv=None) -> int:
             # rounds, time in communication, overlap (see gradientflow.observability.stats).
             record["engine"] = gradientflow.stats()
             record.update(evaluate(cfg, ddp, criterion, val_set, device))
+            record["eval_set"] = "validation" if cfg.val_split else "test"
+            if cfg.report_test and epoch == cfg.epochs - 1:  # the test set, once, at the end
+                record.update({k.replace("val_", "test_"): v for k, v in
+                               evaluate(cfg, ddp, criterion, test_set, device).items()})
+            record["rank_cpu_s"] = rank_cpu_seconds(cfg)
             record["wire_bytes_per_step"] = record["wire_bytes"] / record["steps"]
             record["dense_bytes_per_step"] = record["dense_bytes"] / record["steps"]
             best_acc1 = max(best_acc1, record["val_top1"])

@@ -51,8 +51,8 @@ def test_fashion_files_are_unpacked_where_torchvision_reads_them(fashion_src, tm
     assert sorted(p.name for p in raw.iterdir()) == sorted(prepare.FASHION_FILES)
     cfg = train.resolve(train.parse_args([str(out), "-a", "alexnet_shaped", "-b", "4"]), env={})
     assert cfg.dataset == "fashion-mnist" and cfg.image_size == 28
-    train_set, val_set = train.build_datasets(cfg)
-    assert len(train_set) == 12 and len(val_set) == 6
+    train_set, val_set, test_set = train.build_datasets(cfg)
+    assert len(train_set) == 12 and len(val_set) == 6 and test_set is None
     x, y = val_set[3]
     # normalised as torchvision's class read it: pixel 3 everywhere, label 3, one channel
     assert x.shape == (1, 28, 28) and y == 3
@@ -60,6 +60,16 @@ def test_fashion_files_are_unpacked_where_torchvision_reads_them(fashion_src, tm
     torch.manual_seed(0)
     xa, _ = train_set[5]  # augmented: a shift of at most 2 pixels, zero-padded, maybe flipped
     assert xa.shape == (1, 28, 28) and (xa == train_set.x[5, 0, 0, 0]).float().mean() > 0.8
+    # --val-split: 4 training images scored unaugmented each epoch, the test set kept apart
+    cfg = train.resolve(train.parse_args([str(out), "-a", "alexnet_shaped", "-b", "4",
+                                          "--val-split", "4"]), env={})
+    train_set, val_set, test_set = train.build_datasets(cfg)
+    assert len(train_set) == 8 and len(val_set) == 4 and len(test_set) == 6
+    for i in range(4):
+        x, y = val_set[i]
+        pixel = val_set.indices[i]  # the image's index in the training set, as its pixels say
+        assert y == pixel % 10 and torch.allclose(
+            x, torch.full_like(x, (pixel / 255 - train.FASHION_MEAN) / train.FASHION_STD))
 
 
 def test_missing_fashion_files_say_what_to_do(tmp_path):
@@ -189,8 +199,8 @@ def test_the_demo_says_which_way_the_time_went():
 
 def test_compare_runs_every_peer_at_1_gbps_and_times_them_at_10_gbps_and_4_ranks():
     args = argparse.Namespace(
-        seeds=[0, 1, 2], epochs=3, lock=None, timeout=60, quick=False, quick_steps=40,
-        step_steps=60, peers=None)
+        seeds=[10, 11, 12], epochs=3, lock=None, timeout=60, quick=False, quick_steps=40,
+        step_steps=60, step_repeats=5, peers=None)
     stages = dict(compare.stages(args))
     assert set(stages) == {f"{m}/{s}" for m in compare.MODELS
                            for s in ("1gbps-plain", "1gbps-schedule", "1gbps-step",
@@ -198,11 +208,39 @@ def test_compare_runs_every_peer_at_1_gbps_and_times_them_at_10_gbps_and_4_ranks
         "alexnet_shaped/1gbps-4ranks-step"}
     plain = stages["resnet_shaped/1gbps-plain"]
     assert all(k in plain for k in rx.PEERS) and "nocomm" in plain
-    assert plain[plain.index("--seeds") + 1:plain.index("--seeds") + 4] == ["0", "1", "2"]
+    assert plain[plain.index("--seeds") + 1:plain.index("--seeds") + 4] == ["10", "11", "12"]
+    # the protocol: validation every epoch, the test set once; step stages never read it
+    assert plain[plain.index("--train-args") + 1] == "--val-split 10000 --report-test"
+    step_args = stages["resnet_shaped/10gbps-step"]
+    assert step_args[step_args.index("--train-args") + 1] == \
+        "--val-split 10000 --steps-per-epoch 60"
     four = stages["alexnet_shaped/1gbps-4ranks-step"]
-    assert four[four.index("--nproc") + 1] == "4" and "--steps-per-epoch 60" in four
+    assert four[four.index("--nproc") + 1] == "4" and "--steps-per-epoch 60" in " ".join(four)
     step = stages["alexnet_shaped/1gbps-step"]
     assert "nocomm" in step and step[step.index("--link-gbps") + 1] == "1"
+    # every step-time stage repeats 5 times: seeds 0-4, one run of each setting per seed
+    for folder in ("alexnet_shaped/1gbps-step", "resnet_shaped/10gbps-step",
+                   "alexnet_shaped/1gbps-4ranks-step"):
+        argv = stages[folder]
+        assert argv[argv.index("--seeds") + 1:argv.index("--epochs")] == ["0", "1", "2", "3", "4"]
+
+
+def test_settings_interleave_seed_by_seed_not_setting_by_setting():
+    order = rx.run_order(["A", "B", "C"], [0, 1])
+    assert order == [("A", 0), ("B", 0), ("C", 0), ("A", 1), ("B", 1), ("C", 1)]
+
+
+def test_the_step_table_gives_the_median_and_range_of_the_repeats(tmp_path):
+    for seed, step_s in enumerate([0.10, 0.12, 0.30, 0.11, 0.13]):
+        folder = tmp_path / "alexnet_shaped" / "1gbps-step" / "logs"
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / f"ddp-gloo-seed{seed}.jsonl").write_text("".join(
+            json.dumps({"epoch": e, "steps": 10, "train_time_s": 10 * step_s * (2 - e),
+                        "val_top1": 10.0}) + "\n" for e in range(2)))
+    res = compare.summarise_model(tmp_path, "alexnet_shaped")
+    assert res["steps"]["1 Gbit/s"]["ddp-gloo"] == pytest.approx(0.12)
+    text = "\n".join(compare.step_markdown(res))
+    assert "| DDP gloo dense FP32 | 120 (100-300, n=5), 1.00x |" in text
 
 
 def test_the_step_table_says_how_much_faster_than_ddp_any_setting_can_step():
@@ -210,17 +248,46 @@ def test_the_step_table_says_how_much_faster_than_ddp_any_setting_can_step():
         "1 Gbit/s": {"ddp-gloo": 0.2, rx.OURS: 0.1, "nocomm": 0.08},
         "10 Gbit/s": {"ddp-gloo": 0.1, rx.OURS: 0.1}}}
     text = "\n".join(compare.step_markdown(res))
-    assert "| GradientFlow CSC 1% default | 100, 2.00x | 100, 1.00x |" in text
+    assert ("| GradientFlow CSC 1% default | 100 (100-100, n=1), 2.00x | "
+            "100 (100-100, n=1), 1.00x |") in text
     assert "1 Gbit/s: no setting can step more than 2.50x faster than DDP" in text
     assert "10 Gbit/s: no setting" not in text  # no bound measured there
 
 
 def test_compare_peers_runs_a_subset_in_every_stage():
     args = argparse.Namespace(
-        seeds=[0, 1, 2], epochs=3, lock=None, timeout=60, quick=False, quick_steps=40,
-        step_steps=60, peers=["ddp-gloo", "powersgd-2", rx.OURS])
+        seeds=[10, 11, 12], epochs=3, lock=None, timeout=60, quick=False, quick_steps=40,
+        step_steps=60, step_repeats=5, peers=["ddp-gloo", "powersgd-2", rx.OURS])
     for folder, argv in compare.stages(args):
         settings = argv[argv.index("--settings") + 1:argv.index("--seeds")]
         want = (["ddp-gloo", rx.OURS] if folder.endswith("schedule")
                 else ["ddp-gloo", "powersgd-2", rx.OURS])
         assert settings == want, folder
+
+
+def test_the_report_says_which_commits_hosts_and_span_its_runs_cover(tmp_path):
+    logs = tmp_path / "alexnet_shaped" / "1gbps-plain" / "logs"
+    logs.mkdir(parents=True)
+    for i, (commit, start, end) in enumerate([("abc", "2026-01-01T10:00:00+00:00",
+                                               "2026-01-01T10:05:00+00:00"),
+                                              ("def", "2026-01-01T09:00:00+00:00",
+                                               "2026-01-01T09:04:00+00:00")]):
+        (logs / f"ddp-gloo-seed{i}.meta.json").write_text(json.dumps(
+            {"commit": commit, "host": "h", "started_utc": start, "ended_utc": end}))
+    (logs / "nocomm-seed0.meta.json").write_text(json.dumps({"wall_s": 1.0}))  # an older run
+    prov = compare.provenance(tmp_path)
+    assert prov["commits"] == ["abc", "def", "unrecorded"] and prov["runs"] == 3
+    line = compare.provenance_line(prov)
+    assert "started 2026-01-01T09:00:00+00:00 and ended 2026-01-01T10:05:00+00:00" in line
+    assert "1 without recorded times" in line
+    assert line in compare.markdown([], 3, [0], "cmd", prov)
+
+
+def test_compare_reports_on_report_seeds_and_the_test_set_read_once(capsys):
+    with pytest.raises(SystemExit) as exc:
+        compare.main(["--seeds", "0", "1", "2", "--timeout", "1"])
+    assert exc.value.code == 2 and "seeds 0-9" in capsys.readouterr().err
+    new = [{"val_top1": 80.0, "eval_set": "validation"},
+           {"val_top1": 85.0, "eval_set": "validation", "test_top1": 84.2}]
+    assert compare.reported_top1(new) == 84.2  # never the validation score
+    assert compare.reported_top1([{"val_top1": 85.1}]) == 85.1  # a run before the protocol

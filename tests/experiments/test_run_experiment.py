@@ -147,3 +147,29 @@ def test_the_lock_is_held_during_the_block_and_released_after(tmp_path):
             fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
     with open(lock) as fh:
         fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+
+def test_every_run_records_when_where_which_commit_and_each_ranks_cpu(tmp_path):
+    """A tiny real run (one rank, loopback): the meta file carries the provenance fields."""
+    import prepare
+
+    data = prepare.prepare(tmp_path / "digits", size=16, limit=40)
+    common = [str(data), "-a", "resnet18", "--image-size", "16", "--num-classes", "10",
+              "-b", "8", "--augment", "none", "--steps-per-epoch", "2", "-j", "0",
+              "--no-checkpoint"]
+    rx.run_one("dense", 0, 1, tmp_path / "out", 1, "gloo", 200, common=common)
+    meta = rx.read_meta(tmp_path / "out", "dense", 0)
+    assert meta["started_utc"] <= meta["ended_utc"] and meta["ended_utc"].endswith("+00:00")
+    assert meta["host"] and meta["commit"] != "" and meta["wall_s"] > 0
+    assert len(meta["rank_cpu_s"]) == 1 and meta["cpu_s"] == pytest.approx(
+        sum(meta["rank_cpu_s"]), abs=0.1) and meta["cpu_s"] > 0
+    assert len(meta["loadavg_before"]) == 3 and len(meta["loadavg_after"]) == 3
+
+
+def test_a_run_that_read_the_test_set_once_is_summarised_by_it():
+    logs = {"dense": [_log([50.0, 60.0]), _log([55.0, 65.0])]}
+    _fill(logs)
+    logs["dense"][0][-1].update(test_top1=58.0, test_top5=90.0)  # --report-test
+    s = rx.summarise(logs)["dense"]
+    assert (s["top1_min"], s["top1_max"]) == (58.0, 65.0)  # the other run predates it
+    assert s["top5_mean"] == pytest.approx(95.0)

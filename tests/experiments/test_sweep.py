@@ -160,7 +160,8 @@ def test_logs_of_the_builtin_data_are_reused_from_another_checkout(tmp_path):
 # ---- the report ---------------------------------------------------------------------------------
 def _row(key, method, top1, wire, step_s=0.1, codec_s=0.0, sd=0.0):
     return {"key": key, "label": key, "method": method, "top1_mean": top1, "top1_sd": sd,
-            "wire_bytes_per_step": wire, "fastest_step_s": step_s, "codec_s": codec_s}
+            "wire_bytes_per_step": wire, "fastest_step_s": step_s, "codec_s": codec_s,
+            "eval_set": "validation"}
 
 
 def test_step_time_model_is_compute_plus_codec_plus_ring_bytes_over_the_link():
@@ -186,6 +187,21 @@ def test_recommendation_takes_the_most_accurate_within_the_margin():
     assert fast["choice"]["key"] == "dense"  # 6 ms of wire: every setting is within 10%
     strict = sweep_report.recommend(rows, 1.0, 0.0, 2)
     assert strict["choice"]["key"] == "csc-0.1%"
+
+
+def test_no_recommendation_ranks_a_setting_scored_on_the_test_set(tmp_path):
+    rows = [_row("dense", "dense", 98.0, 4.4e7, step_s=0.30),
+            dict(_row("csc-1%", "csc", 97.5, 3e5, step_s=0.9, codec_s=0.02), eval_set="test")]
+    rec = sweep_report.recommend(rows, 1.0, 10.0, 2)
+    assert rec["choice"] is None and "csc-1% scored on the test set" in rec["why"]
+    assert "no recommendation" in sweep_report.recommendation_line(rec, 10.0)
+    # the built-in digits hold a validation split out by default; other data only when asked
+    args = sweep.parse_args([])
+    assert sweep.common_train_args(args)[-4:-2] == ["--val-split", "360"]
+    (tmp_path / "train" / "a").mkdir(parents=True)
+    assert "--val-split" not in sweep.common_train_args(sweep.parse_args([str(tmp_path)]))
+    assert "--val-split" in sweep.common_train_args(sweep.parse_args([str(tmp_path),
+                                                                      "--val-split", "9"]))
 
 
 def test_pareto_front_drops_dominated_settings():

@@ -1,0 +1,43 @@
+"""Where and when a run was made: the commit, the host, UTC times, each rank's CPU time.
+
+Every run's meta file (run_experiment.run_one) carries these, so that a table drawn from many
+logs can say whether they came from one invocation of one commit on one machine.
+"""
+from __future__ import annotations
+
+import datetime
+import socket
+import subprocess
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def utc_now() -> str:
+    """The time now, UTC, to the second (ISO 8601)."""
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def commit() -> str:
+    """The checkout's commit, with "+dirty" when tracked files differ from it ("unknown" outside
+    a git checkout). Read when a run starts: the code it runs is the checkout's at its launch."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=REPO,
+                              capture_output=True, text=True, timeout=30, check=True).stdout
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                               cwd=REPO, capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return head.strip() + ("+dirty" if dirty.strip() else "")
+
+
+def host() -> str:
+    """The machine's host name."""
+    return socket.gethostname()
+
+
+def run_fields(log: list) -> dict:
+    """What a finished run's log says it cost: each rank's CPU seconds (the last epoch's
+    cumulative count) and their sum."""
+    cpu = log[-1].get("rank_cpu_s") if log else None
+    return {"rank_cpu_s": cpu, "cpu_s": round(sum(cpu), 1) if cpu else None}
