@@ -59,12 +59,14 @@ def _lock_path() -> str:
 
 
 def _dispatchers() -> list:
+    """The kernels of cpu.py that numba caches: inlined helpers have no entry of their own."""
     import numba
 
     from . import cpu
 
     return [v for v in vars(cpu).values() if isinstance(v, numba.core.registry.CPUDispatcher)
-            and v.py_func.__module__ == cpu.__name__]
+            and v.py_func.__module__ == cpu.__name__
+            and v.targetoptions.get("inline") != "always"]
 
 
 def cache_dir() -> str:

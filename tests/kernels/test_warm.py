@@ -50,7 +50,9 @@ def test_the_command_fills_the_cache_a_fresh_process_then_loads(tmp_path):
     assert first.returncode == 0, first.stderr
     assert "CPU kernels ready" in first.stdout and str(tmp_path) in first.stdout, first.stdout
     assert any(p.suffix == ".nbi" for p in tmp_path.rglob("*")), "nothing was cached"
-    probe = ("from gradientflow.kernels import warm; assert warm.wait(300), warm.error(); "
+    probe = ("from gradientflow.kernels import warm; "
+             "assert warm.cached(), 'a filled cache must read as filled (no child compiles)'; "
+             "assert warm.wait(300), warm.error(); "
              "from gradientflow.kernels import cpu; import numba; "
              "d = [v for v in vars(cpu).values() if isinstance(v, numba.core.registry"
              ".CPUDispatcher)]; "
