@@ -62,7 +62,7 @@ def check_config(config: CompressionConfig, process_group, grad_scaler) -> None:
         raise ValueError(
             f"{where}: method {config.method!r} is not available under FSDP2; use one of "
             f"{SUPPORTED_METHODS} (or wrap the model in DistributedDataParallel)")
-    if config.momentum_correction:
+    if getattr(config, "momentum_correction", False):  # a CSC option only
         raise ValueError(
             f"{where}: momentum_correction=True is not available under FSDP2 (the optimizer "
             "steps the shards); use the default, error feedback beside the optimizer's own "

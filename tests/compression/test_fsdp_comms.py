@@ -37,8 +37,9 @@ def reduce_scatter_property(rank, world, n_examples):
         assert all(i == ids[0] for i in ids), f"ranks run different examples: {ids}"
         if method == "fp16" and wire == "fp32":
             wire = "fp16"
-        cfg = CompressionConfig(method=method, density=density, wire_dtype=wire, chunk_size=4,
-                                min_numel=0, warmup_densities=())
+        csc = (dict(density=density, chunk_size=4, min_numel=0, warmup_densities=())
+               if method == "csc" else {})  # the other methods have none of these options
+        cfg = CompressionConfig(method=method, wire_dtype=wire, **csc)
         # Each parameter's rows padded to a multiple of the world size, as FSDP pads them.
         pieces = [(f"p{i}", (-(-r // world), cols) if i % 2 == 0 else (-(-r // world) * cols,))
                   for i, r in enumerate(rows)]

@@ -63,6 +63,8 @@ def _config(**kw):
     from gradientflow.compression import CompressionConfig
 
     base = dict(chunk_size=16, min_numel=0, warmup_densities=())
+    if kw.get("method", "csc") != "csc":
+        base = {}  # CSC's options: the other methods have none of them
     base.update(kw)
     return CompressionConfig(**base)
 
