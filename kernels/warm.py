@@ -59,12 +59,15 @@ def _lock_path() -> str:
 
 
 def _dispatchers() -> list:
+    """Every numba CPU kernel: those of the modules kernels/cpu.py launches."""
     import numba
 
-    from . import cpu
+    from . import cpu, cpu_chunked, cpu_wire
 
-    return [v for v in vars(cpu).values() if isinstance(v, numba.core.registry.CPUDispatcher)
-            and v.py_func.__module__ == cpu.__name__]
+    del cpu  # imported first: it sets numba's thread layer before any kernel module loads
+    return [v for m in (cpu_chunked, cpu_wire) for v in vars(m).values()
+            if isinstance(v, numba.core.registry.CPUDispatcher)
+            and v.py_func.__module__ == m.__name__]
 
 
 def cache_dir() -> str:
@@ -79,7 +82,9 @@ def cached() -> bool:
         names = set(os.listdir(cache_dir()))
     except OSError:
         return False
-    return all(any(n.startswith(f"cpu.{d.__name__}-") and n.endswith(".nbi") for n in names)
+    # numba names a kernel's index "<source file's stem>.<kernel>-<line>.pyXY.nbi"
+    return all(any(n.startswith(f"{d.py_func.__module__.rpartition('.')[2]}.{d.__name__}-")
+                   and n.endswith(".nbi") for n in names)
                for d in _dispatchers())
 
 
