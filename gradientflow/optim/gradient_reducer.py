@@ -90,8 +90,9 @@ class GradientReducer:
                 self._parts_of[i].append(part.key)
         n = len(self.plan)
         # TicTac: partition k holds the k-th parameters in forward order, so its priority is k
-        # (lower leaves first). FIFO: backward's order, the order they are issued in.
-        self.priority = list(range(n)) if options.priority else [n - 1 - k for k in range(n)]
+        # (lower leaves first). FIFO carries none: the order they are issued in (backward's),
+        # routed as any async allreduce is.
+        self.priority: list[int | None] = list(range(n)) if options.priority else [None] * n
         if initialized and self.world_size > 1:
             check_same_everywhere(specs, options, process_group, self.rank, self.world_size)
         # Partitions are issued during backward wherever torch.distributed runs; without it

@@ -28,8 +28,10 @@ class ReducerOptions:
     backward_passes_per_step: int = 1
     op: ReduceOp = ReduceOp.Average
     gradient_predivide_factor: float = 1.0
-    # TicTac order among the partitions one round agrees; False: FIFO (backward's order)
-    priority: bool = True
+    # True: TicTac's order among the partitions one round agrees (each is then agreed in rounds
+    # whatever its size). False, the default: FIFO, each partition a plain async allreduce routed
+    # as any other; no benchmark has shown priority to pay (docs/DECISIONS.md, "priority").
+    priority: bool = False
     # 25 MiB, DDP's bucket size. Each partition costs a message (small ones fuse into one per
     # round), so many small partitions cost more than ordering buys (docs/DECISIONS.md,
     # "partition size"). A model with few large layers wants smaller partitions for priority
