@@ -7,8 +7,8 @@ computation: both are printed) with:
 
 - no overlap: backward, then one allreduce of all gradients (flattened), then SGD;
 - DDP: torch DDP on the gradientflow group (its own buckets and hooks overlap with backward);
-- FIFO overlap: DistributedOptimizer(priority=False): partitions launched during backward in
-  the order backward makes them ready;
+- FIFO overlap: DistributedOptimizer(priority=False), the default: partitions launched during
+  backward in the order backward makes them ready, each routed as any async allreduce;
 - priority: DistributedOptimizer(priority=True): among the partitions one agreement round
   finds issued on every rank, the one the next forward needs first goes first (TicTac's TIC
   order);

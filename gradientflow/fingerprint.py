@@ -2,15 +2,15 @@
 
 Python's str hash is salted per process, so nothing here uses it: names and dtypes are
 CRC-32'd, and running fingerprints are folded with `mix`. The agreement round (engine), the
-check-ins (inspector) and the optimizer's plan check all hash through this module, so two
-ranks compare like with like.
+check-ins (inspector), the debug check and autotune's settings id all hash through this module,
+so two ranks compare like with like. A fingerprint here is always a CRC (or a fold of CRCs);
+checks that compare whole descriptions exchange a SHA-256 digest instead (cross_rank.py).
 """
 from __future__ import annotations
 
 import functools
-import hashlib
 import zlib
-from typing import Any, Iterable
+from typing import Any
 
 MASK = 2**61 - 1  # running fingerprints stay below 2**61 (they travel as int64)
 _IDS: dict = {}
@@ -49,15 +49,6 @@ def redop_name(op: Any) -> str:
     if op is None:
         return ""
     return str(getattr(op, "op", op)).rsplit(".", 1)[-1]
-
-
-def digest(parts: Iterable[Any]) -> str:
-    """A strong digest (SHA-256, hex) of `parts`' strings, each closed by '|': for checks that
-    compare whole plans across ranks once, where a 32-bit fingerprint could collide."""
-    h = hashlib.sha256()
-    for part in parts:
-        h.update(f"{part}|".encode())
-    return h.hexdigest()
 
 
 DEFERRED = " (deferred)"  # the name suffix of an allreduce queued for fusion

@@ -2,9 +2,9 @@
 
 The fused message cut is a pure function of the agreed batch and of the thresholds, so two
 ranks with different thresholds cut different messages and pair wrong bytes; a debug check or
-an inspector on some ranks only waits for peers that never answer. Each rank publishes the
-settings below; rank 0 compares them and publishes one verdict that every rank raises, naming
-the setting, its values and the ranks that hold each.
+an inspector on some ranks only waits for peers that never answer. The ranks agree on the
+settings below through the store (cross_rank.agree, rank 0 gathering); on a mismatch every rank
+raises, naming the setting, its values and the ranks that hold each.
 
 The other settings are local and may differ (tests/conformance/test_agreement.py runs ranks
 with different values of each): cycle_time_ms and fusion_segments (when a round starts and
@@ -15,11 +15,11 @@ aborts) and timeline (what this rank records).
 """
 from __future__ import annotations
 
-import datetime
 import json
 from typing import Any
 
 from gradientflow.config import ENV_PREFIX, Config
+from gradientflow.cross_rank import StoreExchange, agree
 
 # Setting name -> how its value is read from a Config (what has to agree).
 AGREED = {
@@ -55,20 +55,20 @@ def spans_hosts(config: Config, size: int) -> bool:
     return bool(config.host) or 0 < config.local_world_size < size
 
 
-def fingerprint(config: Config, size: int = 0) -> dict[str, Any]:
+def agreed_settings(config: Config, size: int = 0) -> dict[str, Any]:
     """The settings of `config` that every rank of a group of `size` must share."""
     out = {name: read(config) for name, read in AGREED.items()}
     out[SPANS_HOSTS] = spans_hosts(config, size)
     return out
 
 
-def describe(fingerprints: list[dict[str, Any]]) -> str:
-    """'' if every rank's fingerprint agrees, else one sentence per differing setting."""
+def describe(settings: list[dict[str, Any]]) -> str:
+    """'' if every rank's agreed settings are the same, else one sentence per differing one."""
     parts = []
     for name in [*AGREED, SPANS_HOSTS]:
         holders: dict[str, list[int]] = {}
-        for rank, fp in enumerate(fingerprints):
-            holders.setdefault(json.dumps(fp.get(name)), []).append(rank)
+        for rank, held in enumerate(settings):
+            holders.setdefault(json.dumps(held.get(name)), []).append(rank)
         if len(holders) > 1:
             values = "; ".join(f"{v} on ranks {r}" for v, r in holders.items())
             says = (_SPANS_HOSTS_SAYS if name == SPANS_HOSTS
@@ -79,28 +79,12 @@ def describe(fingerprints: list[dict[str, Any]]) -> str:
 
 def check(store: Any, rank: int, size: int, config: Config, timeout_s: float) -> None:
     """Raise SettingsMismatch on every rank if the agreed settings differ across ranks."""
-    timeout = datetime.timedelta(seconds=timeout_s)
-    store.set(f"{_KEY}{rank}", json.dumps(fingerprint(config, size)))
-    if rank == 0:
-        keys = [f"{_KEY}{r}" for r in range(size)]
-        store.wait(keys, timeout)
-        verdict = describe([json.loads(store.get(k)) for k in keys])
-        store.set(f"{_KEY}verdict", verdict)
-        if verdict and size > 1:
-            # Rank 0 hosts the store under init_method tcp:// and env://: if it raised and
-            # exited first, the others would read "Connection reset" instead of the verdict.
-            try:
-                store.wait([f"{_KEY}read/{r}" for r in range(1, size)],
-                           datetime.timedelta(seconds=5))
-            except Exception:  # noqa: BLE001 - raise the verdict regardless
-                pass
-    else:
-        store.wait([f"{_KEY}verdict"], timeout)
-        verdict = store.get(f"{_KEY}verdict").decode()
-        if verdict:
-            store.set(f"{_KEY}read/{rank}", "1")
-    if verdict:
-        raise SettingsMismatch(
-            f"gradientflow: rank {rank}: settings differ across the {size} ranks of this "
-            f"group: {verdict}. Give every rank the same {ENV_PREFIX}* environment and "
-            "gradientflow.configure() options (or pg_options).")
+    mine = json.dumps(agreed_settings(config, size))
+    found = agree(mine, StoreExchange(store, _KEY, rank, size, timeout_s), rank)
+    if found is None:
+        return
+    verdict = describe([json.loads(d) for d in found.descriptions])
+    raise SettingsMismatch(
+        f"gradientflow: rank {rank}: settings differ across the {size} ranks of this "
+        f"group: {verdict}. Give every rank the same {ENV_PREFIX}* environment and "
+        "gradientflow.configure() options (or pg_options).")

@@ -8,7 +8,8 @@ This package is a LEAF: it imports nothing of gradientflow (it is installed as
 - ``validate`` (``checks.py``): the public signature and docstring, the argument checks;
 - ``reference`` (``reference.py``): pure torch, any device, the ground truth of the tests;
 - ``cpu`` (``cpu.py``): numba ``@njit(parallel=True, nogil=True, cache=True)`` kernels that
-  fuse the passes (every op has one);
+  fuse the passes (every op has one; the kernels themselves in ``cpu_chunked.py`` and
+  ``cpu_wire.py``);
 - ``cuda`` (``cuda.py``, imported lazily): numba CUDA kernels, zero-copy on torch CUDA tensors,
   launched on torch's current stream (five ops; the others run the reference on the GPU);
 - ``triton`` (``triton_kernels.py``, imported lazily): Triton kernels for CUDA tensors, one

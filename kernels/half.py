@@ -3,8 +3,9 @@
 numba's CPU target has no float16 type, so the kernels write the 16 bits of each wire value into
 a uint16 array that torch then views as ``torch.float16`` / ``torch.bfloat16``. The functions in
 this module work on the bit patterns held in int64 (so numba never unifies signed and unsigned
-integers into float64) and are written once, in plain Python: ``cpu.py`` compiles them with
-``njit``, ``cuda.py`` with ``cuda.jit(device=True)``, and the tests run them as Python.
+integers into float64) and are written once, in plain Python: the CPU kernels
+(``cpu_chunked.py``, ``cpu_wire.py``) compile them with ``njit``, ``cuda.py`` with
+``cuda.jit(device=True)``, and the tests run them as Python.
 
 Rounding is to nearest, ties to even, as torch's casts: overflow rounds to inf, values below
 half the smallest subnormal round to (signed) zero, NaN stays a quiet NaN with its sign.
@@ -17,8 +18,8 @@ hardware conversion instructions (another 2.5x on the fused FP16 pass, see the e
 file); the tests hold every variant to torch's casts.
 
 Caveat for editing: numba's on-disk cache keys a kernel on its own file only, so after changing
-this file delete ``kernels/__pycache__/*.nbi`` and ``*.nbc`` (or touch ``cpu.py``); an installed
-package is unaffected (its files change together on upgrade).
+this file delete ``kernels/__pycache__/*.nbi`` and ``*.nbc`` (or touch ``cpu_chunked.py`` and
+``cpu_wire.py``); an installed package is unaffected (its files change together on upgrade).
 """
 
 from __future__ import annotations

@@ -59,13 +59,16 @@ def _lock_path() -> str:
 
 
 def _dispatchers() -> list:
-    """The kernels of cpu.py that numba caches: inlined helpers have no entry of their own."""
+    """Every numba CPU kernel that numba caches, of the modules kernels/cpu.py launches
+    (inlined helpers have no cache entry of their own)."""
     import numba
 
-    from . import cpu
+    from . import cpu, cpu_chunked, cpu_wire
 
-    return [v for v in vars(cpu).values() if isinstance(v, numba.core.registry.CPUDispatcher)
-            and v.py_func.__module__ == cpu.__name__
+    del cpu  # imported first: it sets numba's thread layer before any kernel module loads
+    return [v for m in (cpu_chunked, cpu_wire) for v in vars(m).values()
+            if isinstance(v, numba.core.registry.CPUDispatcher)
+            and v.py_func.__module__ == m.__name__
             and v.targetoptions.get("inline") != "always"]
 
 
@@ -81,7 +84,9 @@ def cached() -> bool:
         names = set(os.listdir(cache_dir()))
     except OSError:
         return False
-    return all(any(n.startswith(f"cpu.{d.__name__}-") and n.endswith(".nbi") for n in names)
+    # numba names a kernel's index "<source file's stem>.<kernel>-<line>.pyXY.nbi"
+    return all(any(n.startswith(f"{d.py_func.__module__.rpartition('.')[2]}.{d.__name__}-")
+                   and n.endswith(".nbi") for n in names)
                for d in _dispatchers())
 
 

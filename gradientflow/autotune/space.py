@@ -12,10 +12,10 @@ to a DDP hook state's CompressionConfig, changed through the state's setter.
 from __future__ import annotations
 
 import dataclasses
-import zlib
 from typing import Any, Mapping, Sequence
 
 from gradientflow import algorithm_registry as registry
+from gradientflow.fingerprint import text_fingerprint
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,6 +104,7 @@ def decode(params: Sequence[Param], vector: Sequence[float]) -> dict[str, Any]:
     return {p.name: p.clip(v) for p, v in zip(params, vector)}
 
 
-def fingerprint(*parts: Any) -> int:
-    """A 32-bit hash of `parts` (their repr), exact in a float64: ranks compare theirs."""
-    return zlib.crc32(repr(parts).encode())
+def settings_id(*parts: Any) -> int:
+    """The CRC-32 of `parts` (their repr; exact in a float64 row): the tuner's settings, which
+    the ranks compare at every exchange."""
+    return int(text_fingerprint(repr(parts)), 16)

@@ -7,8 +7,9 @@ ranks exchange two rows by all_gather on the group itself:
 
 1. REPORT: each rank's score of the trial (block_score of its step times, warm-up steps
    discarded), with checks
-   (marker, phase, trial number, a fingerprint of the tuner's settings). A row that differs
-   raises AutotuneMismatch on every rank, naming the ranks, since every rank sees every row.
+   (marker, phase, trial number, the CRC of the tuner's settings). A row that differs raises
+   AutotuneMismatch on every rank, naming what each rank holds (cross_rank.disagreement),
+   since every rank sees every row.
 2. DECIDE: rank 0 scores the trial (the slowest rank's score), tells the study, and puts the
    next trial's settings in its row; every rank reads rank 0's row.
 
@@ -31,6 +32,7 @@ from torch._C._distributed_c10d import AllgatherOptions
 from gradientflow.autotune import space
 from gradientflow.autotune.search import Search
 from gradientflow.config import read_config_file, write_config_file
+from gradientflow.cross_rank import disagreement
 from gradientflow.errors import AutotuneMismatch
 
 log = logging.getLogger("gradientflow.autotune")
@@ -38,7 +40,7 @@ log = logging.getLogger("gradientflow.autotune")
 MAGIC = 271828.0  # first word of every row: a row from anything else is a mismatch
 REPORT, DECIDE = 1.0, 2.0
 FAILED = -1.0  # rank 0's done flag when its search raised
-_HEAD = 5  # MAGIC, phase, trial, fingerprint, value (a score, or rank 0's done flag)
+_HEAD = 5  # MAGIC, phase, trial, settings id, value (a score, or rank 0's done flag)
 
 
 class Tuner:
@@ -114,11 +116,11 @@ class Tuner:
                 log.info("autotune: using the settings tuned earlier in %s", cfg.config_file)
 
     def _fix_space(self) -> None:
-        """The defaults of the tuned settings and the fingerprint the ranks compare."""
+        """The defaults of the tuned settings and the settings id the ranks compare."""
         self.defaults = {p.name: getattr(self._holder(p), p.name) for p in self.params}
-        self._fp = float(space.fingerprint(self.params, self.trials,
-                                           self.steps, self.warmup, self.confirm,
-                                           self.finalists, self.world_size))
+        self._settings_id = float(space.settings_id(self.params, self.trials, self.steps,
+                                                    self.warmup, self.confirm, self.finalists,
+                                                    self.world_size))
 
     def tune_compression(self, state: Any) -> None:
         """Tune `state`'s CSC chunk size too (a DDP hook state, CSCState), from the first trial.
@@ -245,7 +247,8 @@ class Tuner:
         """All-gather this rank's row; check every rank is at the same point; all rows."""
         width = _HEAD + len(self.params)
         row = torch.zeros(width, dtype=torch.float64)
-        row[:_HEAD] = torch.tensor([MAGIC, phase, float(self.trial), self._fp, value],
+        row[:_HEAD] = torch.tensor([MAGIC, phase, float(self.trial), self._settings_id,
+                                    value],
                                    dtype=torch.float64)
         if values:
             row[_HEAD:] = torch.tensor(values, dtype=torch.float64)
@@ -258,20 +261,14 @@ class Tuner:
             self._backend.engine.check_usable("the autotune exchange")
             raise
         rows = torch.stack(out)
-        want = rows[self.rank, :4]
-        bad = [r for r in range(self.world_size) if not torch.equal(rows[r, :4], want)]
-        if bad or rows[self.rank, 0] != MAGIC:
-            def where(r: int) -> str:
-                m, ph, tr, fp = rows[r, :4].tolist()
-                if m != MAGIC:
-                    return f"rank {r}: not in an autotune exchange (another collective)"
-                return (f"rank {r}: trial {int(tr)}, "
-                        f"{'report' if ph == REPORT else 'decide'}, settings {int(fp):08x}")
+        # The row is the exchange (one ordered collective carries the check and the data):
+        # every rank's point of tuning is read from it, not gathered again.
+        found = disagreement([_point(row) for row in rows[:, :4].tolist()], self.rank)
+        if found is not None:
             raise AutotuneMismatch(
                 f"gradientflow autotune: rank {self.rank}: the ranks are not at the same "
-                f"point of tuning ({'; '.join(where(r) for r in range(self.world_size))}). "
-                "Call Tuner.step() once per training step on every rank, with the same "
-                "tuner arguments on every rank.")
+                f"point of tuning ({found.sentence()}). Call Tuner.step() once per training "
+                "step on every rank, with the same tuner arguments on every rank.")
         return rows
 
     def _apply(self, settings: dict) -> None:
@@ -331,6 +328,15 @@ class Tuner:
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
+
+
+def _point(head: list[float]) -> str:
+    """A rank's point of tuning, from the head of its row: what every rank must share."""
+    marker, phase, trial, settings = head
+    if marker != MAGIC:
+        return "not in an autotune exchange (another collective)"
+    return (f"trial {int(trial)}, {'report' if phase == REPORT else 'decide'}, "
+            f"settings {int(settings):08x}")
 
 
 def block_score(samples: Sequence[float]) -> float:

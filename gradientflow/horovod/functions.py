@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from gradientflow.horovod import basics
 from gradientflow.horovod.basics import global_process_set
-from gradientflow.horovod.mpi_ops import _group
+from gradientflow.horovod.ops.handles import _group
 
 __all__ = ["broadcast_parameters", "broadcast_optimizer_state", "broadcast_object",
            "allgather_object"]

@@ -13,7 +13,7 @@ import torch
 
 from gradientflow.horovod.basics import ProcessSet, global_process_set
 from gradientflow.horovod.compression import Compression
-from gradientflow.horovod.mpi_ops import _ADASUM, Adasum, Average, ReduceOp, Sum
+from gradientflow.horovod.ops.reduce_op import _ADASUM, Adasum, Average, ReduceOp, Sum
 
 __all__ = ["DistributedOptimizer"]
 

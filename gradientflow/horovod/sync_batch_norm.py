@@ -7,7 +7,8 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from gradientflow.horovod import basics
 from gradientflow.horovod.basics import global_process_set
-from gradientflow.horovod.mpi_ops import Sum, _Allreduce
+from gradientflow.horovod.ops.allreduce import _Allreduce
+from gradientflow.horovod.ops.reduce_op import Sum
 
 __all__ = ["SyncBatchNorm"]
 

@@ -1,6 +1,7 @@
 """Record a Chrome-trace (Trace Event Format) timeline of the engine's phases, per rank.
 
-Leaf module: imports nothing of gradientflow (stdlib only).
+Leaf module: imports nothing of gradientflow outside observability (stdlib only). The file
+writer is trace_writer.py; reading and merging traces, trace_merge.py.
 
 The recorder is one module-level object, `TIMELINE`. Its `enabled` attribute is a plain bool
 that every recording call checks first, so a disabled recorder costs one attribute read and a
@@ -35,14 +36,15 @@ Example::
 from __future__ import annotations
 
 import atexit
-import collections
-import json
-import math
 import os
-import socket
 import threading
 import time
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Mapping
+
+from gradientflow.observability.trace_merge import _main, load_trace, merge
+from gradientflow.observability.trace_writer import STEP_LANE as _STEP_LANE
+from gradientflow.observability.trace_writer import Session as _Session
+from gradientflow.observability.trace_writer import now_us
 
 __all__ = [
     "TIMELINE", "Timeline", "start_timeline", "stop_timeline", "merge", "load_trace", "now_us",
@@ -56,23 +58,9 @@ QUEUE, FUSE, COMPRESS, ALLREDUCE, DECOMPRESS, UNPACK, AGREE, STEP = (
     "queue", "fuse", "compress", "allreduce", "decompress", "unpack", "agree", "step")
 CAT_ENGINE, CAT_CODEC, CAT_COMM, CAT_AGREE, CAT_STEP = "engine", "codec", "comm", "agree", "step"
 COMM_CATEGORIES = frozenset({CAT_COMM, CAT_AGREE})
-
-_STEP_LANE = "steps"          # lane that carries one bar per recorded step
 # Events held in memory before new ones are dropped (~100-200 MB worst case).
 _DEFAULT_CAPACITY = 1 << 20
 _DEFAULT_FLUSH_S = 0.25       # the writer drains at least this often
-# Compact encoders for the writer; default=str keeps an odd arg value (a dtype, a device) legible.
-_ARGS_ENCODER = json.JSONEncoder(default=str, separators=(",", ":"), allow_nan=False)
-_STR_ENCODER = json.JSONEncoder()
-
-
-def now_us() -> float:
-    """Return the timeline clock in microseconds (use it for `complete` timestamps).
-
-    perf_counter is CLOCK_MONOTONIC on Linux: one origin for every process on a host, so the
-    ranks of one node line up in a merged trace without correction.
-    """
-    return time.perf_counter_ns() / 1000.0
 
 
 def trace_path_for_rank(path: str, rank: int) -> str:
@@ -359,150 +347,6 @@ class Timeline:
             s.wake.set()
 
 
-class _Session:
-    """One open trace file: its buffer, its writer thread, and the JSON it has written so far."""
-
-    def __init__(self, path: str, rank: int, capacity: int, flush_interval_s: float,
-                 thread_lanes: dict[int, str]):
-        self.path = path
-        self.rank = rank
-        self.capacity = capacity
-        self.high_water = max(1, capacity // 2)
-        self.flush_interval_s = flush_interval_s
-        self.buffer: collections.deque = collections.deque()
-        self.dropped = 0
-        self.events_written = 0
-        self.wake = threading.Event()
-        self._closing = False
-        self._closed = False
-        self.detached = False   # set in a forked child: the file belongs to the parent
-        self._io_lock = threading.Lock()
-        self._thread_lanes = thread_lanes
-        self._lanes: dict[Any, int] = {}      # lane key -> small integer tid in the file
-        self._strings: dict[str, str] = {}    # name/category -> its JSON encoding
-        self._wall_minus_mono_us = time.time_ns() / 1000.0 - now_us()
-        try:
-            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-            self._fh = open(path, "w", encoding="utf-8")
-        except OSError as exc:
-            raise OSError(f"timeline.start on rank {rank}: cannot write the trace {path!r} "
-                          f"({exc.strerror or exc}); pass a writable file or directory "
-                          "(start_timeline(path) or GRADIENTFLOW_TIMELINE)") from exc
-        self._fh.write('{"traceEvents":[\n')
-        self._first = True
-        self._write_raw({"ph": "M", "name": "process_name", "pid": rank, "tid": 0,
-                         "args": {"name": f"rank {rank}"}})
-        self._write_raw({"ph": "M", "name": "process_sort_index", "pid": rank, "tid": 0,
-                         "args": {"sort_index": rank}})
-        self._writer = threading.Thread(target=self._run, name=f"gradientflow-timeline-{rank}",
-                                        daemon=True)
-        self._writer.start()
-
-    # writer thread
-    def _run(self) -> None:
-        while True:
-            self.wake.wait(self.flush_interval_s)
-            self.wake.clear()
-            closing = self._closing
-            self._drain()
-            if closing:
-                return
-
-    def _lane(self, key) -> int:
-        tid = self._lanes.get(key)
-        if tid is None:
-            tid = len(self._lanes) + 1
-            self._lanes[key] = tid
-            if key == _STEP_LANE:
-                name, sort = "steps", -1
-            elif isinstance(key, str):
-                name, sort = key, tid
-            elif key in self._thread_lanes:
-                name, sort = f"thread {self._thread_lanes[key]}", tid
-            else:
-                name, sort = f"lane {key}", tid
-            self._write_raw({"ph": "M", "name": "thread_name", "pid": self.rank, "tid": tid,
-                             "args": {"name": name}})
-            self._write_raw({"ph": "M", "name": "thread_sort_index", "pid": self.rank,
-                             "tid": tid, "args": {"sort_index": sort}})
-        return tid
-
-    def _drain(self) -> None:
-        # Hand-formatted JSON: json.dumps of a dict per event costs ~10 us here, this ~2 us.
-        # Names and categories repeat, so their JSON encodings are cached.
-        with self._io_lock:
-            if self._closed:
-                return
-            buf, pid, parts = self.buffer, self.rank, []
-            enc, strings, lane = _ARGS_ENCODER.encode, self._strings, self._lane
-            isfinite = math.isfinite
-            while True:
-                try:
-                    ph, name, cat, ts, dur, key, args = buf.popleft()
-                except IndexError:
-                    break
-                n = strings.get(name)
-                if n is None:
-                    n = strings[name] = _STR_ENCODER.encode(str(name))
-                c = strings.get(cat)
-                if c is None:
-                    c = strings[cat] = _STR_ENCODER.encode(str(cat))
-                if not isfinite(ts) or (dur is not None and not (isfinite(dur) and dur >= 0)):
-                    self.dropped += 1   # a caller's NaN/negative time would make invalid JSON
-                    continue
-                # Counters are per process (tid 0); %.3f keeps the clock's nanoseconds and no
-                # float noise.
-                tid = 0 if ph == "C" else lane(key)
-                line = '{"ph":"%s","name":%s,"cat":%s,"ts":%.3f,"pid":%d,"tid":%d' % (
-                    ph, n, c, ts, pid, tid)
-                if dur is not None:
-                    line += ',"dur":%.3f' % dur
-                if ph == "i":
-                    line += ',"s":"g"' if key == _STEP_LANE else ',"s":"t"'
-                if args:
-                    try:
-                        line += ',"args":' + enc(args)
-                    except (TypeError, ValueError):
-                        line += ',"args":' + enc({"repr": repr(args)})
-                parts.append(line + "}")
-            if parts:
-                self.events_written += len(parts)
-                self._write_lines(parts)
-            self._fh.flush()
-
-    def _write_raw(self, ev: dict) -> None:
-        self._write_lines([json.dumps(ev)])
-
-    def _write_lines(self, lines: Sequence[str]) -> None:
-        sep = ",\n"
-        text = sep.join(lines)
-        if not self._first:
-            text = sep + text
-        self._first = False
-        self._fh.write(text)
-
-    def close(self) -> None:
-        """Drain, write the closing bracket, close the file (idempotent, from any thread)."""
-        if self._closed or self.detached:
-            return
-        self._closing = True
-        self.wake.set()
-        if self._writer is not threading.current_thread():
-            self._writer.join(timeout=30.0)
-        self._drain()  # whatever arrived after the writer's last drain
-        with self._io_lock:
-            if self._closed:
-                return
-            other = {"rank": self.rank, "host": socket.gethostname(),
-                     "wall_minus_mono_us": self._wall_minus_mono_us,
-                     "dropped_events": self.dropped, "events": self.events_written,
-                     "clock": "perf_counter (CLOCK_MONOTONIC), microseconds"}
-            self._fh.write("\n],\n\"displayTimeUnit\":\"ms\",\n\"otherData\":"
-                           + json.dumps(other) + "}\n")
-            self._fh.close()
-            self._closed = True
-
-
 TIMELINE = Timeline()
 
 
@@ -532,86 +376,6 @@ def _default_rank() -> int:
             return dist.get_rank()
     except Exception:  # torch absent or half-initialised: a single process
         pass
-    return 0
-
-
-# ---- reading and merging -----------------------------------------------------------------
-def load_trace(path: str) -> dict:
-    """Load a trace file, repairing one cut short by a killed process (missing closing bracket)."""
-    with open(path, encoding="utf-8") as fh:
-        text = fh.read()
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError:
-        body = text.rstrip().rstrip(",")
-        # A kill can land mid-line: drop the partial last event.
-        for candidate in (body + "\n]}", body[: body.rfind("\n")].rstrip().rstrip(",") + "\n]}"):
-            try:
-                data = json.loads(candidate)
-                break
-            except json.JSONDecodeError:
-                continue
-        else:
-            raise ValueError(f"load_trace: {path} is not a Chrome trace (JSON) and could not be "
-                             "repaired; was it written by gradientflow's timeline?") from None
-    if isinstance(data, list):  # the JSON-array flavour of the format
-        data = {"traceEvents": data}
-    if "traceEvents" not in data:
-        raise ValueError(f"load_trace: {path} has no traceEvents list; not a Chrome trace")
-    return data
-
-
-def merge(paths: Iterable[str], out: str, align: str = "auto") -> str:
-    """Merge per-rank traces into one file, pid = rank; return `out`.
-
-    Args:
-        paths: the per-rank files.
-        out: the merged file.
-        align: "none" keeps timestamps (exact on one host: one monotonic clock), "wall" shifts
-            each rank by its wall-clock offset (for ranks on several hosts, as good as NTP),
-            "auto" picks "wall" only when the files come from more than one host.
-    """
-    if align not in ("auto", "none", "wall"):
-        raise ValueError(f"merge align={align!r}: choose 'auto', 'none' or 'wall'")
-    traces = [load_trace(p) for p in paths]
-    if not traces:
-        raise ValueError("merge: no trace files given")
-    hosts = {t.get("otherData", {}).get("host") for t in traces}
-    if align == "auto":
-        align = "wall" if len(hosts) > 1 else "none"
-    ref = traces[0].get("otherData", {}).get("wall_minus_mono_us", 0.0)
-    events, ranks = [], []
-    for index, t in enumerate(traces):
-        other = t.get("otherData", {})
-        rank = other.get("rank", index)
-        ranks.append(other)
-        shift = other.get("wall_minus_mono_us", ref) - ref if align == "wall" else 0.0
-        for ev in t["traceEvents"]:
-            ev = dict(ev)
-            ev["pid"] = rank
-            if shift and "ts" in ev and ev.get("ph") != "M":
-                ev["ts"] = ev["ts"] + shift
-            events.append(ev)
-    merged = {"traceEvents": events, "displayTimeUnit": "ms",
-              "otherData": {"merged_from": [os.fspath(p) for p in paths], "align": align,
-                            "ranks": ranks}}
-    tmp = f"{out}.tmp{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as fh:
-        json.dump(merged, fh)
-    os.replace(tmp, out)
-    return out
-
-
-def _main(argv=None) -> int:
-    import argparse
-    p = argparse.ArgumentParser(prog="python -m gradientflow.observability.timeline",
-                                description="Merge per-rank GradientFlow traces into one "
-                                "(pid = rank).")
-    p.add_argument("out", help="merged trace to write")
-    p.add_argument("inputs", nargs="+", help="per-rank trace files")
-    p.add_argument("--align", default="auto", choices=("auto", "none", "wall"))
-    a = p.parse_args(argv)
-    print(merge(a.inputs, a.out, align=a.align))
     return 0
 
 

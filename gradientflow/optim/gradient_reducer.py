@@ -29,119 +29,24 @@ How a step flows:
 """
 from __future__ import annotations
 
-import enum
 import functools
 import threading
 import weakref
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
-from gradientflow.compression import (CompressionConfig, QueuedBuffer, make_compressor,
-                                      queue_name, reduce_queued)
+from gradientflow.compression import QueuedBuffer, make_compressor, queue_name, reduce_queued
 from gradientflow.backend.api import allreduce_async, submit_part, submit_stages
-from gradientflow.optim.plan import ParamSpec, Partition, build_plan, plan_fingerprint
+from gradientflow.optim.grad_target import GradTarget
+from gradientflow.optim.plan import ParamSpec, Partition, build_plan
+from gradientflow.optim.plan_check import check_same_everywhere
+from gradientflow.optim.reducer_options import PREFIX as _PREFIX
+from gradientflow.optim.reducer_options import ReduceOp, ReducerOptions
 from gradientflow.optim.stages import dense_average, fill_flat, sparse_allgather
 
 __all__ = ["ReduceOp", "ReducerOptions", "GradTarget", "GradientReducer"]
-
-_PREFIX = "gradientflow.DistributedOptimizer"
-
-
-class ReduceOp(enum.Enum):
-    """How gradients are combined across ranks (Horovod's hvd.Average / hvd.Sum)."""
-
-    Average = "average"
-    Sum = "sum"
-
-
-@dataclass(frozen=True)
-class ReducerOptions:
-    """The validated options of one reducer (fixed for its lifetime)."""
-
-    # --- tuned by the user ---
-    compression: CompressionConfig | None  # None: the dense average in the gradients' dtype
-    backward_passes_per_step: int = 1
-    op: ReduceOp = ReduceOp.Average
-    gradient_predivide_factor: float = 1.0
-    # TicTac order among the partitions one round agrees; False: FIFO (backward's order)
-    priority: bool = True
-    # 25 MiB, DDP's bucket size. Each partition costs a message (small ones fuse into one per
-    # round), so many small partitions cost more than ordering buys (docs/DECISIONS.md,
-    # "partition size"). A model with few large layers wants smaller partitions for priority
-    # to reorder anything (the overlap benchmark uses one per layer).
-    partition_bytes: int = 25 << 20
-    sparse_as_dense: bool = False
-
-    def __post_init__(self) -> None:
-        b = self.backward_passes_per_step
-        if not isinstance(b, int) or isinstance(b, bool) or b < 1:
-            raise ValueError(f"{_PREFIX}: backward_passes_per_step={b!r} must be an integer >= 1")
-        if not isinstance(self.op, ReduceOp):
-            raise ValueError(f"{_PREFIX}: op={self.op!r} must be gradientflow.Average or "
-                             "gradientflow.Sum")
-        f = self.gradient_predivide_factor
-        if not isinstance(f, (int, float)) or not f > 0:
-            raise ValueError(f"{_PREFIX}: gradient_predivide_factor={f!r} must be a number > 0")
-        if f != 1.0 and self.op is not ReduceOp.Average:
-            raise ValueError(f"{_PREFIX}: gradient_predivide_factor={f} only applies to "
-                             "op=Average (as in Horovod); leave it at 1.0 with op=Sum")
-        p = self.partition_bytes
-        if not isinstance(p, int) or isinstance(p, bool) or p < 1:
-            raise ValueError(f"{_PREFIX}: partition_bytes={p!r} must be an integer >= 1 "
-                             "(bytes per partition, e.g. 1 << 20)")
-
-
-class GradTarget:
-    """Where averaged gradients go by default: into `p.grad` (None where no rank had one)."""
-
-    def __init__(self, params: list[torch.Tensor], bucket_view: bool) -> None:
-        self._params = params
-        # A result already sits in its partition's buffer: point the gradient at it.
-        self._bucket_view = bucket_view
-        # Parameter index -> its whole gradient in a buffer where its row blocks' results lie
-        # back to back (the fused path's): a row-split parameter points there too, once every
-        # block of it was delivered (blocks: how many; delivered: so far, modulo blocks).
-        self.homes: dict[int, torch.Tensor] = {}
-        self.blocks: dict[int, int] = {}
-        self._delivered: dict[int, int] = {}
-        self._lock = threading.Lock()  # held only inside write: it never calls out
-
-    def write(self, seg, value: torch.Tensor, used: bool) -> None:
-        """Deliver segment `seg` of parameter seg.index (its average `value`, or unused)."""
-        # Partitions complete on the transport's threads, two at a time: the row blocks of one
-        # parameter must not both find no buffer and each allocate one (a lost block).
-        with self._lock:
-            p = self._params[seg.index]
-            home = self.homes.get(seg.index) if self._bucket_view else None
-            if home is not None:
-                # This block's result is already in `home`. Point the gradient there only once
-                # every block was delivered: a block not issued yet still copies its gradient
-                # from p.grad, and must find the gradient there, not this buffer.
-                i = seg.index
-                done = self._delivered[i] = (self._delivered.get(i, 0) + 1) % self.blocks[i]
-                if done == 0:
-                    p.grad = home if used else None
-                return
-            if not used:
-                p.grad = None  # no rank had a gradient: leave it alone, as DDP does
-                return
-            if seg.whole and not value.is_sparse and self._bucket_view:
-                # The result already sits in this partition's buffer: point the gradient at it
-                # instead of copying it back (DDP's gradient_as_bucket_view). The buffer is
-                # reused next step, after zero_grad(); a zero_grad(set_to_none=False) zeroes it
-                # in place and backward accumulates into it, which the next fill then finds.
-                p.grad = value
-                return
-            if p.grad is None or p.grad.is_sparse:
-                p.grad = torch.zeros_like(p)
-            seg.view(p.grad).copy_(value)
-
-    def write_sparse(self, index: int, value: torch.Tensor | None) -> None:
-        """Deliver a sparse parameter's coalesced sum (None: no rank had a gradient)."""
-        self._params[index].grad = value
 
 
 class GradientReducer:
@@ -185,10 +90,11 @@ class GradientReducer:
                 self._parts_of[i].append(part.key)
         n = len(self.plan)
         # TicTac: partition k holds the k-th parameters in forward order, so its priority is k
-        # (lower leaves first). FIFO: backward's order, the order they are issued in.
-        self.priority = list(range(n)) if options.priority else [n - 1 - k for k in range(n)]
+        # (lower leaves first). FIFO carries none: the order they are issued in (backward's),
+        # routed as any async allreduce is.
+        self.priority: list[int | None] = list(range(n)) if options.priority else [None] * n
         if initialized and self.world_size > 1:
-            _check_same_everywhere(specs, options, process_group, self.rank, self.world_size)
+            check_same_everywhere(specs, options, process_group, self.rank, self.world_size)
         # Partitions are issued during backward wherever torch.distributed runs; without it
         # (one process) at step().
         self._live = initialized
@@ -535,42 +441,6 @@ class _PartitionOp(QueuedBuffer):
                  terms=None):
         super().__init__(compressor, flat, layout, terms=terms)
         self.segs, self.used = segs, used
-
-
-def _check_same_everywhere(specs, options: ReducerOptions, group, rank: int, world: int) -> None:
-    """Raise on every rank, naming the first difference, unless all ranks built the same plan.
-
-    One fixed-size allgather of a digest; the detailed (object) gather only on mismatch, which
-    every rank sees at once, so every rank takes the same path.
-    """
-    o = options
-    digest = plan_fingerprint(specs, f"{o.partition_bytes}|{o.compression}|"
-                                     f"{o.backward_passes_per_step}|{o.op}|{o.priority}")
-    mine = torch.tensor(list(digest[:16]), dtype=torch.int64)
-    out = [torch.zeros_like(mine) for _ in range(world)]
-    dist.all_gather(out, mine, group=group)
-    if all(torch.equal(x, out[0]) for x in out):
-        return
-    desc = [(s.name, s.shape, str(s.dtype)) for s in specs]
-    everyone: list[Any] = [None] * world
-    dist.all_gather_object(everyone, (desc, repr(options)), group=group)
-    detail = ""
-    for r, (d, opts) in enumerate(everyone):
-        if d != everyone[0][0]:
-            k = next((i for i, (a, b) in enumerate(zip(everyone[0][0], d)) if a != b),
-                     min(len(d), len(everyone[0][0])))
-            a = everyone[0][0][k] if k < len(everyone[0][0]) else "nothing"
-            b = d[k] if k < len(d) else "nothing"
-            detail = (f"rank 0 has {len(everyone[0][0])} trainable parameters, rank {r} has "
-                      f"{len(d)}; first difference at position {k}: rank 0 {a}, rank {r} {b}")
-            break
-        if opts != everyone[0][1]:
-            detail = f"options differ: rank 0 {everyone[0][1]}, rank {r} {opts}"
-            break
-    raise ValueError(f"{_PREFIX}: rank {rank}: the parameter list differs across "
-                     f"ranks ({detail}). Build the same model on every rank and pass the "
-                     "same named_parameters, in the same order, with the same options, to "
-                     "DistributedOptimizer on every rank.")
 
 
 def _on_grad_hook(ref, i: int, param: torch.Tensor) -> None:

@@ -355,7 +355,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                          named_parameters: Iterable[tuple[str, torch.nn.Parameter]] | None = None,
                          compression=None, backward_passes_per_step: int = 1,
                          op: ReduceOp = Average, gradient_predivide_factor: float = 1.0,
-                         process_group=None, priority: bool = True,
+                         process_group=None, priority: bool = False,
                          partition_bytes: int = 25 << 20, overlap_next_forward: bool = False,
                          sparse_as_dense: bool = False) -> torch.optim.Optimizer:
     """Wrap `optimizer` so that step() applies gradients averaged over every rank (Horovod's API).
@@ -374,8 +374,10 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
         op: gradientflow.Average (default) or gradientflow.Sum.
         gradient_predivide_factor: Average only: scale by 1/f before the sum and f/size after.
         process_group: the group to average over (default: the world group).
-        priority: True launches the partition the next forward needs first (TicTac); False
-            launches in backward order (FIFO). Both are the same order on every rank. With
+        priority: True launches, among the partitions one agreement round finds ready, the one
+            the next forward needs first (TicTac); False (the default: no benchmark has shown
+            it to pay, docs/DECISIONS.md) launches in backward order (FIFO), each partition an
+            async allreduce routed as any other. Both are the same order on every rank. With
             compression the partitions travel fused, in backward order, whatever it says.
         partition_bytes: bytes per partition; larger parameters are cut into row blocks.
         overlap_next_forward: step() returns at once; each module's parameters are updated

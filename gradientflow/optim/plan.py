@@ -1,8 +1,8 @@
 """The partition plan: which gradient elements travel together, fixed from the parameter order.
 
-Leaf module (imports nothing of gradientflow but the Layout and the fingerprint): a pure function
-of the parameters' names, shapes, dtypes and devices, so every rank that wraps the same model
-builds the same plan (the constructor checks that with one fingerprint allgather).
+Leaf module (imports nothing of gradientflow but the Layout): a pure function of the parameters'
+names, shapes, dtypes and devices, so every rank that wraps the same model builds the same plan
+(the constructor checks that: plan_check.py).
 
 Parameters are taken in registration order, which is the order a feed-forward model's next forward
 consumes them (TicTac's TIC priority for a chain): partition 0 holds the first layer. Consecutive
@@ -21,9 +21,8 @@ from typing import Sequence
 import torch
 
 from gradientflow.compression.layout import Layout
-from gradientflow.fingerprint import digest
 
-__all__ = ["ParamSpec", "Segment", "Partition", "build_plan", "plan_fingerprint"]
+__all__ = ["ParamSpec", "Segment", "Partition", "build_plan"]
 
 
 @dataclass(frozen=True)
@@ -142,12 +141,3 @@ def build_plan(specs: Sequence[ParamSpec], partition_bytes: int) -> list[Partiti
     close()
     return [Partition(k, tuple(segs), dt, dev) for k, (segs, (dt, dev)) in
             enumerate(zip(parts, meta))]
-
-
-def plan_fingerprint(specs: Sequence[ParamSpec], options: str) -> bytes:
-    """A SHA-256 digest of the parameters (names, shapes, dtypes) and the plan's options.
-
-    Ranks compare it to find out, with one fixed-size message, whether they build the same plan.
-    """
-    parts = [f"{s.name}|{s.shape}|{s.dtype}" for s in specs]
-    return bytes.fromhex(digest([*parts, options]))

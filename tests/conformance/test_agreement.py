@@ -104,12 +104,12 @@ def test_local_settings_may_differ(pools):
 
 
 def test_agreeing_settings_pass():
-    from gradientflow.settings_check import describe, fingerprint
+    from gradientflow.settings_check import agreed_settings, describe
     from gradientflow.config import Config
 
-    a = fingerprint(Config())
+    a = agreed_settings(Config())
     assert describe([a, dict(a), dict(a)]) == ""
-    b = fingerprint(Config(fusion_threshold=1, debug=True))
+    b = agreed_settings(Config(fusion_threshold=1, debug=True))
     text = describe([a, b, a])
     assert "fusion_threshold" in text and "debug" in text and "on ranks [0, 2]" in text
 

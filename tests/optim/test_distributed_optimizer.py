@@ -112,8 +112,8 @@ def vs_ddp(rank, world, configs, steps=4, widths=(12, 40, 40, 1)):
 
 
 CONFIGS = {
-    "priority": {},
-    "fifo": {"priority": False},
+    "priority": {"priority": True},
+    "fifo": {},
     "one_partition": {"partition_bytes": 1 << 30},
     "tiny_partitions": {"partition_bytes": 256},
     "accumulate2": {"backward_passes_per_step": 2, "partition_bytes": 2048},
@@ -650,3 +650,25 @@ def test_fp16_parameters_dense_average(pools):
     for worst, dtypes in pools(2).run(fp16_dense, timeout=60):
         assert dtypes == ["torch.float16"]
         assert worst <= 2e-3, worst
+
+
+def test_fifo_is_the_default_and_carries_no_priority():
+    """FIFO partitions carry no priority, so the engine routes them as any async allreduce;
+    only priority=True makes them priority-ordered ops agreed in rounds."""
+    import dataclasses
+
+    import torch
+
+    from gradientflow.optim import GradientReducer, ReducerOptions
+
+    model = _mlp(torch, (8, 16, 16, 1))
+    fifo = ReducerOptions(compression=None, partition_bytes=256)
+    assert fifo.priority is False
+    reducer = GradientReducer(list(model.named_parameters()), fifo)
+    n = len(reducer.plan)
+    assert n > 1 and reducer.priority == [None] * n
+    reducer.close()
+    tic = GradientReducer(list(model.named_parameters()),
+                          dataclasses.replace(fifo, priority=True))
+    assert tic.priority == list(range(n))
+    tic.close()
