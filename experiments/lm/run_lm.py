@@ -88,11 +88,13 @@ def done(out: Path, setting: str, seed: int, steps: int, extra: list) -> bool:
 
 
 def label(key: str, extra: list) -> str:
-    """A setting's name in the table, with the density --train-args gives CSC."""
-    if key == "csc" and "--density" in extra:
-        density = float(extra[extra.index("--density") + 1])
-        return f"GradientFlow CSC {100 * density:g}% (default recipe)"
-    return LABELS[key]
+    """A setting's name in the table, with the density and options --train-args give CSC."""
+    if key != "csc":
+        return LABELS[key]
+    density = float(extra[extra.index("--density") + 1]) if "--density" in extra else 0.01
+    options = [extra[i + 1] for i, a in enumerate(extra[:-1]) if a == "--csc-option"]
+    return (f"GradientFlow CSC {100 * density:g}% "
+            f"({', '.join(options) if options else 'default recipe'})")
 
 
 def summarise(out: Path, settings: list, seeds: list, extra: list = ()) -> dict:

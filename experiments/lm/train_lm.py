@@ -8,7 +8,8 @@ Settings (all on the gradientflow backend, DDP with gradient_as_bucket_view):
   ddp         DDP's own dense FP32 allreduce
   csc         GradientFlow's CSC at --density (gradientflow.hooks.register, the default recipe:
               the optimizer keeps its state; the residual is plain error feedback, as AdamW
-              does not step as SGD)
+              does not step as SGD; allow_adaptive_optimizer=True, since the library refuses
+              AdamW by default), with any --csc-option on top
   torch-fp16  torch's fp16_compress_hook
 
 The learning rate warms up linearly over --warmup-steps, then follows a cosine to
@@ -20,6 +21,7 @@ windows; the test split is read once, after the last step. One JSON line per eva
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import math
 import os
@@ -44,6 +46,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--setting", choices=SETTINGS, default="ddp")
     p.add_argument("--density", type=float, default=0.01, help="csc: fraction of chunks sent")
+    p.add_argument("--csc-option", action="append", default=[], metavar="NAME=VALUE",
+                   help="csc: one more CompressionConfig option (a Python literal), e.g. "
+                   "min_numel=65537 or warmup_period=20; repeatable")
     p.add_argument("--steps", type=int, default=2000)
     p.add_argument("--batch", type=int, default=32, help="global batch, sequences")
     p.add_argument("--context", type=int, default=128)
@@ -66,7 +71,22 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--steps, --batch and --eval-every must be >= 1, --warmup-steps >= 0")
     if not 0 < args.density <= 1:
         p.error(f"--density must lie in (0, 1], got {args.density}")
+    try:
+        args.csc_options = dict(_option(text) for text in args.csc_option)
+    except ValueError as exc:
+        p.error(str(exc))
     return args
+
+
+def _option(text: str) -> tuple:
+    """("name", value) of a NAME=VALUE --csc-option, the value read as a Python literal."""
+    name, sep, value = text.partition("=")
+    if not sep or not name.isidentifier():
+        raise ValueError(f"--csc-option {text!r}: expected NAME=VALUE")
+    try:
+        return name, ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+        raise ValueError(f"--csc-option {text!r}: {value!r} is not a Python literal") from None
 
 
 def learning_rate(args, step: int) -> float:
@@ -107,14 +127,18 @@ def score(model, data: torch.Tensor, context: int, rank: int, world: int, cap: i
     return (sums[0] / sums[1]).item()
 
 
-def communication(ddp, setting: str, density: float, optimizer):
-    """Register the setting's DDP communication hook; returns the hook's state or None."""
+def communication(ddp, setting: str, density: float, optimizer, options: dict | None = None):
+    """Register the setting's DDP communication hook (csc: with `options`, more
+    CompressionConfig options); returns the hook's state or None."""
     if setting == "csc":
         import gradientflow
         from gradientflow.compression import CompressionConfig
 
-        return gradientflow.hooks.register(ddp, CompressionConfig(method="csc", density=density),
-                                           optimizer=optimizer)
+        # The library refuses CSC beside AdamW unless told otherwise; this stage measures
+        # exactly that combination, so it opts in.
+        config = CompressionConfig(method="csc", density=density, allow_adaptive_optimizer=True,
+                                   **(options or {}))
+        return gradientflow.hooks.register(ddp, config, optimizer=optimizer)
     if setting == "torch-fp16":
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
@@ -165,7 +189,7 @@ def main(argv=None) -> int:
                                        {"params": other, "weight_decay": 0.0}],
                                       lr=args.lr, betas=(0.9, 0.95))
         ddp = torch.nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=True)
-        communication(ddp, args.setting, args.density, optimizer)
+        communication(ddp, args.setting, args.density, optimizer, args.csc_options)
         gen = torch.Generator().manual_seed(1000 * args.seed + rank)
         if rank == 0:
             params = sum(p.numel() for p in model.parameters())

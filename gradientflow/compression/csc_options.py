@@ -1,4 +1,5 @@
-"""CSC's options: which chunks are sent, the dense warm-up, momentum correction, what is dense.
+"""CSC's options: which chunks are sent, the dense warm-up, momentum correction, what is dense,
+whether an Adam-family optimizer is accepted.
 
 Registered with the method (csc.py); read as attributes of the CompressionConfig
 (`config.density`). Defaults are chosen for ResNet-50-sized models (25.6 M parameters, 161
@@ -105,6 +106,13 @@ class CSCOptions(Options):
     # (+4% bytes), AlexNet none.
     min_numel: int = 16384
 
+    # --- the optimizer ---------------------------------------------------------------------------
+    # False: an Adam-family optimizer bound at registration is refused (compression/adaptive.py
+    # says why and what works). Adam's per-coordinate normalisation turns a chunk's summed
+    # residual into about one step's movement; on the byte-level GPT with AdamW no CSC option
+    # tried at 1% came near dense (experiments/lm/README.md). True runs it anyway.
+    allow_adaptive_optimizer: bool = False
+
     def __post_init__(self) -> None:
         d = self.density
         if not isinstance(d, (int, float)) or math.isnan(d) or not 0.0 < float(d) <= 1.0:
@@ -141,6 +149,9 @@ class CSCOptions(Options):
         if c is not None and not (isinstance(c, (int, float)) and 0.0 < float(c) < math.inf):
             raise ValueError(f"CompressionConfig: clip_norm={c!r} must be a finite number > 0 "
                              "(or None: no local clipping)")
+        if not isinstance(self.allow_adaptive_optimizer, bool):
+            raise ValueError(f"CompressionConfig: allow_adaptive_optimizer="
+                             f"{self.allow_adaptive_optimizer!r} must be True or False")
         if not _is_int(self.min_numel) or self.min_numel < 0:
             raise ValueError(f"CompressionConfig: min_numel={self.min_numel!r} must be an "
                              "integer >= 0")

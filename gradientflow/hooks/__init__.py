@@ -50,8 +50,15 @@ def register(ddp_model, config: CompressionConfig | None = None, process_group=N
         optimizer: the torch.optim.SGD stepping the model: the residuals follow its learning
             rates. With momentum correction (an option) the compressor applies its momentum and
             weight decay, read from its groups at every step; pass it, or a step that would
-            apply either after the compressor raises.
+            apply either after the compressor raises. CSC refuses an Adam-family optimizer
+            (torch.optim.Adam, AdamW and their subclasses) with a ValueError naming what works,
+            unless the config has ``allow_adaptive_optimizer=True``: on a transformer with
+            AdamW, CSC at 1% ended far above dense (experiments/lm/README.md). With
+            ``optimizer=None`` nothing is known of the optimizer and nothing is refused.
         grad_scaler: the GradScaler producing the gradients, if any.
+
+    Raises:
+        ValueError: CSC with an Adam-family optimizer and no ``allow_adaptive_optimizer=True``.
 
     Example::
 

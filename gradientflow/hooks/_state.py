@@ -16,6 +16,7 @@ from ..compression import (CompressionConfig, Compressor, Layout, QueuedBuffer, 
                            queue_name, reduce_queued)
 from ..compression import checkpoint as _ckpt
 from ..backend.api import submit_part
+from ..compression.adaptive import check_adaptive
 from ..compression.momentum import follow_optimizer, guard_momentum
 from ..engine.stages import StageGen
 
@@ -119,6 +120,8 @@ class CompressionState:
             config, self._follower = follow_optimizer(
                 config, optimizer, f"{type(self).__name__} (rank {self.rank})",
                 self._take_velocity, follow_lr=self._follow_lr)
+            # After the momentum checks: their refusal names the more specific fix.
+            check_adaptive(config, optimizer, f"{type(self).__name__} (rank {self.rank})")
         # --- tuned by the user ---
         self.process_group = process_group
         self.config = config

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from ..compression import CompressionConfig
+from ..compression.adaptive import check_adaptive
 from ..compression.momentum import follow_optimizer
 from ._state import _share_cores
 from .fsdp_checks import check_config, find_groups, is_fsdp_model
@@ -69,6 +70,8 @@ class FSDPCompressionState:
             config, self._follower = follow_optimizer(
                 config, optimizer, f"FSDPCompressionState (rank {self.rank})",
                 self._no_velocity, follow_lr=self._follow_lr)
+            # After the momentum checks: their refusal names the more specific fix.
+            check_adaptive(config, optimizer, f"FSDPCompressionState (rank {self.rank})")
             # A step's reductions end before the optimizer steps: the next reduction opens a step.
             optimizer.register_step_post_hook(lambda *_: self._close_step())
         self.config = config

@@ -229,7 +229,8 @@ def test_what_the_compressor_cannot_follow_is_refused_naming_the_fix():
                  optimizer=torch.optim.SGD(params, lr=0.1, momentum=0.8))
     assert CSCState(None, optimizer=Renamed(params, lr=0.1, momentum=0.9),
                     momentum_correction=True).config.momentum == 0.9
-    adam = CSCState(None, CompressionConfig(momentum_correction=False),
+    adam = CSCState(None, CompressionConfig(momentum_correction=False,
+                                            allow_adaptive_optimizer=True),
                     optimizer=torch.optim.Adam(params))
     assert not adam.config.momentum_correction
     # Per-group momenta that a scheduler makes differ are refused at the step that sees them.
@@ -298,3 +299,51 @@ def test_unbound_momentum_optimizer_step_raises_saying_what_to_change():
     import gc
     gc.collect()  # the guard dies with its state
     _sgd_step(model, opt)
+
+
+def test_csc_refuses_adam_family_optimizers_naming_what_works_unless_allowed():
+    """CSC beside Adam/AdamW (and subclasses, and a ZeRO wrapping one) is refused at
+    registration with what works; allow_adaptive_optimizer=True, another method, SGD, or no
+    optimizer at all (nothing to decide) are accepted."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    class FakeDDP:
+        def __init__(self, module):
+            self.module, self.process_group, self.hooks = module, None, []
+
+        def register_comm_hook(self, state, hook):
+            self.hooks.append((state, hook))
+
+    model = _model()
+    params = list(model.parameters())
+
+    class MyAdamW(torch.optim.AdamW):
+        pass
+
+    class FakeZero(ZeroRedundancyOptimizer):  # only what the check reads: the local optimizer
+        def __init__(self, optim):
+            self.optim = optim
+
+    works = r"method='fp16'.*density=1.0.*SGD with momentum.*allow_adaptive_optimizer=True"
+    for opt in (torch.optim.Adam(params), torch.optim.AdamW(params), MyAdamW(params),
+                FakeZero(torch.optim.AdamW(params))):
+        ddp = FakeDDP(_model())
+        with pytest.raises(ValueError, match=rf"rank 0.*'csc' at density 0.01 with "
+                                             rf"{type(opt).__name__}.*{works}"):
+            register(ddp, CompressionConfig(method="csc", density=0.01), optimizer=opt)
+        assert ddp.hooks == []  # nothing registered
+        with pytest.raises(ValueError, match=works):
+            CSCState(None, density=0.05, optimizer=opt)
+    adamw = torch.optim.AdamW(params)
+    ddp = FakeDDP(_model())
+    allowed = register(ddp, CompressionConfig(method="csc", allow_adaptive_optimizer=True),
+                       optimizer=adamw)
+    assert isinstance(allowed, CSCState) and ddp.hooks == [(allowed, csc_hook)]
+    assert allowed.config.allow_adaptive_optimizer
+    assert register(FakeDDP(_model()), CompressionConfig(method="fp16"),
+                    optimizer=adamw).config.method == "fp16"
+    assert register(FakeDDP(_model()), CompressionConfig(method="csc")).config.method == "csc"
+    sgd = torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    assert not register(FakeDDP(_model()), optimizer=sgd).config.allow_adaptive_optimizer
+    with pytest.raises(ValueError, match="allow_adaptive_optimizer=1 must be True or False"):
+        CompressionConfig(method="csc", allow_adaptive_optimizer=1)

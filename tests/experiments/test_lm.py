@@ -74,7 +74,7 @@ def test_a_tiny_csc_run_with_adamw_trains_and_reads_the_test_split_once(text_gz,
     cmd = [sys.executable, str(LM / "train_lm.py"), "--setting", "csc", "--steps", "6",
            "--eval-every", "3", "--layers", "1", "--width", "32", "--heads", "2",
            "--context", "16", "--batch", "4", "--warmup-steps", "2", "--corpus", str(text_gz),
-           "--json-log", str(log)]
+           "--csc-option", "min_numel=0", "--json-log", str(log)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     first, last = [json.loads(line) for line in log.read_text().splitlines()]
@@ -112,3 +112,15 @@ def test_the_table_names_the_density_the_runs_were_given():
     assert run_lm.label("csc", ["--density", "0.1"]) == "GradientFlow CSC 10% (default recipe)"
     assert run_lm.label("csc", []) == run_lm.LABELS["csc"]
     assert run_lm.label("ddp", ["--density", "0.1"]) == run_lm.LABELS["ddp"]
+    assert run_lm.label("csc", ["--density", "0.1", "--csc-option", "min_numel=65537"]) == (
+        "GradientFlow CSC 10% (min_numel=65537)")
+
+
+def test_csc_options_are_python_literals_and_bad_ones_are_refused(capsys):
+    args = train_lm.parse_args(["--csc-option", "min_numel=65537",
+                                "--csc-option", "warmup_densities=(1.0, 0.25)"])
+    assert args.csc_options == {"min_numel": 65537, "warmup_densities": (1.0, 0.25)}
+    for bad in ("min_numel", "min_numel=many", "=3"):
+        with pytest.raises(SystemExit):
+            train_lm.parse_args(["--csc-option", bad])
+        assert "--csc-option" in capsys.readouterr().err
