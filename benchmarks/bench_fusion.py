@@ -172,7 +172,7 @@ def worker(rank: int, world_size: int, models: list[str], thresholds: list[int],
             k = i % len(order)
             for name, fn in order[k:] + order[:k]:
                 eng = engines.get(name)
-                c0 = ((eng.counters.rounds, eng.counters.round_s, eng.counters.messages)
+                c0 = ((eng.stats.rounds, eng.stats.round_s, eng.stats.messages)
                       if eng else None)
                 dist.barrier(group=gloo)
                 t0 = time.perf_counter()
@@ -180,7 +180,7 @@ def worker(rank: int, world_size: int, models: list[str], thresholds: list[int],
                 if i:
                     times[name].append(time.perf_counter() - t0)
                     if eng is not None:
-                        c = eng.counters
+                        c = eng.stats
                         rounds[name].append((c.rounds - c0[0], (c.round_s - c0[1]) * 1e3,
                                              c.messages - c0[2]))
         out[model] = {"tensors": len(grads), "numel": numel,

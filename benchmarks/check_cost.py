@@ -1,15 +1,17 @@
-"""What checking every collective costs: this checkout against one before the check, side by side.
+"""What the always-on collective check costs: gradientflow against gloo in the same processes.
 
-Runs `bench_collectives.py` (small synchronous collectives, gradientflow against plain gloo
-in the same launch) and `bench_fusion.py` (a ResNet-50 gradient list, fused) alternately in
-the `--before` checkout and in this one, `--runs` times each, so both see the same machine
-load, and writes one table of the added cost per call.
+Three measurements, each over `--runs` launches of 2 ranks on loopback, interleaved:
 
-    python benchmarks/check_cost.py --before DIR [--runs 2] [--lock /work/timing.lock]
+- **calls**: synchronous `all_reduce` of 4 KB and 1 MB, each rep timed on a gradientflow group
+  and on a gloo group of the same processes, alternately (same machine load for both);
+- **beside**: a gloo group's 4 KB `all_reduce` in processes that hold no gradientflow group,
+  and in processes that hold one (idle), launches alternating A B A B;
+- **fused**: the ResNet-50 gradient list, 161 async allreduces per step, fused by default
+  against DDP-style 25 MB buckets (`bench_fusion.py`), `--fusion-runs` launches.
 
-DIR is a throwaway checkout of the commit before the per-call check (git worktree add DIR
-<commit>): this checkout's bench_collectives.py and bench_fusion.py are copied into it, so only
-the package differs. `--no-run` only writes the table from the run folders already there.
+    python benchmarks/check_cost.py [--runs 5] [--fusion-runs 3] [--lock /work/timing.lock]
+
+Each table gives the median over launches and the spread (min-max) of the per-launch ratios.
 """
 from __future__ import annotations
 
@@ -18,7 +20,6 @@ import contextlib
 import fcntl
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -28,11 +29,62 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.common import fmt, machine_line, markdown_table, results_dir, write_result
+from benchmarks.launch import launch
 
 HERE = Path(__file__).resolve().parent.parent
-COLL = ["--sizes", "4096,65536", "--reps", "60", "--worlds", "2,4"]
+SIZES = (4096, 1 << 20)
 FUSION = ["--models", "resnet50", "--worlds", "2", "--tiers", "none", "--thresholds", "128",
-          "--solos", "4", "--cycles", "3", "--reps", "11", "--launches", "2"]
+          "--solos", "4", "--cycles", "3", "--reps", "11", "--launches", "1"]
+
+
+def calls_worker(rank: int, world_size: int, reps: int, sizes: list) -> dict:
+    """Per size: every rep times one gloo call and one gradientflow call, alternately."""
+    import torch
+    import torch.distributed as dist
+
+    import gradientflow  # noqa: F401 - registers the backend before torch 2.14
+
+    torch.set_num_threads(1)
+    groups = {"gloo": dist.group.WORLD, "gradientflow": dist.new_group(backend="gradientflow")}
+    out = {}
+    for size in sizes:
+        x = torch.ones(size // 4)
+        times: dict = {k: [] for k in groups}
+        for g in groups.values():
+            for _ in range(20):
+                dist.all_reduce(x, group=g)
+        for i in range(reps):
+            order = list(groups.items()) if i % 2 == 0 else list(groups.items())[::-1]
+            for name, g in order:
+                dist.barrier()
+                t0 = time.perf_counter()
+                dist.all_reduce(x, group=g)
+                times[name].append(time.perf_counter() - t0)
+        out[str(size)] = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+    return out
+
+
+def beside_worker(rank: int, world_size: int, reps: int, with_gf: bool) -> dict:
+    """A gloo group's 4 KB all_reduce, with or without an (idle) gradientflow group beside it."""
+    import torch
+    import torch.distributed as dist
+
+    import gradientflow  # noqa: F401 - imported in both arms: only the group differs
+
+    torch.set_num_threads(1)
+    if with_gf:
+        g = dist.new_group(backend="gradientflow")
+        dist.all_reduce(torch.ones(1024), group=g)  # connected and used once
+    x = torch.ones(1024)
+    for _ in range(20):
+        dist.all_reduce(x)
+    times = []
+    for _ in range(reps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        dist.all_reduce(x)
+        times.append(time.perf_counter() - t0)
+    return {"gloo_ms": statistics.median(times) * 1e3}
 
 
 @contextlib.contextmanager
@@ -46,87 +98,90 @@ def locked(path: str | None):
         yield
 
 
-def run(tree: Path, script: str, args: list, out: Path) -> dict:
-    """Run benchmarks/<script> in `tree` with this checkout's copy of it; its JSON."""
-    log = out.with_suffix(".log")
-    cmd = [sys.executable, str(HERE / "benchmarks" / script), *args, "--out", str(out)]
-    if tree != HERE:  # the script from here, the package from `tree`
-        cmd[1] = str(tree / "benchmarks" / script)
-        shutil.copy(HERE / "benchmarks" / script, cmd[1])
-    with open(log, "w") as fh:
-        subprocess.run(cmd, cwd=tree, stdout=fh, stderr=subprocess.STDOUT, check=True,
+def _spread(values: list) -> str:
+    return f"{fmt(min(values))}-{fmt(max(values))}"
+
+
+def _run(target: str, **kwargs) -> list:
+    res = launch(f"benchmarks.check_cost:{target}", 2, kwargs=kwargs, timeout_s=600)
+    if not res.ok:
+        raise RuntimeError(f"{target}: {res.error}")
+    return res.results
+
+
+def fusion_run(out: Path) -> dict:
+    """One bench_fusion launch on loopback; its loopback row."""
+    cmd = [sys.executable, str(HERE / "benchmarks" / "bench_fusion.py"), *FUSION,
+           "--out", str(out)]
+    with open(out.with_suffix(".log"), "w") as fh:
+        subprocess.run(cmd, cwd=HERE, stdout=fh, stderr=subprocess.STDOUT, check=True,
                        timeout=1800)
-    return json.loads(next(out.glob("*.json")).read_text())
+    data = json.loads(next(out.glob("*.json")).read_text())
+    return next(r for r in data["rows"] if r.get("tier") == "loopback")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--before", type=Path, required=True, help="checkout before the check")
-    ap.add_argument("--runs", type=int, default=2)
+    ap.add_argument("--runs", type=int, default=5, help="launches per measurement")
+    ap.add_argument("--reps", type=int, default=300, help="timed calls per launch and size")
+    ap.add_argument("--fusion-runs", type=int, default=3)
     ap.add_argument("--lock", default=None, help="a lock file shared with other timing jobs")
     ap.add_argument("--out", type=Path, default=Path(results_dir("check_cost")))
-    ap.add_argument("--no-run", action="store_true",
-                    help="only write the table from the run folders already in --out")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    coll: dict = {"before": [], "after": []}
-    fusion: dict = {"before": [], "after": []}
-    loads: list = []
-    if args.no_run:
-        for side in coll:
-            for i in range(args.runs):
-                for name, into in (("collectives", coll), ("fusion", fusion)):
-                    folder = args.out / f"{name}_{side}_{i + 1}"
-                    into[side].append(json.loads(next(folder.glob("*.json")).read_text()))
-        loads = [m["machine"]["loadavg"][0] for side in ("before", "after")
-                 for m in coll[side]]
-    with locked(None if args.no_run else args.lock):
-        for i in range(0 if args.no_run else args.runs):
-            for side, tree in (("before", args.before.resolve()), ("after", HERE)):
-                loads.append(os.getloadavg()[0])
-                t0 = time.monotonic()
-                coll[side].append(run(tree, "bench_collectives.py", COLL,
-                                      args.out / f"collectives_{side}_{i + 1}"))
-                fusion[side].append(run(tree, "bench_fusion.py", FUSION,
-                                        args.out / f"fusion_{side}_{i + 1}"))
-                print(f"{side} {i + 1}: {time.monotonic() - t0:.0f} s", flush=True)
+    calls, beside, fused, loads = [], {True: [], False: []}, [], []
+    started = time.strftime("%Y-%m-%d %H:%M:%S")
+    with locked(args.lock):
+        for i in range(args.runs):
+            loads.append(os.getloadavg()[0])
+            calls.append(_run("calls_worker", reps=args.reps, sizes=list(SIZES))[0])
+            for with_gf in ((False, True) if i % 2 == 0 else (True, False)):
+                beside[with_gf].append(
+                    _run("beside_worker", reps=args.reps, with_gf=with_gf)[0]["gloo_ms"])
+            print(f"run {i + 1}/{args.runs} done (load {loads[-1]:.1f})", flush=True)
+        for i in range(args.fusion_runs):
+            loads.append(os.getloadavg()[0])
+            fused.append(fusion_run(args.out / f"fusion_{i + 1}"))
+    goals = {4096: 1.3, 1 << 20: 1.1}
     rows = []
-    for r0 in coll["after"][0]["rows"]:
-        key = (r0["ranks"], r0["op"], r0["size"])
-
-        def pick(side, col):
-            return [next(r[col] for r in run_["rows"]
-                         if (r["ranks"], r["op"], r["size"]) == key) for run_ in coll[side]]
-        over_b, over_a = pick("before", "overhead us"), pick("after", "overhead us")
-        rows.append({"ranks": key[0], "op": key[1], "size": key[2],
-                     "gloo ms": statistics.median(pick("after", "gloo ms")),
-                     "gf ms before": statistics.median(pick("before", "gf ms")),
-                     "gf ms after": statistics.median(pick("after", "gf ms")),
-                     "added us": statistics.median(over_a) - statistics.median(over_b),
-                     "gf/gloo before": statistics.median(pick("before", "gf/gloo busbw")),
-                     "gf/gloo after": statistics.median(pick("after", "gf/gloo busbw"))})
-
-    def fused(side, col):
-        return [next(r[col] for r in f["rows"] if r.get("tier") == "loopback")
-                for f in fusion[side]]
-    frows = [{"side": side, "default ms": statistics.median(fused(side, "default ms")),
-              "buckets / default": statistics.median(fused(side, "buckets / default")),
-              "runs": ", ".join(fmt(v) for v in fused(side, "buckets / default"))}
-             for side in ("before", "after")]
-    md = (f"## The per-call check's cost: before and after, side by side\n\n{machine_line()}\n"
-          f"1-minute load averages recorded by the runs: "
+    for size in SIZES:
+        ratios = [c[str(size)]["gradientflow"] / c[str(size)]["gloo"] for c in calls]
+        rows.append({"all_reduce": f"{size // 1024} KB" if size < 1 << 20 else "1 MB",
+                     "gloo ms": statistics.median(c[str(size)]["gloo"] for c in calls),
+                     "gradientflow ms": statistics.median(c[str(size)]["gradientflow"]
+                                                          for c in calls),
+                     "ratio (median)": statistics.median(ratios), "spread": _spread(ratios),
+                     "goal": f"<= {goals[size]}x",
+                     "verdict": "met" if statistics.median(ratios) <= goals[size] else "missed"})
+    side = [b / a for a, b in zip(beside[False], beside[True])]
+    brow = [{"gloo 4 KB ms, alone": statistics.median(beside[False]),
+             "beside a gradientflow group": statistics.median(beside[True]),
+             "ratio (median)": statistics.median(side), "spread": _spread(side)}]
+    frow = [{"default ms": statistics.median(f["default ms"] for f in fused),
+             "buckets ms": statistics.median(f["gloo 25MB buckets ms"] for f in fused),
+             "buckets / default (median)": statistics.median(f["buckets / default"]
+                                                            for f in fused),
+             "spread": _spread([f["buckets / default"] for f in fused]),
+             "goal": ">= 1.35"}] if fused else []
+    md = (f"## The always-on check's cost: gradientflow against gloo, side by side\n\n"
+          f"{machine_line()}\nStarted {started}; 1-minute load averages at each launch: "
           f"{', '.join(f'{x:.1f}' for x in loads)}.\n\n"
-          f"Small synchronous collectives (`bench_collectives.py {' '.join(COLL)}`), medians of "
-          f"{args.runs} runs per side, interleaved; 'added us' is the rise of gradientflow's "
-          "overhead over gloo (measured in the same launch) from before to after:\n\n"
+          f"Synchronous `all_reduce`, 2 ranks on loopback, a gloo group and a gradientflow "
+          f"group in the same processes, timed alternately ({args.reps} reps each, per-launch "
+          f"medians; median and spread over {args.runs} launches):\n\n"
           + markdown_table(list(rows[0]), rows) +
-          f"\n\nThe fused path, a ResNet-50 gradient list of 161 tensors on 2 ranks "
-          f"(`bench_fusion.py {' '.join(FUSION)}`); the check rides in the agreement round "
-          "the batch already pays, and solo allreduces are checked in batched rounds:\n\n"
-          + markdown_table(list(frows[0]), frows) +
-          f"\n\nCommand: `python benchmarks/check_cost.py --before DIR --runs {args.runs}`\n")
-    write_result(args.out, "check_cost", {"collectives": rows, "fusion": frows,
-                                          "loads": loads}, md)
+          "\n\nA gloo group's 4 KB `all_reduce` in processes without and with an idle "
+          f"gradientflow group (launches alternating, {args.runs} each):\n\n"
+          + markdown_table(list(brow[0]), brow)
+          + ("\n\nThe fused path: ResNet-50's 161 gradients as async allreduces, fused by "
+             f"default, against DDP-style 25 MB buckets (`bench_fusion.py {' '.join(FUSION)}`, "
+             f"{args.fusion_runs} launches):\n\n" + markdown_table(list(frow[0]), frow)
+             if frow else "")
+          + f"\n\nCommand: `python benchmarks/check_cost.py --runs {args.runs} --reps "
+          f"{args.reps} --fusion-runs {args.fusion_runs}`\n")
+    write_result(args.out, "check_cost", {"calls": calls, "beside": {
+        "alone": beside[False], "with_gf": beside[True]}, "fused": fused, "loads": loads,
+        "rows": rows, "started": started}, md)
     print(md)
 
 
