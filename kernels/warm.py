@@ -107,7 +107,8 @@ def _load() -> None:
 def _fill_in_child() -> None:
     """Fill the cache with `python -m gradientflow.kernels` in a child process."""
     proc = subprocess.run([sys.executable, "-m", "gradientflow.kernels"],
-                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                          timeout=1800)  # a stuck compiler leaves the reference serving
     if proc.returncode != 0:
         raise RuntimeError(f"python -m gradientflow.kernels failed: {proc.stderr[-2000:]}")
 
