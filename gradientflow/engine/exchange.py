@@ -30,8 +30,8 @@ class Exchange:
     """Rounds on one gloo group: `swap` sends this rank's frame to every rank and returns
     every rank's words and payload.
 
-    `payload_cap`: the largest payload any rank may send (the same on every rank). The
-    buffers are kept between rounds; `wait(work)` blocks on the all-to-all (rounds.py waits in
+    `payload_cap`: the largest payload any rank may send (the same on every rank);
+    `wait(work)` blocks on the all-to-all (rounds.py waits in
     slices, so that a fault found meanwhile ends it).
     """
 
@@ -43,9 +43,6 @@ class Exchange:
         self.payload_cap = payload_cap
         self._wait = wait
         self.frame = HEADER + payload_cap
-        self._send = torch.zeros(world_size * self.frame, dtype=torch.uint8)
-        self._recv = torch.zeros(world_size * self.frame, dtype=torch.uint8)
-        self._mine = self._send[:self.frame]
 
     def swap(self, words: list[int], payload: torch.Tensor | None = None
              ) -> tuple[list[list[int]], list[torch.Tensor | None]]:
@@ -58,19 +55,23 @@ class Exchange:
         if nbytes > self.payload_cap:
             raise ValueError(f"Exchange.swap: a payload of {nbytes} bytes exceeds the "
                              f"{self.payload_cap} every rank can receive")
-        mine = self._mine
+        # Buffers of this round's own: a round on the engine thread and one on a caller's
+        # never share them, whatever their order.
+        n, f = self.world_size, self.frame
+        send = torch.zeros(n * f, dtype=torch.uint8)
+        recv = torch.empty(n * f, dtype=torch.uint8)
+        mine = send[:f]
         head = mine[:HEADER].view(torch.int64)
         head[:2 + k] = torch.tensor([k, nbytes, *words], dtype=torch.int64)
         if nbytes > 0:
             mine[HEADER:HEADER + nbytes].copy_(payload.reshape(-1).view(torch.uint8))
-        n, f = self.world_size, self.frame
         for r in range(1, n):  # the same frame to every rank
-            self._send[r * f:(r + 1) * f].copy_(mine)
-        self._wait(self._group.alltoall_base(self._recv, self._send, [], []))
+            send[r * f:(r + 1) * f].copy_(mine)
+        self._wait(self._group.alltoall_base(recv, send, [], []))
         every_words: list[list[int]] = []
         every_payload: list[torch.Tensor | None] = []
         for r in range(n):
-            buf = self._recv[r * f:(r + 1) * f]
+            buf = recv[r * f:(r + 1) * f]
             their_k, their_n = buf[:16].view(torch.int64).tolist()
             if not 0 <= their_k <= MAX_WORDS or their_n > self.payload_cap:
                 raise FrameError(f"rank {r} sent a frame that is not an agreement round "

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import datetime
 import pickle
+import threading
 import time
 from typing import Any, Callable
 
@@ -48,7 +49,9 @@ class Rounds:
         # Whether a round can carry a call's tensor (checks.own_route): every frame of the
         # group is then that much larger; the solo channel's rounds carry none.
         self._payload_cap = inband_cap(world_size) if payloads else 0
-        self.payloads: list = []  # every rank's payload of the last round (exchange.py)
+        # Every rank's payload of this thread's last round (exchange.py), per thread: the
+        # engine thread and a caller's thread each read their own round's.
+        self._last = threading.local()
 
     def agree(self, candidates: list, waited: bool = False) -> int:
         """How many of `candidates` (this rank's leading run: deferred allreduces or stage ops,
@@ -112,7 +115,7 @@ class Rounds:
     def _add_payloads(self, tensor: torch.Tensor) -> None:
         """An in-band allreduce's result: the other ranks' tensors, from the round just agreed,
         added to this rank's (checks.own_route says when the order cannot matter)."""
-        for r, data in enumerate(self.payloads):
+        for r, data in enumerate(self._last.payloads):
             if r != self.rank and data is not None:
                 tensor.add_(data.view(tensor.dtype).view(tensor.shape))
 
@@ -132,7 +135,7 @@ class Rounds:
         another kind of round is read and named instead of aborting the transport.
         """
         try:
-            every, self.payloads = self._exchange().swap(words, payload)
+            every, self._last.payloads = self._exchange().swap(words, payload)
         except CollectiveMismatchError:
             raise
         except Exception as exc:
