@@ -91,7 +91,7 @@ converge: install
 		--data $(if $(filter digits,$(DATA)),digits,fashion-mnist)
 
 # A byte-level GPT with AdamW on the Jargon File (Debian's jargon-text, installed on first use
-# as root): DDP, CSC 1% and torch's FP16 hook, seeds 10-12 (experiments/lm/; resumes).
+# as root): DDP, CSC 1% and torch's FP16 hook, seeds 11-13 (experiments/lm/; resumes).
 lm: install
 	$(PY) experiments/lm/run_lm.py --jobs $(JOBS)
 

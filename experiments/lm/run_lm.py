@@ -2,7 +2,7 @@
 gradientflow backend over loopback; then results.md with the validation loss curves, the final
 validation and test loss and perplexity, and the paired difference to DDP.
 
-    python experiments/lm/run_lm.py                       # 3 settings x seeds 10-12, 2000 steps
+    python experiments/lm/run_lm.py                       # 3 settings x seeds 11-13, 2000 steps
     python experiments/lm/run_lm.py --jobs 2              # two runs at a time
     python experiments/lm/run_lm.py --no-run              # the report from the logs
     python experiments/lm/run_lm.py --smoke               # 300 steps, seed 10, DDP and CSC
@@ -198,7 +198,9 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--settings", nargs="+", choices=list(LABELS), default=list(LABELS))
-    p.add_argument("--seeds", nargs="+", type=int, default=list(protocol.REPORT_SEEDS[:3]))
+    # Seeds 11-13: the AdamW screen (README, "CSC with AdamW") ran on seed 10, so a report of
+    # that choice must not include it.
+    p.add_argument("--seeds", nargs="+", type=int, default=list(protocol.REPORT_SEEDS[1:4]))
     p.add_argument("--steps", type=int, default=2000)
     p.add_argument("--jobs", type=int, default=1)
     p.add_argument("--timeout", type=float, default=6 * 3600, help="seconds allowed per run")
