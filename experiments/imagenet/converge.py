@@ -70,7 +70,8 @@ def plan(models: list, settings: list, seeds: list) -> list:
 
 
 def run_stage(out: Path, data: str, models: list, settings: list, seeds: list, epochs: int,
-              jobs: int, timeout: float, extra: list, runner=rx.run_one) -> dict:
+              jobs: int, timeout: float, extra: list, runner=rx.run_one,
+              lock: Path | None = None) -> dict:
     """Run every unfinished (model, setting, seed); return {(model, key, seed): error}."""
     todo = []
     for model, key, seed in plan(models, settings, seeds):
@@ -84,7 +85,7 @@ def run_stage(out: Path, data: str, models: list, settings: list, seeds: list, e
     def one(job):
         model, key, seed, args = job
         try:
-            runner(key, seed, epochs, out / model, 2, "gradientflow", timeout, None, None, args)
+            runner(key, seed, epochs, out / model, 2, "gradientflow", timeout, None, lock, args)
         except RuntimeError as exc:
             failures[(model, key, seed)] = str(exc)
             print(f"  {model} {key} seed {seed}: {exc}", file=sys.stderr, flush=True)
@@ -105,6 +106,12 @@ def main(argv=None) -> int:
     p.add_argument("--jobs", type=int, default=1, help="runs at a time (they share the cores)")
     p.add_argument("--timeout", type=float, default=4 * 3600, help="seconds allowed per run")
     p.add_argument("--out", type=Path, default=None, help="default: results/<data>-converged")
+    p.add_argument("--baseline", default=converge_report.BASELINE, choices=list(rx.SETTINGS),
+                   help="the setting every other is paired with (default: DDP)")
+    p.add_argument("--title", default=None, help="the report's heading")
+    p.add_argument("--lock", type=Path, default=None,
+                   help="hold an exclusive flock on this file during each run (a stage whose "
+                   "ms/step is compared: other timing jobs wait between runs, not inside one)")
     p.add_argument("--train-args", default="", help="more train.py flags for every run")
     p.add_argument("--quick", action="store_true",
                    help="2 epochs of 4 steps, one seed: checks the machinery, not the result")
@@ -127,12 +134,12 @@ def main(argv=None) -> int:
     if not args.no_run:
         try:
             failures = run_stage(out, args.data, models, args.settings, args.seeds, args.epochs,
-                                 args.jobs, args.timeout, extra)
+                                 args.jobs, args.timeout, extra, lock=args.lock)
         except rx.DataUnavailable as exc:
             print(f"converge.py: error: {exc}", file=sys.stderr)
             return 2
     text = converge_report.write(out, args.data, models, args.settings, args.seeds, args.epochs,
-                                 command.strip())
+                                 command.strip(), args.baseline, args.title)
     print(text)
     print(f"{(time.perf_counter() - t0) / 60:.1f} min; {out / 'results.md'}")
     if failures:

@@ -1,5 +1,6 @@
 """The convergence stage's report: test top-1 per model and setting, the paired per-seed
-difference to DDP with its 95% Student t interval, and what each run cost.
+difference to the baseline (DDP unless a stage names another) with its 95% Student t interval,
+the time per training step, and what each run cost.
 
 A run's test top-1 is read with protocol.report_top1 (the one test evaluation after the last
 epoch); the validation top-1 of the last epoch is shown beside it. The difference to DDP is
@@ -56,9 +57,15 @@ def load(folder: Path, key: str, seeds: list, epochs: int) -> dict:
     return runs
 
 
-def summarise(out: Path, models: list, settings: list, seeds: list, epochs: int) -> dict:
+def step_ms(log: list) -> float:
+    """A run's training time per step in milliseconds (every epoch's steps, evaluation out)."""
+    return 1000 * sum(r["train_time_s"] for r in log) / sum(r["steps"] for r in log)
+
+
+def summarise(out: Path, models: list, settings: list, seeds: list, epochs: int,
+              baseline: str = BASELINE) -> dict:
     """{model: {setting: row}}: test and validation top-1 per seed, the paired difference to
-    BASELINE, each run's wall and CPU seconds."""
+    `baseline`, each run's time per step, wall and CPU seconds."""
     result = {}
     for model in models:
         rows = {}
@@ -72,6 +79,7 @@ def summarise(out: Path, models: list, settings: list, seeds: list, epochs: int)
                 "val_top1": {s: protocol.selection_top1(log[-1]) for s, (log, _) in runs.items()},
                 "val_curve": [statistics.mean(log[e]["val_top1"] for log, _ in runs.values())
                               for e in range(epochs)],
+                "step_ms": {s: step_ms(log) for s, (log, _) in runs.items()},
                 "wall_s": {s: m.get("wall_s") for s, (_, m) in runs.items()},
                 "cpu_s": {s: sum(log[-1].get("rank_cpu_s") or [0]) for s, (log, _) in
                           runs.items()},
@@ -79,10 +87,12 @@ def summarise(out: Path, models: list, settings: list, seeds: list, epochs: int)
                 "loadavg": {s: (m.get("loadavg_before") or [None])[0] for s, (_, m) in
                             runs.items()},
             }
-        base = rows.get(BASELINE)
+        base = rows.get(baseline)
         for key, row in rows.items():
             row["vs_ddp"] = (paired_interval(row["test_top1"], base["test_top1"])
-                             if base and key != BASELINE else None)
+                             if base and key != baseline else None)
+            row["step_vs_base"] = (paired_interval(row["step_ms"], base["step_ms"])
+                                   if base and key != baseline else None)
         result[model] = rows
     return result
 
@@ -113,22 +123,26 @@ def verdict(row: dict) -> str:
             + f" a loss of more than {GOAL_POINTS} points")
 
 
-def markdown(data: str, result: dict, seeds: list, epochs: int, command: str) -> str:
-    lines = [f"# {TITLES[data]}", "",
+def markdown(data: str, result: dict, seeds: list, epochs: int, command: str,
+             baseline: str = BASELINE, title: str | None = None) -> str:
+    base = "DDP" if baseline == BASELINE else rx.SETTINGS[baseline][0]
+    lines = [f"# {title or TITLES[data]}", "",
              f"2 CPU ranks on loopback, warm-up + cosine over {epochs} epochs, seeds "
              f"{', '.join(map(str, seeds))} (report seeds: no choice of recipe or default saw "
              f"them). Every epoch is scored on the validation split held out of the training "
              f"set ({protocol.VAL_SPLITS[data]:,} images); the test set is read once, after the "
              f"last epoch. Top-1: mean ± standard deviation over seeds. Paired difference: "
-             f"per seed, the setting's test top-1 minus DDP's, with its 95% Student t interval "
-             f"(n - 1 degrees of freedom). Cost: mean wall minutes and CPU minutes (both ranks) "
-             f"per run; runs may have shared the machine (--jobs), so wall time is not a speed.",
-             ""]
+             f"per seed, the setting's test top-1 minus {base}'s, with its 95% Student t "
+             f"interval (n - 1 degrees of freedom). ms/step: training time per step (evaluation "
+             f"out), mean over seeds, and the paired per-seed difference to {base}'s; a speed "
+             f"only where the runs went one at a time (--jobs 1). Cost: mean wall minutes and "
+             f"CPU minutes (both ranks) per run.", ""]
     for model, rows in result.items():
         lines += [f"## {LABELS.get(model, model)}", "",
-                  "| setting | test top-1 (%) | per seed | Δ vs DDP, paired (points) | 95% "
-                  "interval | final val top-1 (%) | wall min/run | CPU min/run | commits |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+                  f"| setting | test top-1 (%) | per seed | Δ vs {base}, paired (points) | 95% "
+                  "interval | final val top-1 (%) | ms/step | Δ ms/step, 95% interval | "
+                  "wall min/run | CPU min/run | commits |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
         for key, row in rows.items():
             iv = row["vs_ddp"]
             lines.append(
@@ -136,9 +150,13 @@ def markdown(data: str, result: dict, seeds: list, epochs: int, command: str) ->
                 + ", ".join(f"{v:.2f}" for _, v in sorted(row["test_top1"].items())) + " | "
                 + ("-" if iv is None else f"{iv['mean']:+.2f} (n={len(iv['diffs'])})") + " | "
                 + ("-" if iv is None else f"[{iv['low']:+.2f}, {iv['high']:+.2f}]") + " | "
-                + f"{_mean_sd(row['val_top1'].values())} | {_minutes(row['wall_s'].values())} | "
+                + f"{_mean_sd(row['val_top1'].values())} | "
+                + f"{statistics.mean(row['step_ms'].values()):.1f} | "
+                + ("-" if row["step_vs_base"] is None else
+                   "{mean:+.1f} [{low:+.1f}, {high:+.1f}]".format(**row["step_vs_base"])) + " | "
+                + f"{_minutes(row['wall_s'].values())} | "
                 + f"{_minutes(row['cpu_s'].values())} | {', '.join(row['commits'])} |")
-        if OURS in rows:
+        if OURS in rows and baseline == BASELINE:
             lines += ["", f"Goal, the CSC default within {GOAL_POINTS} points of DDP: "
                       + verdict(rows[OURS]) + "."]
         marks = sorted({0, epochs // 4, epochs // 2, 3 * epochs // 4, epochs - 1})
@@ -154,11 +172,11 @@ def markdown(data: str, result: dict, seeds: list, epochs: int, command: str) ->
 
 
 def write(out: Path, data: str, models: list, settings: list, seeds: list, epochs: int,
-          command: str) -> str:
+          command: str, baseline: str = BASELINE, title: str | None = None) -> str:
     """OUT/results.md and OUT/summary.json from the finished runs; returns the markdown."""
-    result = summarise(out, models, settings, seeds, epochs)
+    result = summarise(out, models, settings, seeds, epochs, baseline)
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
-    text = markdown(data, result, seeds, epochs, command)
+    text = markdown(data, result, seeds, epochs, command, baseline, title)
     (out / "results.md").write_text(text)
     return text

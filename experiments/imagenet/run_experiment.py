@@ -80,12 +80,21 @@ SETTINGS = {
     "torch-fp16": ("DDP + torch fp16_compress_hook", ["--compression", "torch-fp16"]),
     "powersgd-2": ("DDP + PowerSGD rank 2", ["--compression", "powersgd", "--powersgd-rank", "2"]),
     "powersgd-4": ("DDP + PowerSGD rank 4", ["--compression", "powersgd", "--powersgd-rank", "4"]),
+    # The same method on GradientFlow's engine (compression/powersgd.py): the same rank, start
+    # step and FP32 wire, its factors fused and agreed like every other batch.
+    "gf-powersgd-4": ("GradientFlow PowerSGD rank 4",
+                      ["--compression", "gf-powersgd", "--powersgd-rank", "4"]),
     # Horovod 0.28.1 (make horovod): its DistributedOptimizer, no DDP, Gloo between the ranks.
     "horovod": ("Horovod 0.28.1", ["--horovod", "--compression", "none"]),
     "horovod-fp16": ("Horovod 0.28.1 + Compression.fp16", ["--horovod", "--compression", "fp16"]),
     # The same with the chunks chosen over the pool of a fused batch, not a quota per bucket.
     "csc-pool": ("CSC 1% default, pool selection",
                  ["--compression", "csc", "--density", "0.01", "--selection", "pool"]),
+    # FSDP2 (fully_shard per top-level block, train.py --fsdp): its own reduce-scatter, and the
+    # same model registered with the CSC default (a CSC all-reduce of each group's gradient).
+    "fsdp-dense": ("FSDP2 dense", ["--fsdp", "--compression", "none"]),
+    "fsdp-csc": ("FSDP2 + GradientFlow CSC 1% default",
+                 ["--fsdp", "--compression", "csc", "--density", "0.01"]),
     # Plain DDP: dense FP32 over torch's own gloo process group, whatever --dist-backend says.
     "ddp-gloo": ("DDP gloo dense FP32", ["--compression", "none"]),
     # DDP with a hook that sends nothing: no setting can step faster. The ranks do not average,

@@ -145,9 +145,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dummy", action="store_true", help="use fake data to benchmark")
     # --- GradientFlow: compression and transport ---
     p.add_argument("--compression", default="none",
-                   choices=["none", "fp16", "csc", "noop", "torch-fp16", "powersgd"],
-                   help="gradient compression in the DDP comm hook: gradientflow's fp16 and csc; "
-                   "torch's own fp16_compress_hook (torch-fp16) and PowerSGD (powersgd); noop, "
+                   choices=["none", "fp16", "csc", "gf-powersgd", "noop", "torch-fp16",
+                            "powersgd"],
+                   help="gradient compression in the DDP comm hook: gradientflow's fp16, csc and "
+                   "PowerSGD (gf-powersgd, FP32 wire, --powersgd-rank and --powersgd-start-iter "
+                   "as torch's); torch's own fp16_compress_hook (torch-fp16) and PowerSGD "
+                   "(powersgd); noop, "
                    "a hook that sends nothing, each rank stepping on its own gradients: the "
                    "no-communication time bound, not a way to train. With --horovod: none or "
                    "fp16, Horovod's Compression.none or .fp16")
@@ -161,6 +164,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "Horovod's users do (horovod must be importable: make horovod builds it into "
                    ".venv-horovod; the ranks need Horovod's gloo environment, see "
                    "run_experiment.py)")
+    p.add_argument("--fsdp", action="store_true",
+                   help="shard the model with FSDP2's fully_shard (each top-level block, then the "
+                   "root) instead of DDP; --compression none, fp16 or csc (gradientflow.hooks."
+                   "register on the sharded model); needs --no-checkpoint")
     p.add_argument(
         "--density",
         default=0.01,
@@ -337,6 +344,7 @@ class Config:
     powersgd_rank: int
     powersgd_start_iter: int | None  # None: 10% of the run's steps (resolved once steps are known)
     horovod: bool
+    fsdp: bool
     backend_options: dict | None  # gradientflow options for init_process_group's pg_options
     bucket_cap_mb: float
     # output
@@ -387,6 +395,11 @@ def build_compression_config(args, warmup: tuple):
         )
     # Only what the user set is passed: the rest is the library's default recipe.
     kwargs = dict(method=args.compression, wire_dtype=args.wire_dtype or "fp16")
+    if args.compression == "gf-powersgd":
+        # torch's hook at the same rank is the peer: its FP32 wire, its start rule (the start
+        # step is set once the run's steps are known, build_ddp).
+        kwargs = dict(method="powersgd", wire_dtype=args.wire_dtype or "fp32",
+                      rank=args.powersgd_rank)
     if args.compression == "csc":
         # No momentum: under momentum correction the hook takes the optimizer's.
         given = dict(warmup_densities=warmup, warmup_unit=args.warmup_unit,
@@ -432,6 +445,11 @@ def resolve(args: argparse.Namespace, env=os.environ) -> Config:
     if dataset == "fashion-mnist" and not args.dummy and image_size != 28:
         raise ConfigError(f"Fashion-MNIST's images are 28x28: leave out --image-size or pass 28, "
                           f"got {image_size}")
+    if args.fsdp and (args.horovod or args.compression not in ("none", "fp16", "csc")
+                      or not args.no_checkpoint):
+        raise ConfigError(f"--fsdp runs with --compression none, fp16 or csc (not "
+                          f"{args.compression}{' and --horovod' if args.horovod else ''}) and "
+                          "--no-checkpoint (this script saves DDP checkpoints only)")
     if args.horovod and args.compression not in ("none", "fp16"):
         raise ConfigError(f"--horovod takes --compression none or fp16 (Horovod's own "
                           f"compressors), got {args.compression}")
@@ -546,6 +564,7 @@ def resolve(args: argparse.Namespace, env=os.environ) -> Config:
         powersgd_rank=args.powersgd_rank,
         powersgd_start_iter=args.powersgd_start_iter,
         horovod=args.horovod,
+        fsdp=args.fsdp,
         backend_options=backend_options,
         bucket_cap_mb=args.bucket_cap_mb,
         resume=resume,
@@ -938,6 +957,59 @@ class HorovodAverage:
         pass
 
 
+def shard_model(model: nn.Module) -> None:
+    """FSDP2 as its users apply it: each top-level block with parameters its own group, then
+    the root (the groups' gradients reduce-scatter as backward reaches them)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    device = next(model.parameters()).device.type
+    mesh = init_device_mesh(device, (dist.get_world_size(),))  # one mesh: compression needs it
+    for child in model.children():
+        if any(True for _ in child.parameters()):
+            fully_shard(child, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+
+class FSDPCompression:
+    """--fsdp: FSDP2's own reduce-scatter (--compression none) or gradientflow.hooks.register
+    on the sharded model, seen through the same calls as DenseAllreduce. Bytes are counted per
+    rank: a dense step sends the model's FP32 gradient into the reduce-scatter; comm_s is not
+    timed (FSDP's collectives run inside its own hooks)."""
+
+    def __init__(self, model: nn.Module, config, optimizer):
+        import gradientflow.hooks
+        from gradientflow.kernels import warm
+
+        self.steps, self.config = 0, config
+        self.dense_per_step = 4 * sum(p.numel() for p in model.parameters())  # DTensors: global
+        self.state = (None if config is None
+                      else gradientflow.hooks.register(model, config, optimizer=optimizer))
+        warm.wait()  # seed-for-seed runs use one kernel from the first step (GradientFlowHook)
+        optimizer.register_step_post_hook(lambda *_: self._count())
+
+    def _count(self) -> None:
+        self.steps += 1
+
+    def set_epoch(self, epoch: int) -> None:
+        if self.state is not None:
+            self.state.set_epoch(epoch)
+
+    def stats(self) -> dict:
+        dense = self.steps * self.dense_per_step
+        wire = (dense if self.state is None else
+                sum(v["wire_bytes"] for v in self.state.stats().values()))
+        return {"wire_bytes": wire, "dense_bytes": dense, "comm_s": 0.0,
+                "density": getattr(self.config, "density", 1.0)}
+
+    def state_dict(self) -> dict:
+        return {} if self.state is None else self.state.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.state is not None:
+            self.state.load_state_dict(state)
+
+
 def nic_tx_bytes() -> int | None:
     """Bytes this process's network namespace has sent on gloo's NIC (GLOO_SOCKET_IFNAME), from
     /proc/net/dev; None on loopback or without the variable. On an emulated switch each rank
@@ -1220,6 +1292,8 @@ def main(argv=None) -> int:
             torch.backends.cudnn.deterministic = True
         train_set, val_set, test_set = build_datasets(cfg)
         model = build_model(cfg).to(device)
+        if cfg.fsdp:  # before the optimizer: fully_shard replaces the parameters
+            shard_model(model)
         criterion = nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing).to(device)
         optimizer = build_optimizer(model, cfg)
         scaler = torch.amp.GradScaler(device.type, enabled=cfg.amp and device.type == "cuda")
@@ -1227,6 +1301,8 @@ def main(argv=None) -> int:
             comm = HorovodAverage(model, optimizer, fp16=cfg.compression == "fp16")
             ddp = Unwrapped(model)
             optimizer = comm.optimizer
+        elif cfg.fsdp:
+            ddp, comm = model, FSDPCompression(model, cfg.compression_config, optimizer)
         else:
             ddp, comm = build_ddp(cfg, model, device, optimizer, scaler, len(train_set))
         start_epoch, best_acc1 = cfg.start_epoch, 0.0
@@ -1315,14 +1391,17 @@ def build_ddp(cfg: Config, model: nn.Module, device, optimizer, scaler, n_train:
         # every setting alike (README.md: this matters most under compression).
         gradient_as_bucket_view=True,
     )
+    steps = (n_train // cfg.world_size) // cfg.per_rank_batch
+    steps = min(steps, cfg.steps_per_epoch) if cfg.steps_per_epoch else steps
+    start = cfg.powersgd_start_iter or max(2, round(0.1 * steps * cfg.epochs))
     if cfg.compression in ("torch-fp16", "powersgd"):
-        steps = (n_train // cfg.world_size) // cfg.per_rank_batch
-        steps = min(steps, cfg.steps_per_epoch) if cfg.steps_per_epoch else steps
-        start = cfg.powersgd_start_iter or max(2, round(0.1 * steps * cfg.epochs))
         return ddp, TorchHook(ddp, cfg.compression, cfg.powersgd_rank, start)
+    config = cfg.compression_config
+    if cfg.compression == "gf-powersgd":  # dense for the same first steps as torch's hook
+        config = dataclasses.replace(config, start_step=start)
     return ddp, (DenseAllreduce(ddp) if cfg.compression == "none"
                  else NoCommunication(ddp) if cfg.compression == "noop"
-                 else GradientFlowHook(ddp, cfg.compression_config, scaler, optimizer))
+                 else GradientFlowHook(ddp, config, scaler, optimizer))
 
 
 if __name__ == "__main__":

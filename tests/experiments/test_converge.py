@@ -34,10 +34,11 @@ def test_the_interval_is_students_t_on_the_paired_differences():
 
 
 def _write_run(folder: Path, key: str, seed: int, test: float, epochs: int = 2,
-               args: list | None = None) -> None:
+               args: list | None = None, step_s: float = 0.1) -> None:
     logs = folder / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    records = [{"epoch": e, "val_top1": 80.0 + e, "eval_set": "validation",
+    records = [{"epoch": e, "val_top1": 80.0 + e, "eval_set": "validation", "steps": 100,
+                "train_time_s": 100 * step_s,
                 "rank_cpu_s": [60.0 * (e + 1), 66.0 * (e + 1)]} for e in range(epochs)]
     records[-1].update(test_top1=test, test_top5=99.0, test_loss=0.3)
     (logs / f"{key}-seed{seed}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
@@ -59,6 +60,7 @@ def test_the_report_gives_means_paired_intervals_costs_and_the_goal(tmp_path):
     assert "| 90.34 ± 0.51 |" in row and "| +0.10 (n=5) | [-0.34, +0.54] |" in row
     assert "| 81.00 ± 0.00 |" in row  # the last epoch's validation top-1
     assert "| 2.0 | 4.2 |" in row  # 120 s of wall; 120 + 132 CPU seconds, both ranks
+    assert "| 100.0 | +0.0 [+0.0, +0.0] |" in row  # ms per step, and paired against DDP's
     assert "**met**" in text and "does not rule out a loss of more than 0.3" in text
     assert "DDP + PowerSGD rank 4" not in text  # a setting without runs has no row
     summary = json.loads((tmp_path / "summary.json").read_text())
@@ -103,3 +105,20 @@ def test_the_stage_refuses_screening_seeds(capsys):
     with pytest.raises(SystemExit) as exc:
         converge.main(["--seeds", "0", "1", "--timeout", "1"])
     assert exc.value.code == 2 and "seeds 0-9" in capsys.readouterr().err
+
+
+def test_a_stage_pairs_with_the_baseline_it_names_and_reports_its_step_time(tmp_path):
+    torch_ms, ours_ms = [130.0, 128.0, 131.0], [120.0, 119.0, 123.0]
+    for seed, t, o in zip((10, 11, 12), torch_ms, ours_ms):
+        _write_run(tmp_path / "m", "powersgd-4", seed, 90.0, step_s=t / 1000)
+        _write_run(tmp_path / "m", "gf-powersgd-4", seed, 90.5, step_s=o / 1000)
+        _write_run(tmp_path / "m", "ddp-gloo", seed, 95.0)
+    text = converge_report.write(tmp_path, "fashion-mnist", ["m"],
+                                 ["powersgd-4", "gf-powersgd-4", "ddp-gloo"], [10, 11, 12], 2,
+                                 "cmd", baseline="powersgd-4", title="PowerSGD")
+    assert text.startswith("# PowerSGD") and "Δ vs DDP + PowerSGD rank 4, paired" in text
+    row = next(line for line in text.splitlines() if line.startswith("| GradientFlow PowerSGD"))
+    assert "| +0.50 (n=3) |" in row and "| 120.7 | -9.0 [" in row
+    base = next(line for line in text.splitlines() if line.startswith("| DDP + PowerSGD"))
+    assert "| - | - |" in base  # the baseline is not paired with itself
+    assert "Goal, the CSC default" not in text

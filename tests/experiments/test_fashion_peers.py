@@ -82,6 +82,8 @@ def test_missing_fashion_files_say_what_to_do(tmp_path):
 @pytest.mark.parametrize("argv, words", [
     (["--dummy", "--horovod", "--compression", "csc"], "--horovod takes"),
     (["--dummy", "--compression", "powersgd", "--powersgd-start-iter", "1"], "--powersgd"),
+    (["--dummy", "--fsdp", "--compression", "powersgd", "--no-checkpoint"], "--fsdp runs with"),
+    (["--dummy", "--fsdp", "--compression", "csc"], "--no-checkpoint"),
 ])
 def test_peer_flags_are_checked_before_init(argv, words, capsys):
     assert train.main(argv) == 2 and words in capsys.readouterr().err
@@ -110,12 +112,15 @@ def test_the_two_shapes_keep_what_makes_alexnet_and_resnet_differ():
 
 
 @pytest.mark.parametrize("method, extra", [("torch-fp16", []),
-                                           ("powersgd", ["--powersgd-start-iter", "2"])])
+                                           ("powersgd", ["--powersgd-start-iter", "2"]),
+                                           ("gf-powersgd", ["--powersgd-start-iter", "2"])])
 def test_torch_hooks_train_and_count_their_bytes(method, extra, tmp_path):
+    """torch's hooks, and PowerSGD on GradientFlow's engine started as torch's is."""
     log = tmp_path / "log.jsonl"
+    backend = "gradientflow" if method.startswith("gf-") else "gloo"
     cmd = [sys.executable, str(SCRIPT), "--dummy", "--dataset", "fashion-mnist", "-a",
            "alexnet_shaped", "--num-classes", "10", "-b", "4", "--steps-per-epoch", "4",
-           "--epochs", "1", "-j", "0", "--dist-backend", "gloo", "--compression", method,
+           "--epochs", "1", "-j", "0", "--dist-backend", backend, "--compression", method,
            "--no-checkpoint", "--json-log", str(log), *extra]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT, env=_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -291,3 +296,20 @@ def test_compare_reports_on_report_seeds_and_the_test_set_read_once(capsys):
            {"val_top1": 85.0, "eval_set": "validation", "test_top1": 84.2}]
     assert compare.reported_top1(new) == 84.2  # never the validation score
     assert compare.reported_top1([{"val_top1": 85.1}]) == 85.1  # a run before the protocol
+
+
+@pytest.mark.parametrize("method", ["none", "csc"])
+def test_fsdp_shards_the_model_and_counts_its_bytes(method, tmp_path):
+    """--fsdp: fully_shard per block on one mesh, FSDP's own reduce-scatter or the model
+    registered with gradientflow.hooks.register; a dense step counts the FP32 gradient."""
+    log = tmp_path / "log.jsonl"
+    cmd = [sys.executable, str(SCRIPT), "--dummy", "--dataset", "fashion-mnist", "-a",
+           "resnet_shaped", "--num-classes", "10", "-b", "4", "--steps-per-epoch", "3",
+           "--epochs", "1", "-j", "0", "--fsdp", "--compression", method, "--no-checkpoint",
+           "--json-log", str(log)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT, env=_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (r,) = [json.loads(line) for line in log.read_text().splitlines()]
+    dense_step = 4 * sum(p.numel() for p in models.resnet_shaped().parameters())
+    assert r["dense_bytes"] == 3 * dense_step
+    assert r["wire_bytes"] == (r["dense_bytes"] if method == "none" else 0)  # one rank: no wire
