@@ -80,6 +80,8 @@ def summarise(out: Path, models: list, settings: list, seeds: list, epochs: int,
                 "val_curve": [statistics.mean(log[e]["val_top1"] for log, _ in runs.values())
                               for e in range(epochs)],
                 "step_ms": {s: step_ms(log) for s, (log, _) in runs.items()},
+                "wire_kb": {s: log[-1].get("wire_bytes_per_step", 0) / 1e3
+                            for s, (log, _) in runs.items()},
                 "wall_s": {s: m.get("wall_s") for s, (_, m) in runs.items()},
                 "cpu_s": {s: sum(log[-1].get("rank_cpu_s") or [0]) for s, (log, _) in
                           runs.items()},
@@ -135,14 +137,15 @@ def markdown(data: str, result: dict, seeds: list, epochs: int, command: str,
              f"per seed, the setting's test top-1 minus {base}'s, with its 95% Student t "
              f"interval (n - 1 degrees of freedom). ms/step: training time per step (evaluation "
              f"out), mean over seeds, and the paired per-seed difference to {base}'s; a speed "
-             f"only where the runs went one at a time (--jobs 1). Cost: mean wall minutes and "
-             f"CPU minutes (both ranks) per run.", ""]
+             f"only where the runs went one at a time (--jobs 1). kB/step sent: what one rank "
+             f"put on the wire per step in the last epoch. Cost: mean wall minutes and CPU "
+             f"minutes (both ranks) per run.", ""]
     for model, rows in result.items():
         lines += [f"## {LABELS.get(model, model)}", "",
                   f"| setting | test top-1 (%) | per seed | Δ vs {base}, paired (points) | 95% "
                   "interval | final val top-1 (%) | ms/step | Δ ms/step, 95% interval | "
-                  "wall min/run | CPU min/run | commits |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "kB/step sent | wall min/run | CPU min/run | commits |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for key, row in rows.items():
             iv = row["vs_ddp"]
             lines.append(
@@ -154,6 +157,7 @@ def markdown(data: str, result: dict, seeds: list, epochs: int, command: str,
                 + f"{statistics.mean(row['step_ms'].values()):.1f} | "
                 + ("-" if row["step_vs_base"] is None else
                    "{mean:+.1f} [{low:+.1f}, {high:+.1f}]".format(**row["step_vs_base"])) + " | "
+                + f"{statistics.mean(row['wire_kb'].values()):.1f} | "
                 + f"{_minutes(row['wall_s'].values())} | "
                 + f"{_minutes(row['cpu_s'].values())} | {', '.join(row['commits'])} |")
         if OURS in rows and baseline == BASELINE:

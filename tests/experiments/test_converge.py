@@ -60,7 +60,7 @@ def test_the_report_gives_means_paired_intervals_costs_and_the_goal(tmp_path):
     assert "| 90.34 ± 0.51 |" in row and "| +0.10 (n=5) | [-0.34, +0.54] |" in row
     assert "| 81.00 ± 0.00 |" in row  # the last epoch's validation top-1
     assert "| 2.0 | 4.2 |" in row  # 120 s of wall; 120 + 132 CPU seconds, both ranks
-    assert "| 100.0 | +0.0 [+0.0, +0.0] |" in row  # ms per step, and paired against DDP's
+    assert "| 100.0 | +0.0 [+0.0, +0.0] | 0.0 |" in row  # ms per step, paired; no bytes logged
     assert "**met**" in text and "does not rule out a loss of more than 0.3" in text
     assert "DDP + PowerSGD rank 4" not in text  # a setting without runs has no row
     summary = json.loads((tmp_path / "summary.json").read_text())
