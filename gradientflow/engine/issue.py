@@ -45,6 +45,7 @@ from gradientflow.engine.jobs import EagerOp
 from gradientflow.engine.rounds import Rounds
 from gradientflow.engine.solo import SoloChannel, SoloOp
 from gradientflow.engine.stages import Fuser, StagesOp, fuse
+from gradientflow.engine.sync_own import SyncOwn
 from gradientflow.engine.work import AllWork, FusedWork, FutureWork, WorkOwner
 from gradientflow.fingerprint import DEFERRED
 from gradientflow.observability.stats import GroupStats
@@ -123,6 +124,10 @@ class Issue:
         self.seq = 0  # the next sequence number
         if self._insp is not None:
             self._insp.frontier = self.frontier
+        self._sync_own = SyncOwn(parts, self._take, self.checking, self._refused,
+                                 lambda t: own_routes.swap_add(transport_for(t.device), t,
+                                                               parts.rank, parts.rounds.wait),
+                                 self._insp)
         self.configure(config)
 
     def configure(self, config: Any) -> None:
@@ -177,6 +182,10 @@ class Issue:
             return self._issue_solo(tensors, opts, tensor, reduce_op, tp)
         main = self._transport_for
         route = own_route(tensor, reduce_op, self._parts.world_size) if self._own_routes else 0
+        if route and not async_op and (self._insp is None or self._insp.debug is None):
+            work = self._sync_own.run(tensors, tensor, reduce_op, route)
+            if work is not None:  # None: the engine is not idle; queued below instead
+                return work
         stats = self._stats
 
         def launch(seq: int) -> Any:  # once the round agreed the call on every rank

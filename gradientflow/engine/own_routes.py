@@ -31,15 +31,13 @@ def exchange(transport: Any, tensor: torch.Tensor, rank: int, works: WorkOwner, 
     slices, ending on the group's fault) and the Work handed back is complete; a future
     chained to the transport's would cost a thread hand-off or two on the way back.
     """
+    if wait is not None:
+        swap_add(transport, tensor, rank, wait)
+        return done(works, seq, [tensor])
     flat = tensor.view(-1)
     theirs = torch.empty_like(flat)
-    n = flat.numel()
-    splits = [0, n] if rank == 0 else [n, 0]
+    splits = _splits(rank, flat.numel())
     work = transport.alltoall_base(theirs, flat, splits, splits)
-    if wait is not None:
-        wait(work)
-        flat.add_(theirs)
-        return done(works, seq, [tensor])
 
     def add(fut: torch.futures.Future) -> list:
         fut.value()  # re-raises the transport's error
@@ -47,3 +45,19 @@ def exchange(transport: Any, tensor: torch.Tensor, rank: int, works: WorkOwner, 
         return [tensor]
 
     return FutureWork(work.get_future().then(add), works, seq, "all_reduce")
+
+
+def swap_add(transport: Any, tensor: torch.Tensor, rank: int,
+             wait: Callable[[Any], None]) -> None:
+    """The EXCHANGE route of a synchronous call: the all-to-all, waited on with `wait`, and
+    the peer's tensor added to this rank's."""
+    flat = tensor.view(-1)
+    theirs = torch.empty_like(flat)
+    splits = _splits(rank, flat.numel())
+    wait(transport.alltoall_base(theirs, flat, splits, splits))
+    flat.add_(theirs)
+
+
+def _splits(rank: int, n: int) -> list[int]:
+    """What rank `rank` of two sends to (and takes from) each: all of it to the other."""
+    return [0, n] if rank == 0 else [n, 0]
