@@ -158,7 +158,8 @@ class Issue:
     # ------------------------------------------------------------------ entry points
     def allreduce(self, tensors: list, opts: Any, tensor: torch.Tensor, reduce_op: Any,
                   nbytes: int, async_op: bool, priority: int | None = None) -> Any:
-        """An allreduce of `tensor` (`tensors` == [tensor], validated), routed; its Work.
+        """An allreduce of `tensor` (`tensors` == [tensor], validated), routed; its Work, or
+        None for a synchronous call that completed on the caller's thread (sync_own.py).
 
         `priority` (the optimizer's partitions): its place among the ops agreed in the same
         round (fusion.plan_messages); such an allreduce is deferred whatever its size below
@@ -183,9 +184,8 @@ class Issue:
         main = self._transport_for
         route = own_route(tensor, reduce_op, self._parts.world_size) if self._own_routes else 0
         if route and not async_op and (self._insp is None or self._insp.debug is None):
-            work = self._sync_own.run(tensors, tensor, reduce_op, route)
-            if work is not None:  # None: the engine is not idle; queued below instead
-                return work
+            if self._sync_own.run(tensors, tensor, reduce_op, route):
+                return None  # complete: no Work (sync_own.py); else queued below
         stats = self._stats
 
         def launch(seq: int) -> Any:  # once the round agreed the call on every rank

@@ -7,6 +7,7 @@
 """
 from __future__ import annotations
 
+import threading
 from typing import Any, Callable
 
 import torch
@@ -47,14 +48,30 @@ def exchange(transport: Any, tensor: torch.Tensor, rank: int, works: WorkOwner, 
     return FutureWork(work.get_future().then(add), works, seq, "all_reduce")
 
 
+_LOCAL = threading.local()
+
+
 def swap_add(transport: Any, tensor: torch.Tensor, rank: int,
              wait: Callable[[Any], None]) -> None:
     """The EXCHANGE route of a synchronous call: the all-to-all, waited on with `wait`, and
-    the peer's tensor added to this rank's."""
+    the peer's tensor added to this rank's.
+
+    The peer's tensor lands in a buffer the calling thread keeps (at most EXCHANGE_BYTES):
+    memory fresh from the allocator on every call is paged in by the transport's thread as
+    it receives, which costs about as much as the add.
+    """
     flat = tensor.view(-1)
-    theirs = torch.empty_like(flat)
+    nbytes = flat.numel() * flat.element_size()
+    buf = getattr(_LOCAL, "buf", None)
+    if buf is None or buf.numel() < nbytes:
+        buf = _LOCAL.buf = torch.empty(max(nbytes, 2**16), dtype=torch.uint8)
+    theirs = buf[:nbytes].view(flat.dtype)
     splits = _splits(rank, flat.numel())
-    wait(transport.alltoall_base(theirs, flat, splits, splits))
+    try:
+        wait(transport.alltoall_base(theirs, flat, splits, splits))
+    except BaseException:
+        _LOCAL.buf = None  # the all-to-all may still be writing into it
+        raise
     flat.add_(theirs)
 
 

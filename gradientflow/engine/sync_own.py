@@ -6,16 +6,15 @@ round and launch on the caller's thread), taken only when the engine is idle, wi
 lock, order and rules: the call takes its sequence number and the floor under the engine's
 lock, so no other round or send overlaps it, and its round refuses a mismatch on every rank
 before anything is applied. What it saves is per-call Python: the signature's fingerprint is
-cached per (dtype, shape, route), and the Work handed back is a complete C++ Work, whose wait()
-never calls back into Python.
+cached per (dtype, shape, route), and no Work is made: the call returns complete, as torch
+takes of a synchronous call (NCCL's return no Work either, and torch.distributed's functions
+wait only on a Work they get).
 """
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
-from torch._C._distributed_c10d import _create_work_from_future
-
 from gradientflow.engine.checks import EXCHANGE, INBAND, Check, refuses_only_the_call, signature
 
 if TYPE_CHECKING:
@@ -25,22 +24,15 @@ _MAX_KEYS = 4096  # signatures cached; a program repeats a few
 
 
 class _Call:
-    """Stands in for the call's Work in the inspector's records until it is complete."""
+    """Stands in for the call's Work in the inspector's records (a stall shows on it)."""
 
-    __slots__ = ("work",)
+    __slots__ = ("done",)
 
     def __init__(self) -> None:
-        self.work: Any = None
+        self.done = False
 
     def is_completed(self) -> bool:
-        return self.work is not None
-
-
-def complete(tensors: list) -> Any:
-    """A c10d Work that is complete, its future's value `tensors`."""
-    fut: torch.futures.Future = torch.futures.Future()
-    fut.set_result(tensors)
-    return _create_work_from_future(fut)
+        return self.done
 
 
 class SyncOwn:
@@ -75,16 +67,16 @@ class SyncOwn:
             known = self._keys[ck] = (key, Check(0, key, route=route).fingerprint)
         return known
 
-    def run(self, tensors: list, tensor: torch.Tensor, reduce_op: Any, route: int) -> Any:
-        """The call's complete Work; None (nothing taken) when the engine is not idle, for
-        the general path to queue it behind what is there."""
+    def run(self, tensors: list, tensor: torch.Tensor, reduce_op: Any, route: int) -> bool:
+        """Run the call to its end: True; False (nothing taken) when the engine is not idle,
+        for the general path to queue it behind what is there."""
         key, fp = self._known(tensors, tensor, reduce_op, route)
         parts = self._parts
         queue = parts.queue
         call = _Call()
         with parts.lock:
             if queue.issued or queue.agreed or queue.busy or queue.floor:
-                return None
+                return False
             seq = self._take("all_reduce")
             queue.floor = True
             self._checking.add(seq)
@@ -111,5 +103,5 @@ class SyncOwn:
                 self._checking.discard(seq)
                 if queue.issued or queue.agreed:  # what queued behind it goes now
                     parts.cv.notify_all()
-        call.work = work = complete(tensors)
-        return work
+        call.done = True
+        return True
