@@ -73,7 +73,8 @@ class SyncOwn:
         key, fp = self._known(tensors, tensor, reduce_op, route)
         parts = self._parts
         queue = parts.queue
-        call = _Call()
+        insp = self._insp
+        call = _Call() if insp is not None else None
         with parts.lock:
             if queue.issued or queue.agreed or queue.busy or queue.floor:
                 return False
@@ -82,8 +83,8 @@ class SyncOwn:
             self._checking.add(seq)
             parts.stats.record_eager(True)
             chk = Check.known(seq, key, fp, True, tensor if route == INBAND else None, route)
-            if self._insp is not None:
-                self._insp.record(seq, "all_reduce", tensor, None, reduce_op, call)
+            if insp is not None:
+                insp.record(seq, "all_reduce", tensor, None, reduce_op, call)
         try:
             try:
                 parts.rounds.check(chk)
@@ -103,5 +104,6 @@ class SyncOwn:
                 self._checking.discard(seq)
                 if queue.issued or queue.agreed:  # what queued behind it goes now
                     parts.cv.notify_all()
-        call.done = True
+        if call is not None:
+            call.done = True
         return True
