@@ -56,9 +56,9 @@ def swap_add(transport: Any, tensor: torch.Tensor, rank: int,
     """The EXCHANGE route of a synchronous call: the all-to-all, waited on with `wait`, and
     the peer's tensor added to this rank's.
 
-    The peer's tensor lands in a buffer the calling thread keeps (at most EXCHANGE_BYTES):
-    memory fresh from the allocator on every call is paged in by the transport's thread as
-    it receives, which costs about as much as the add.
+    The peer's tensor lands in a buffer the calling thread keeps (at most EXCHANGE_BYTES,
+    the largest tensor this route takes): a block of this size fresh from the allocator may
+    be new pages, faulted in while the transport receives into them.
     """
     flat = tensor.view(-1)
     nbytes = flat.numel() * flat.element_size()
