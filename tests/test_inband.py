@@ -120,3 +120,36 @@ def refused_then_usable(rank, world, case):
 def test_inband_mismatch_refused_on_every_rank(pools, case):
     msgs = pools(2).run(refused_then_usable, case, timeout=90, pg_timeout_s=20)
     assert all("sequence number" in m for m in msgs), msgs
+
+
+def sync_calls_on_the_caller_thread(rank, world):
+    """Rank body: synchronous own-route calls run whole on the caller's thread (the engine
+    idle): no Work comes back, the result is gloo's, and a strided view gets its result."""
+    import torch
+    import torch.distributed as dist
+
+    from gradientflow.backend import backend_of
+
+    gloo = dist.new_group(backend="gloo")
+    pg = dist.distributed_c10d._get_default_group()
+    stats = backend_of().engine.stats
+    out = []
+    for n in (1024, 300_000):  # INBAND (4 KB), EXCHANGE (1.2 MB)
+        base = torch.arange(2 * n, dtype=torch.float32).mul_(rank + 1)
+        view, want = base[::2], base[::2].clone()
+        fast = stats.fast_path
+        opts = dist.AllreduceOptions()
+        opts.asyncOp = False
+        work = pg.allreduce([view], opts)  # a strided view: staged and written back
+        dist.all_reduce(want, group=gloo)
+        assert work is None, f"rank {rank}: a Work came back from a completed call: {work}"
+        assert stats.fast_path == fast + 1, f"rank {rank}: n={n} not on the caller's thread"
+        assert torch.equal(view, want), f"rank {rank}: n={n}: the view differs from gloo's"
+        assert torch.equal(base[1::2], torch.arange(1, 2 * n, 2, dtype=torch.float32)
+                           .mul_(rank + 1)), f"rank {rank}: n={n}: the gaps were written"
+        out.append(n)
+    return out
+
+
+def test_sync_own_route_completes_in_the_call(pools):
+    assert pools(2).run(sync_calls_on_the_caller_thread, timeout=90) == [[1024, 300_000]] * 2

@@ -201,7 +201,8 @@ class GradientFlowBackend(BACKEND_BASE):
 
     # ------------------------------------------------------------------ reductions
     def allreduce(self, tensors, opts=None, priority: int | None = None):
-        """torch's allreduce; `priority`: the optimizer's partition order (Issue.allreduce)."""
+        """torch's allreduce; `priority`: the optimizer's partition order (Issue.allreduce).
+        A synchronous call may return no Work: it is then complete (as NCCL's)."""
         opts = opts if isinstance(opts, AllreduceOptions) else _allreduce_opts(opts)
         t = V.check_single(self._rank, "all_reduce", tensors)
         rop = opts.reduceOp  # read once: each read of this pybind property costs microseconds

@@ -135,7 +135,11 @@ def _wrap(name: str, method: Callable) -> Callable:
         pairs: list = []
         staged = (_stage(args[0], pairs), *(_stage(a, None) for a in args[1:]))
         work = method(self, *staged, **kwargs)
-        return WriteBackWork(work, pairs) if work is not None and pairs else work
+        if work is None:  # a synchronous call that completed in the call: write back now
+            for view, copy in pairs:
+                view.copy_(copy)
+            return None
+        return WriteBackWork(work, pairs) if pairs else work
 
     return call
 

@@ -53,6 +53,21 @@ class Check:
         self.payload = payload
         self.route = route
 
+    @classmethod
+    def known(cls, seq: int, key: tuple, fingerprint: int, waited: bool,
+              payload: torch.Tensor | None, route: int) -> "Check":
+        """A Check whose `fingerprint` (of `key` on `route`, as __init__ computes it) is
+        already known: a caller that caches it saves hashing the key on every call."""
+        chk = cls.__new__(cls)
+        chk.seq = seq
+        chk.key = key
+        chk.fingerprint = fingerprint
+        chk.pairs = None
+        chk.waited = waited
+        chk.payload = payload
+        chk.route = route
+        return chk
+
     def describe(self) -> str:
         return f"#{self.seq} {describe_key(self.key)}{_ROUTE_NAMES.get(self.route, '')}"
 

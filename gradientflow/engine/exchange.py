@@ -10,20 +10,44 @@ The frame can carry a payload: a small synchronous allreduce of two ranks travel
 own check round (checks.own_route), so it costs one exchange instead of a round and then the
 transport's allreduce.
 
-Frame: int64 [nwords, payload bytes or -1], the words, zeros up to HEADER bytes, the payload.
+Frame: int64 [nwords, payload bytes or -1], the words, then (from HEADER bytes on) the
+payload. A reader reads only the words and payload bytes the header announces, so whatever a
+reused buffer held beyond them is never read.
 """
 from __future__ import annotations
 
+import ctypes
+import struct
+import threading
 from typing import Any, Callable
 
 import torch
 
 MAX_WORDS = 30  # the longest round any caller sends (rounds.py sends 1-3 words)
 HEADER = 8 * (2 + MAX_WORDS)  # 256 bytes: keeps the payload 8-byte aligned for any dtype
+_HEAD = struct.Struct("<qq")
+_WORDS = [struct.Struct(f"<{2 + k}q") for k in range(MAX_WORDS + 1)]  # header with k words
+_READ = [struct.Struct(f"<{k}q") for k in range(MAX_WORDS + 1)]
 
 
 class FrameError(RuntimeError):
     """A peer's frame is not one this rank can read."""
+
+
+class _Buffers:
+    """One thread's send and receive frames (tensors, and writable views for struct)."""
+
+    __slots__ = ("send", "recv", "send_mem", "recv_mem", "send_ptr", "views")
+
+    def __init__(self, nbytes: int) -> None:
+        self.send = torch.zeros(nbytes, dtype=torch.uint8)
+        self.recv = torch.zeros(nbytes, dtype=torch.uint8)
+        self.send_mem = memoryview(self.send.numpy())
+        self.recv_mem = memoryview(self.recv.numpy())
+        self.send_ptr = self.send.data_ptr()
+        # (rank, dtype, shape) -> that rank's payload in `recv`, typed and shaped: a program
+        # repeats a few shapes, and three tensor views per call cost more than a lookup.
+        self.views: dict = {}
 
 
 class Exchange:
@@ -43,11 +67,21 @@ class Exchange:
         self.payload_cap = payload_cap
         self._wait = wait
         self.frame = HEADER + payload_cap
+        # Buffers per thread: a round on the engine thread and one on a caller's never share
+        # them, and a thread's next round starts only after its last one was read.
+        self._local = threading.local()
+
+    def _buffers(self) -> _Buffers:
+        bufs = getattr(self._local, "bufs", None)
+        if bufs is None:
+            bufs = self._local.bufs = _Buffers(self.world_size * self.frame)
+        return bufs
 
     def swap(self, words: list[int], payload: torch.Tensor | None = None
-             ) -> tuple[list[list[int]], list[torch.Tensor | None]]:
-        """Every rank's words and payload bytes (uint8, None where a rank sent none), by rank.
-        Raises FrameError on a frame that cannot be read."""
+             ) -> tuple[list[list[int]], list[int]]:
+        """Every rank's words and payload size in bytes (-1 where a rank sent none), by rank;
+        `payload_of` reads a peer's payload until this thread's next swap. Raises FrameError
+        on a frame that cannot be read."""
         k = len(words)
         if k > MAX_WORDS:
             raise ValueError(f"Exchange.swap: at most {MAX_WORDS} words, got {k}")
@@ -55,27 +89,51 @@ class Exchange:
         if nbytes > self.payload_cap:
             raise ValueError(f"Exchange.swap: a payload of {nbytes} bytes exceeds the "
                              f"{self.payload_cap} every rank can receive")
-        # Buffers of this round's own: a round on the engine thread and one on a caller's
-        # never share them, whatever their order.
-        n, f = self.world_size, self.frame
-        send = torch.zeros(n * f, dtype=torch.uint8)
-        recv = torch.empty(n * f, dtype=torch.uint8)
-        mine = send[:f]
-        head = mine[:HEADER].view(torch.int64)
-        head[:2 + k] = torch.tensor([k, nbytes, *words], dtype=torch.int64)
-        if nbytes > 0:
-            mine[HEADER:HEADER + nbytes].copy_(payload.reshape(-1).view(torch.uint8))
-        for r in range(1, n):  # the same frame to every rank
-            send[r * f:(r + 1) * f].copy_(mine)
-        self._wait(self._group.alltoall_base(recv, send, [], []))
-        every_words: list[list[int]] = []
-        every_payload: list[torch.Tensor | None] = []
+        if nbytes > 0 and (payload.device.type != "cpu" or not payload.is_contiguous()):
+            raise ValueError("Exchange.swap: the payload must be a contiguous CPU tensor")
+        n, f, me = self.world_size, self.frame, self.rank
+        bufs = self._buffers()
+        # The same frame to every other rank (this rank's own slot is never read).
+        pack = _WORDS[k].pack_into
+        mem = bufs.send_mem
         for r in range(n):
-            buf = recv[r * f:(r + 1) * f]
-            their_k, their_n = buf[:16].view(torch.int64).tolist()
+            if r != me:
+                pack(mem, r * f, k, nbytes, *words)
+                if nbytes > 0:
+                    ctypes.memmove(bufs.send_ptr + r * f + HEADER, payload.data_ptr(), nbytes)
+        try:
+            self._wait(self._group.alltoall_base(bufs.recv, bufs.send, [], []))
+        except BaseException:
+            # The all-to-all may still be writing into them: the next round takes new ones.
+            self._local.bufs = None
+            raise
+        every_words: list[list[int]] = []
+        sizes: list[int] = []
+        rmem = bufs.recv_mem
+        for r in range(n):
+            if r == me:  # this rank's own: as sent
+                every_words.append(list(words))
+                sizes.append(nbytes)
+                continue
+            their_k, their_n = _HEAD.unpack_from(rmem, r * f)
             if not 0 <= their_k <= MAX_WORDS or their_n > self.payload_cap:
                 raise FrameError(f"rank {r} sent a frame that is not an agreement round "
                                  f"({their_k} words, {their_n} payload bytes)")
-            every_words.append(buf[16:16 + 8 * their_k].view(torch.int64).tolist())
-            every_payload.append(None if their_n < 0 else buf[HEADER:HEADER + their_n])
-        return every_words, every_payload
+            every_words.append(list(_READ[their_k].unpack_from(rmem, r * f + 16)))
+            sizes.append(their_n)
+        return every_words, sizes
+
+    def payload_of(self, r: int, like: torch.Tensor) -> torch.Tensor:
+        """Peer `r`'s payload of this thread's last swap, as a tensor of `like`'s dtype and
+        shape (a view of the receive buffer, valid until this thread's next swap)."""
+        bufs = self._buffers()
+        key = (r, like.dtype, like.shape)
+        view = bufs.views.get(key)
+        if view is None:
+            if len(bufs.views) >= 256:
+                bufs.views.clear()
+            start = r * self.frame + HEADER
+            nbytes = like.numel() * like.element_size()
+            view = bufs.views[key] = bufs.recv[start:start + nbytes].view(like.dtype).view(
+                like.shape)
+        return view

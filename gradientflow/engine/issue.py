@@ -45,6 +45,7 @@ from gradientflow.engine.jobs import EagerOp
 from gradientflow.engine.rounds import Rounds
 from gradientflow.engine.solo import SoloChannel, SoloOp
 from gradientflow.engine.stages import Fuser, StagesOp, fuse
+from gradientflow.engine.sync_own import SyncOwn
 from gradientflow.engine.work import AllWork, FusedWork, FutureWork, WorkOwner
 from gradientflow.fingerprint import DEFERRED
 from gradientflow.observability.stats import GroupStats
@@ -123,6 +124,10 @@ class Issue:
         self.seq = 0  # the next sequence number
         if self._insp is not None:
             self._insp.frontier = self.frontier
+        self._sync_own = SyncOwn(parts, self._take, self.checking, self._refused,
+                                 lambda t: own_routes.swap_add(transport_for(t.device), t,
+                                                               parts.rank, parts.rounds.wait),
+                                 self._insp)
         self.configure(config)
 
     def configure(self, config: Any) -> None:
@@ -153,7 +158,8 @@ class Issue:
     # ------------------------------------------------------------------ entry points
     def allreduce(self, tensors: list, opts: Any, tensor: torch.Tensor, reduce_op: Any,
                   nbytes: int, async_op: bool, priority: int | None = None) -> Any:
-        """An allreduce of `tensor` (`tensors` == [tensor], validated), routed; its Work.
+        """An allreduce of `tensor` (`tensors` == [tensor], validated), routed; its Work, or
+        None for a synchronous call that completed on the caller's thread (sync_own.py).
 
         `priority` (the optimizer's partitions): its place among the ops agreed in the same
         round (fusion.plan_messages); such an allreduce is deferred whatever its size below
@@ -177,6 +183,9 @@ class Issue:
             return self._issue_solo(tensors, opts, tensor, reduce_op, tp)
         main = self._transport_for
         route = own_route(tensor, reduce_op, self._parts.world_size) if self._own_routes else 0
+        if route and not async_op and (self._insp is None or self._insp.debug is None):
+            if self._sync_own.run(tensors, tensor, reduce_op, route):
+                return None  # complete: no Work (sync_own.py); else queued below
         stats = self._stats
 
         def launch(seq: int) -> Any:  # once the round agreed the call on every rank

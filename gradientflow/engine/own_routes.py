@@ -7,6 +7,7 @@
 """
 from __future__ import annotations
 
+import threading
 from typing import Any, Callable
 
 import torch
@@ -31,15 +32,13 @@ def exchange(transport: Any, tensor: torch.Tensor, rank: int, works: WorkOwner, 
     slices, ending on the group's fault) and the Work handed back is complete; a future
     chained to the transport's would cost a thread hand-off or two on the way back.
     """
+    if wait is not None:
+        swap_add(transport, tensor, rank, wait)
+        return done(works, seq, [tensor])
     flat = tensor.view(-1)
     theirs = torch.empty_like(flat)
-    n = flat.numel()
-    splits = [0, n] if rank == 0 else [n, 0]
+    splits = _splits(rank, flat.numel())
     work = transport.alltoall_base(theirs, flat, splits, splits)
-    if wait is not None:
-        wait(work)
-        flat.add_(theirs)
-        return done(works, seq, [tensor])
 
     def add(fut: torch.futures.Future) -> list:
         fut.value()  # re-raises the transport's error
@@ -47,3 +46,35 @@ def exchange(transport: Any, tensor: torch.Tensor, rank: int, works: WorkOwner, 
         return [tensor]
 
     return FutureWork(work.get_future().then(add), works, seq, "all_reduce")
+
+
+_LOCAL = threading.local()
+
+
+def swap_add(transport: Any, tensor: torch.Tensor, rank: int,
+             wait: Callable[[Any], None]) -> None:
+    """The EXCHANGE route of a synchronous call: the all-to-all, waited on with `wait`, and
+    the peer's tensor added to this rank's.
+
+    The peer's tensor lands in a buffer the calling thread keeps (at most EXCHANGE_BYTES,
+    the largest tensor this route takes): a block of this size fresh from the allocator may
+    be new pages, faulted in while the transport receives into them.
+    """
+    flat = tensor.view(-1)
+    nbytes = flat.numel() * flat.element_size()
+    buf = getattr(_LOCAL, "buf", None)
+    if buf is None or buf.numel() < nbytes:
+        buf = _LOCAL.buf = torch.empty(max(nbytes, 2**16), dtype=torch.uint8)
+    theirs = buf[:nbytes].view(flat.dtype)
+    splits = _splits(rank, flat.numel())
+    try:
+        wait(transport.alltoall_base(theirs, flat, splits, splits))
+    except BaseException:
+        _LOCAL.buf = None  # the all-to-all may still be writing into it
+        raise
+    flat.add_(theirs)
+
+
+def _splits(rank: int, n: int) -> list[int]:
+    """What rank `rank` of two sends to (and takes from) each: all of it to the other."""
+    return [0, n] if rank == 0 else [n, 0]

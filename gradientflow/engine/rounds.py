@@ -115,9 +115,15 @@ class Rounds:
     def _add_payloads(self, tensor: torch.Tensor) -> None:
         """An in-band allreduce's result: the other ranks' tensors, from the round just agreed,
         added to this rank's (checks.own_route says when the order cannot matter)."""
-        for r, data in enumerate(self._last.payloads):
-            if r != self.rank and data is not None:
-                tensor.add_(data.view(tensor.dtype).view(tensor.shape))
+        ex = self._exchange()
+        nbytes = tensor.numel() * tensor.element_size()
+        for r, size in enumerate(self._last.payloads):
+            if r != self.rank and size >= 0:
+                if size != nbytes:  # the round agreed dtype and shape: a frame not ours
+                    raise EngineError(
+                        f"gradientflow: rank {self.rank}: rank {r} sent {size} payload bytes "
+                        f"in the round of an allreduce of {nbytes} bytes")
+                tensor.add_(ex.payload_of(r, tensor))
 
     def _min(self, words: list[int], first_seq: int) -> tuple[int, int]:
         """MIN-allreduce two int64 words on the agreement group (blocking)."""
@@ -127,8 +133,8 @@ class Rounds:
     def _reduce(self, words: list[int], op: Any, first_seq: int,
                 payload: torch.Tensor | None = None) -> list[int]:
         """Every rank's int64 words reduced with `op` (MIN or SUM), the same on every rank;
-        blocks, ending early on a fault. `payload`: sent beside the words (self.payloads
-        then holds every rank's, by rank).
+        blocks, ending early on a fault. `payload`: sent beside the words (this thread's
+        `_last.payloads` then holds every rank's payload size, by rank: _add_payloads).
 
         One message to every other rank and one from each (exchange.py), reduced here: one
         hop, where gloo's ring allreduce takes 2(n-1) hops in a row, and a peer that sent

@@ -1,0 +1,109 @@
+"""A synchronous allreduce on a route of its own (checks.own_route), whole on the caller's
+thread: numbered, recorded, checked in its round, summed, and handed back complete.
+
+It is the general eager path's fast case (issue.py: a Claim that holds the queue's floor, its
+round and launch on the caller's thread), taken only when the engine is idle, with the same
+lock, order and rules: the call takes its sequence number and the floor under the engine's
+lock, so no other round or send overlaps it, and its round refuses a mismatch on every rank
+before anything is applied. What it saves is per-call Python: the signature's fingerprint is
+cached per (dtype, shape, route), and no Work is made: the call returns complete, as torch
+takes of a synchronous call (NCCL's return no Work either, and torch.distributed's functions
+wait only on a Work they get).
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+from gradientflow.engine.checks import EXCHANGE, INBAND, Check, refuses_only_the_call, signature
+
+if TYPE_CHECKING:
+    from gradientflow.engine.issue import IssueParts
+
+_MAX_KEYS = 4096  # signatures cached; a program repeats a few
+
+
+class _Call:
+    """Stands in for the call's Work in the inspector's records (a stall shows on it)."""
+
+    __slots__ = ("done",)
+
+    def __init__(self) -> None:
+        self.done = False
+
+    def is_completed(self) -> bool:
+        return self.done
+
+
+class SyncOwn:
+    """The fast case of a synchronous own-route allreduce (module doc).
+
+    `take(what)`: the next sequence number (lock held); `checking`: the sequence numbers in
+    their round now (Issue.checking); `refused(seqs)`: tells the inspector; `exchange(tensor)`:
+    the EXCHANGE route's data, waited on; `insp`: the inspector, or None.
+    """
+
+    def __init__(self, parts: IssueParts, take: Callable[[str], int], checking: set,
+                 refused: Callable[[list], None], exchange: Callable[[torch.Tensor], None],
+                 insp: Any) -> None:
+        self._parts = parts
+        self._take = take
+        self._checking = checking
+        self._refused = refused
+        self._exchange = exchange
+        self._insp = insp
+        self._keys: dict = {}
+
+    def _known(self, tensors: list, tensor: torch.Tensor, reduce_op: Any,
+               route: int) -> tuple:
+        """The call's signature key and fingerprint: a function of dtype, shape and route
+        (own routes are SUMs), as Check computes them."""
+        ck = (tensor.dtype, tensor.shape, route)
+        known = self._keys.get(ck)
+        if known is None:
+            if len(self._keys) >= _MAX_KEYS:
+                self._keys.clear()
+            key = signature("all_reduce", tensor, tensors, None, reduce_op)
+            known = self._keys[ck] = (key, Check(0, key, route=route).fingerprint)
+        return known
+
+    def run(self, tensors: list, tensor: torch.Tensor, reduce_op: Any, route: int) -> bool:
+        """Run the call to its end: True; False (nothing taken) when the engine is not idle,
+        for the general path to queue it behind what is there."""
+        key, fp = self._known(tensors, tensor, reduce_op, route)
+        parts = self._parts
+        queue = parts.queue
+        insp = self._insp
+        call = _Call() if insp is not None else None
+        with parts.lock:
+            if queue.issued or queue.agreed or queue.busy or queue.floor:
+                return False
+            seq = self._take("all_reduce")
+            queue.floor = True
+            self._checking.add(seq)
+            parts.stats.record_eager(True)
+            chk = Check.known(seq, key, fp, True, tensor if route == INBAND else None, route)
+            if insp is not None:
+                insp.record(seq, "all_reduce", tensor, None, reduce_op, call)
+        try:
+            try:
+                parts.rounds.check(chk)
+            except Exception as exc:  # noqa: BLE001 - as Issue._settle
+                if refuses_only_the_call(exc, True):
+                    self._refused([seq])
+                    raise
+                raise parts.fail(exc) from None
+            if route == EXCHANGE:
+                parts.stats.record_exchange()
+                self._exchange(tensor)
+            else:
+                parts.stats.record_inband()
+        finally:
+            with parts.lock:
+                queue.floor = False
+                self._checking.discard(seq)
+                if queue.issued or queue.agreed:  # what queued behind it goes now
+                    parts.cv.notify_all()
+        if call is not None:
+            call.done = True
+        return True
