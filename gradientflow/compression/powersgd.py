@@ -28,10 +28,11 @@ from __future__ import annotations
 import math
 import zlib
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
-from ..engine.stages import StageGen
+from ..engine.stages import StageGen, fuse
 from .base import Compressor
 from .layout import Layout
 from .registry import Options, register_compressor
@@ -100,6 +101,20 @@ class _Plan:
     dense_idx: torch.Tensor  # int64 positions of the dense elements
 
 
+@dataclass(frozen=True)
+class _Local:
+    """One buffer's local work before its first collective (`prepare`): v = gradient + residual
+    (in the spare slot), the matrices' views and starting Qs, stage 1's tensor."""
+
+    factors: bool
+    plan: _Plan
+    v: torch.Tensor
+    mats: list
+    dense_v: torch.Tensor
+    stage1: torch.Tensor
+    local_dense: torch.Tensor | None  # stage 1's dense part as sent (error feedback)
+
+
 def _build_plan(layout: Layout, opts: PowerSGDOptions, factors: bool) -> _Plan:
     mats, dense = [], []
     for (name, start, end), shape in zip(layout.slices(), layout.shapes):
@@ -157,20 +172,18 @@ class PowerSGDCompressor(Compressor):
         return orthonormalize(torch.randn(m.cols, m.rank, generator=gen)).to(device)
 
     # --- the op -----------------------------------------------------------------------------------
-    def reduce(self, flat: torch.Tensor, layout: Layout, *, loss_scale: float = 1.0,
-               final: bool = False) -> StageGen:
-        """Return the StageGen of one buffer: 2 collectives (1 when nothing travels as factors);
-        see the module docstring."""
-        layout.check(flat, "PowerSGDCompressor.reduce")
-        if flat.numel() == 0:
-            return flat
+    def prepare(self, flat: torch.Tensor, layout: Layout, loss_scale: float = 1.0,
+                terms=None) -> _Local | None:
+        """Stage 1's local work ahead of the batch (the engine runs it while the batch's round
+        is open): v into the spare slot, P_i = M Q; nothing kept across steps changes."""
+        layout.check(flat, "PowerSGDCompressor.prepare")
+        return self._local(flat, layout, loss_scale) if flat.numel() else None
+
+    def _local(self, flat: torch.Tensor, layout: Layout, loss_scale: float) -> _Local:
         cfg, n = self.config, self.world_size
-        wire, ef = cfg.torch_wire_dtype, cfg.error_feedback
         factors = self.step >= cfg.options.start_step
         plan = self._plan(layout, flat.device, factors)
-        self.stats.add_bucket(numel=flat.numel(), elements_sent_dense=plan.dense_idx.numel(),
-                              warmup=not factors)
-        if ef:
+        if cfg.error_feedback:
             mem = self.memory.get(layout, ("residual", "_residual_spare"), flat, loss_scale)
             v = torch.add(flat, mem["residual"], out=mem["_residual_spare"])
         else:
@@ -178,12 +191,38 @@ class PowerSGDCompressor(Compressor):
         mats = [v[m.start:m.end].view(m.rows, m.cols) for m in plan.matrices]
         qs = [self._q_of(m, flat.device) for m in plan.matrices]
         dense_v = v.index_select(0, plan.dense_idx)
-
-        # --- stage 1: P_i = M Q for every matrix, and the dense part, all pre-scaled by 1/n ----
+        # stage 1: P_i = M Q for every matrix, and the dense part, all pre-scaled by 1/n
         stage1 = torch.cat([(mat @ q).reshape(-1) for mat, q in zip(mats, qs)] + [dense_v])
-        stage1 = stage1.mul_(1.0 / n).to(wire)
-        local_dense = stage1[stage1.numel() - dense_v.numel():].clone() if ef else None
-        reduced1 = yield from self._stage(stage1, final=final and not mats)
+        stage1 = stage1.mul_(1.0 / n).to(cfg.torch_wire_dtype)
+        local_dense = (stage1[stage1.numel() - dense_v.numel():].clone()
+                       if cfg.error_feedback else None)
+        return _Local(factors, plan, v, mats, dense_v, stage1, local_dense)
+
+    def reduce_many(self, flats: Sequence[torch.Tensor], layouts: Sequence[Layout], *,
+                    loss_scale: float = 1.0, final: bool = False,
+                    prepared: Sequence[_Local | None] | None = None) -> StageGen:
+        """The buffers' StageGens fused stage by stage (engine.stages.fuse), each starting from
+        what `prepare` computed ahead, where it ran."""
+        prepared = prepared or [None] * len(flats)
+        return (yield from fuse([self.reduce(f, lay, loss_scale=loss_scale, final=final,
+                                             prepared=p)
+                                 for f, lay, p in zip(flats, layouts, prepared)]))
+
+    def reduce(self, flat: torch.Tensor, layout: Layout, *, loss_scale: float = 1.0,
+               final: bool = False, prepared: _Local | None = None) -> StageGen:
+        """Return the StageGen of one buffer: 2 collectives (1 when nothing travels as factors);
+        see the module docstring. `prepared`: this buffer's `prepare`, if it ran."""
+        layout.check(flat, "PowerSGDCompressor.reduce")
+        if flat.numel() == 0:
+            return flat
+        n, ef = self.world_size, self.config.error_feedback
+        wire = self.config.torch_wire_dtype
+        local = prepared if prepared is not None else self._local(flat, layout, loss_scale)
+        plan, v, mats, dense_v = local.plan, local.v, local.mats, local.dense_v
+        local_dense = local.local_dense
+        self.stats.add_bucket(numel=flat.numel(), elements_sent_dense=plan.dense_idx.numel(),
+                              warmup=not local.factors)
+        reduced1 = yield from self._stage(local.stage1, final=final and not mats)
         finite = [torch.isfinite(reduced1).all()]
         p_sizes = [m.rows * m.rank for m in plan.matrices]
         *p_parts, dense_avg = reduced1.split(p_sizes + [dense_v.numel()])
