@@ -15,7 +15,10 @@ first compressed step would otherwise pay inside training. Two ways keep it off 
   meanwhile would inherit the lock held). Until then ``ready()`` is False and the dispatch
   (``kernels.implementation``) runs the torch reference, which computes the same results
   (tests/kernels). Ranks of one host take turns through a file lock, so one compiles and the
-  others load what it wrote. A fork while this process is loading waits for the load to end.
+  others load what it wrote. A fork while this process is loading waits for the load to end, and
+so does the interpreter's exit: a short program that ends while the daemon thread is inside
+numba's loader could otherwise be aborted by a native thread torn down under it. An exit while
+the child compiles does not wait (the child goes on filling the cache).
 
 ``wait()`` blocks until the kernels are ready: for a run that must be bit-reproducible from
 its first compressed step (the norms of the numba kernels and the reference may differ in
@@ -23,6 +26,7 @@ their last bits, which can change a near tie in the selection).
 """
 from __future__ import annotations
 
+import atexit
 import fcntl
 import os
 import subprocess
@@ -35,6 +39,7 @@ _lock = threading.Lock()
 _thread: threading.Thread | None = None
 _done = threading.Event()
 _loading = threading.Event()  # this process is importing or loading kernels right now
+_in_child = threading.Event()  # the cache is being filled by a child process
 _error: BaseException | None = None
 _seconds: float | None = None
 
@@ -118,13 +123,24 @@ def _warm(fill_first: bool) -> None:
     t0 = time.perf_counter()
     try:
         if fill_first:
-            _fill_in_child()
+            _in_child.set()
+            try:
+                _fill_in_child()
+            finally:
+                _in_child.clear()
         _load()
     except BaseException as exc:  # noqa: BLE001 - kept: the reference still serves
         _error = exc
     finally:
         _seconds = time.perf_counter() - t0
         _done.set()
+
+
+def _at_exit() -> None:
+    # Loading (or compiling) in this process: let it end before the interpreter finalizes.
+    # Waiting for the child's compile instead could hold a short program for minutes.
+    if _thread is not None and (_loading.is_set() or not _in_child.is_set()):
+        _done.wait(120)
 
 
 def _before_fork() -> None:
@@ -152,6 +168,7 @@ def start() -> None:
         finally:
             _loading.clear()
         os.register_at_fork(before=_before_fork)
+        atexit.register(_at_exit)
         _thread = threading.Thread(target=_warm, args=(fill_first,), daemon=True,
                                    name="gradientflow-kernels-warm")
         _thread.start()

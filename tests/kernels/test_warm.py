@@ -63,3 +63,18 @@ def test_the_command_fills_the_cache_a_fresh_process_then_loads(tmp_path):
     assert again.returncode == 0, again.stderr
     misses, hits = map(int, again.stdout.split())
     assert misses == 0 and hits > 0, again.stdout
+
+
+def test_a_program_that_ends_while_the_kernels_load_waits_for_them_and_exits_cleanly():
+    """A short program (a compressor built, nothing trained) whose interpreter finalizes while
+    the daemon thread is still inside numba's loader must not be aborted: the exit waits for
+    the load. The checker, registered first, runs after warm's own exit hook (LIFO)."""
+    warm.wait(600)  # this process fills the cache if the session has not
+    probe = ("import atexit; from gradientflow.kernels import warm; "
+             "atexit.register(lambda: print('ready' if warm.ready() else 'loading')); "
+             "warm.start()")
+    for _ in range(3):
+        run = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True,
+                             text=True, timeout=300)
+        assert run.returncode == 0, (run.returncode, run.stderr[-2000:])
+        assert run.stdout.split() == ["ready"], run.stdout
