@@ -985,7 +985,8 @@ class FSDPCompression:
         self.dense_per_step = 4 * sum(p.numel() for p in model.parameters())  # DTensors: global
         self.state = (None if config is None
                       else gradientflow.hooks.register(model, config, optimizer=optimizer))
-        warm.wait()  # seed-for-seed runs use one kernel from the first step (GradientFlowHook)
+        if self.state is not None:  # seed-for-seed runs use one kernel from the first step
+            warm.wait()
         optimizer.register_step_post_hook(lambda *_: self._count())
 
     def _count(self) -> None:
