@@ -12,7 +12,8 @@ steady-state steps (after the warm-up):
   (what the counters see, to check the line above).
 - "HSDP + CSC 1%": CompressionConfig(density=0.01), every other field its default.
 
-No timing: the numbers do not depend on the machine or its load.
+Beside the bytes, the compression state each rank keeps (residuals), against one FP32 copy of
+its shard. No timing: the numbers do not depend on the machine or its load.
 
     python benchmarks/bench_fsdp.py [--quick] [--out DIR]
 """
@@ -68,9 +69,11 @@ def worker(rank: int, world: int, width: int, layers: int, steps: int,
         opt.step()
         losses.append(float(loss))
     shard_numel = sum(p.to_local().numel() for p in model.parameters())
-    out = {"rank": rank, "shard_numel": shard_numel, "losses": losses}
+    out = {"rank": rank, "shard_numel": shard_numel, "losses": losses, "state_bytes": 0}
     if state is not None:
         out.update(state.stats())
+        out["state_bytes"] = sum(c.memory.nbytes() for u in state.units
+                                 for c in u.compressors().values())
     return out
 
 
@@ -104,7 +107,8 @@ def main(argv=None) -> int:
             steady = r0["replicate"]["steps"]
         rows.append({"config": label, "wire_bytes_per_step": wire, "steps": steps,
                      "steady_from": None if steady is None else steps - steady,
-                     "final_loss": r0["losses"][-1]})
+                     "final_loss": r0["losses"][-1],
+                     "state_x_shard": r0["state_bytes"] / (4.0 * r0["shard_numel"])})
     dense = rows[0]["wire_bytes_per_step"]
     for row in rows:
         row["fewer_than_dense"] = dense / row["wire_bytes_per_step"]
@@ -127,7 +131,8 @@ def main(argv=None) -> int:
             handed = r0["shard"]["wire_bytes_per_step"]
             ring = handed * 2 * (world - 1) / world
         fsdp_rows.append({"config": label, "handed": handed, "ring": ring,
-                          "final_loss": r0["losses"][-1]})
+                          "final_loss": r0["losses"][-1],
+                          "state_x_shard": r0["state_bytes"] / (4.0 * r0["shard_numel"])})
     for row in fsdp_rows:
         row["fewer_than_dense"] = fsdp_rows[0]["ring"] / row["ring"]
     params = sum(width * width + width for _ in range(layers)) + width * 10 + 10
@@ -140,9 +145,10 @@ def main(argv=None) -> int:
         "to the replicate all-reduce per step (steady state for the registered runs: after "
         "the default warm-up of 25 steps).",
         "",
-        markdown_table(["config", "wire_bytes_per_step", "fewer_than_dense", "final_loss"], rows,
+        markdown_table(["config", "wire_bytes_per_step", "fewer_than_dense", "final_loss",
+                        "state_x_shard"], rows,
                        ["configuration", "bytes / step (rank 0)", "x fewer than dense",
-                        "final loss"]),
+                        "final loss", "state, x FP32 shard"]),
         "",
         f"FSDP2 on a 1-D mesh of {world} ranks, the same model: CSC replaces each group's "
         "reduce-scatter by a CSC all-reduce of its flat gradient, the shard then taken "
@@ -150,9 +156,16 @@ def main(argv=None) -> int:
         "ring sends from each rank: (n-1)/n of a reduce-scatter's input, 2(n-1)/n of an "
         "all-reduce's tensor.",
         "",
-        markdown_table(["config", "handed", "ring", "fewer_than_dense", "final_loss"],
+        markdown_table(["config", "handed", "ring", "fewer_than_dense", "final_loss",
+                        "state_x_shard"],
                        fsdp_rows, ["configuration", "bytes handed / step", "ring bytes sent "
-                                   "/ step", "x fewer than dense", "final loss"]),
+                                   "/ step", "x fewer than dense", "final loss",
+                                   "state, x FP32 shard"]),
+        "",
+        "State: the compression state rank 0 keeps (residuals), in copies of its FP32 shard. "
+        "Under HSDP it is one copy, the residual of the replicate all-reduce; a compressed "
+        "reduce-scatter keeps what the rank did not send to every shard, the world size in "
+        "copies (hooks/fsdp_comms.py).",
         "",
         f"Command: `python benchmarks/bench_fsdp.py{' --quick' if args.quick else ''}`",
     ])

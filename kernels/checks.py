@@ -137,8 +137,8 @@ def chunk_norms(
     correction (``momentum`` given): ``u = m * momentum + grad`` and ``v = residual + u``; with
     ``nesterov``: ``u = (momentum + grad) * m`` and ``v = residual + u + grad``. ``u`` is written
     into ``momentum_out`` (which may be ``momentum`` itself). ``v`` is written into ``grad``, or
-    into ``v_out`` when given; ``residual`` is never modified, so a caller can undo a non-finite
-    step. With ``zero_grad`` (only beside a ``v_out``) ``grad`` is zeroed in the same pass: a
+    into ``v_out`` when given; ``residual`` is not modified unless it is ``v_out`` (an update in
+    place, which the caller cannot undo; otherwise it can undo a non-finite step). With ``zero_grad`` (only beside a ``v_out``) ``grad`` is zeroed in the same pass: a
     compressor that keeps v in its spare residual buffer then only writes the sent chunks into
     ``grad`` afterwards (``unpack_sent``), instead of a second full pass (``unpack_update``).
 
@@ -149,8 +149,8 @@ def chunk_norms(
         norm: "l1" (sum of |v|) or "l2" (sum of v*v: the SQUARED L2 norm; same ranking).
         momentum, momentum_out: float32, N elements, both or neither.
         m: momentum factor. nesterov: Nesterov variant.
-        v_out: float32, N elements, or None (v goes into grad); a buffer of its own (not grad,
-            residual, momentum or momentum_out).
+        v_out: float32, N elements, or None (v goes into grad); not grad, momentum or
+            momentum_out (each element is read before it is written, so residual may be it).
         zero_grad: set grad to zeros (needs v_out).
         impl: "auto" | "numba" | "torch".
 
@@ -172,10 +172,10 @@ def chunk_norms(
     if v_out is not None:
         _flat(op, "v_out", v_out, numel=n, device=dev)
         if n and any(t is not None and t.data_ptr() == v_out.data_ptr()
-                     for t in (grad, residual, momentum, momentum_out)):
+                     for t in (grad, momentum, momentum_out)):
             raise ValueError(
-                f"{op}: v_out must be a buffer of its own, not grad, residual or momentum "
-                "(the kernels read those while v is written); pass v_out=None to write v into grad"
+                f"{op}: v_out must not be grad or momentum (v_out=None writes v into grad; "
+                "v_out may be the residual, updated in place)"
             )
     elif zero_grad:
         raise ValueError(

@@ -130,6 +130,19 @@ class Compressor(abc.ABC):
         checkpoint)."""
         self.step = int(step)
 
+    def keep_state_in_place(self) -> None:
+        """Update the residual (and velocity) in place instead of through a spare buffer: one
+        copy of the state instead of two (compression/memory.py).
+
+        Only where nothing must be undone: no loss scale whose overflow skips a step, and no
+        batch prepared ahead of its agreement (the FSDP2 path drives each reduction itself).
+        Call it before the first step.
+        """
+        if self.memory.state_dict() or self.step:
+            raise RuntimeError(f"{type(self).__name__}.keep_state_in_place: call it before the "
+                               "first step (the state kept so far is double-buffered)")
+        self.memory = ResidualMemory(double_buffer=False)
+
     def end_step(self) -> None:
         """Close a step (every bucket of one backward pass reduced): counts steps and statistics.
 

@@ -10,6 +10,15 @@ Loss scaling: stored values are in the units of the loss scale they were produce
 (`scale`). When the compressor is told a new scale, a layout's buffers are multiplied by
 new/old once, on first use: no per-step cost, and a residual produced under one scale is never
 added to gradients of another. `state_dict()` stores them unscaled.
+
+Double buffer or in place: by default every state slot has a spare ("_residual_spare" beside
+"residual") that a step writes and `commit` swaps in, so a batch that fails, or a step that
+GradScaler skips, leaves the state as it was. Where neither can happen (the FSDP2 path: no loss
+scale, each reduction run to its end on the caller's thread) `double_buffer=False` drops the
+spare: a spare slot's name then returns its live tensor, the step updates it in place, and one
+copy of the state is kept instead of two. A step found non-finite there cannot be undone; its
+non-finite elements are zeroed (`end_step(revert=True)`), so one overflow does not poison every
+later step.
 """
 from __future__ import annotations
 
@@ -20,6 +29,13 @@ import torch
 from .layout import Layout
 
 __all__ = ["ResidualMemory"]
+
+
+def _live_of(slot: str) -> str:
+    """The live slot a spare slot "_NAME_spare" stands beside ("" for any other slot)."""
+    if slot.startswith("_") and slot.endswith("_spare"):
+        return slot[1:-len("_spare")]
+    return ""
 
 
 @dataclass
@@ -34,9 +50,12 @@ class ResidualMemory:
     name.
 
     Slots whose name starts with "_" are scratch (e.g. a double buffer) and never checkpointed.
+    With ``double_buffer=False`` a spare slot "_NAME_spare" is slot NAME itself (the module
+    docstring says where that is safe).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, double_buffer: bool = True) -> None:
+        self.double_buffer = double_buffer
         self._entries: dict[Layout, _Entry] = {}
         self._owner: dict[str, Layout] = {}
         # slot -> name -> unscaled tensor, loaded from a checkpoint and not yet claimed by a layout.
@@ -52,8 +71,8 @@ class ResidualMemory:
         needed)."""
         entry = self._entries.get(layout)
         if entry is None:
-            entry = self._build(layout, slots, like, scale)
-        for slot in slots:
+            entry = self._build(layout, self._own(slots), like, scale)
+        for slot in self._own(slots):
             if slot not in entry.slots:
                 entry.slots[slot] = torch.zeros(
                     layout.numel, dtype=torch.float32, device=like.device
@@ -63,7 +82,15 @@ class ResidualMemory:
             for t in entry.slots.values():
                 t.mul_(ratio)
             entry.scale = float(scale)
-        return entry.slots
+        if self.double_buffer:
+            return entry.slots
+        return {**entry.slots, **{s: entry.slots[_live_of(s)] for s in slots if _live_of(s)}}
+
+    def _own(self, slots: tuple[str, ...]) -> tuple[str, ...]:
+        """The slots that get a tensor of their own (in place: not the spares)."""
+        if self.double_buffer:
+            return slots
+        return tuple(s for s in slots if not _live_of(s))
 
     def commit(self, layout: Layout, pairs: tuple[tuple[str, str], ...]) -> None:
         """Make each spare slot the live one, (live, spare) -> (spare, live): a double buffer, no
@@ -74,13 +101,24 @@ class ResidualMemory:
         skips the whole step, so no bucket of it may leave its residual changed).
         """
         s = self._entries[layout].slots
-        for live, spare in pairs:
-            s[live], s[spare] = s[spare], s[live]
+        if self.double_buffer:
+            for live, spare in pairs:
+                s[live], s[spare] = s[spare], s[live]
         self._journal.append((layout, pairs))
 
     def end_step(self, revert: bool) -> None:
-        """Close a step: keep its commits, or undo all of them (in reverse order) when `revert`."""
-        if revert:
+        """Close a step: keep its commits, or undo all of them (in reverse order) when `revert`.
+
+        In place (no double buffer) nothing can be undone: the non-finite elements of what the
+        step wrote are zeroed instead."""
+        if revert and not self.double_buffer:
+            for layout, pairs in self._journal:
+                entry = self._entries.get(layout)
+                if entry is None:
+                    continue
+                for live, _ in pairs:
+                    torch.nan_to_num_(entry.slots[live], nan=0.0, posinf=0.0, neginf=0.0)
+        elif revert:
             for layout, pairs in reversed(self._journal):
                 entry = self._entries.get(layout)
                 if entry is None:
@@ -178,6 +216,13 @@ class ResidualMemory:
             self._owner[name] = layout
         self._entries[layout] = entry
         return entry
+
+    def nbytes(self) -> int:
+        """The bytes of state held (every buffer once, spares and unclaimed checkpoint values
+        included)."""
+        seen = {id(t): t for e in self._entries.values() for t in e.slots.values()}
+        seen.update({id(t): t for d in self._pending.values() for t in d.values()})
+        return sum(t.numel() * t.element_size() for t in seen.values())
 
     # --- checkpoints ---------------------------------------------------------------------------
     def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:

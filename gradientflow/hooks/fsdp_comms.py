@@ -20,12 +20,14 @@ Two places, one per FSDP parameter group (a `fully_shard` module's parameters, o
   HalfCompressor, CSCCompressor) on the rank's reduce-scattered shard.
 
 Residual memory: on the replicate all-reduce the input is the shard, so the residual is one FP32
-copy of the rank's shard (the compressors also keep a spare of its size, which the next residual is
-written into and which a non-finite step is undone from). On a compressed reduce-scatter what a
-rank did not send is its own contribution to EVERY rank's piece, so it keeps one FP32 copy of the
-group's unsharded gradient (shard-group size x its shard): no compression of a reduce-scatter can
-keep less without losing that gradient mass. Under HSDP the reduce-scatter inside a host therefore
-stays dense under CSC.
+copy of the rank's shard. On a compressed reduce-scatter what a rank did not send is its own
+contribution to EVERY rank's piece, so it keeps one FP32 copy of the group's unsharded gradient
+(shard-group size x its shard): no compression of a reduce-scatter can keep less without losing
+that gradient mass. Under HSDP the reduce-scatter inside a host therefore stays dense under CSC.
+Each is the only copy: the state is updated in place (`Compressor.keep_state_in_place`), not
+through the DDP path's spare buffer, because nothing here needs undoing: registration refuses a
+loss scaler, and each reduction runs to its end inside FSDP's call (a step whose result is not
+finite zeroes the residual's non-finite elements instead).
 """
 from __future__ import annotations
 
@@ -77,9 +79,10 @@ class HalfReduceScatter:
     def __init__(self, config: CompressionConfig, world_size: int) -> None:
         self.config = config
         self.world_size = world_size
-        self.memory = ResidualMemory()
+        self.memory = ResidualMemory(double_buffer=False)  # in place: the module docstring
         self.stats = CompressionStats()
         self.step = 0
+        self._finite = True
         kernels.start_threads()
 
     def reduce_scatter(self, output: torch.Tensor, flat: torch.Tensor, layout: Layout,
@@ -111,14 +114,16 @@ class HalfReduceScatter:
             finite = bool(torch.isfinite(output).all())
         else:
             finite = kernels.upcast_finite(out_wire, ws.post, out=output)
-        # A non-finite step (the loss diverged) keeps the residual it had: a residual of
-        # infinities would poison every later step even after the loss recovers.
-        if cfg.error_feedback and finite:
+        if cfg.error_feedback:
             self.memory.commit(layout, (("residual", "_residual_spare"),))
+        self._finite = finite
 
     def end_step(self) -> None:
-        """Close a step: keep its commits, count it."""
-        self.memory.end_step(revert=False)
+        """Close a step, count it. A non-finite one (the loss diverged) has its residual's
+        non-finite elements zeroed: a residual of infinities would poison every later step even
+        after the loss recovers."""
+        self.memory.end_step(revert=not self._finite)
+        self._finite = True
         self.stats.end_step()
         self.step += 1
 
@@ -166,6 +171,9 @@ class Unit:
             self.rs = make_compressor(config, shard_world)
         if hsdp:
             self.ar = make_compressor(config, replicate_world)
+        for comp in (self.rs, self.ar):
+            if isinstance(comp, Compressor):
+                comp.keep_state_in_place()  # one copy of the residual (the module docstring)
         # Parameter name -> [(compressor, the name its residual is kept under)].
         self.residual_names: dict[str, list[tuple[object, str]]] = {}
         for p in self.shard_layout.names:

@@ -58,6 +58,10 @@ def reduce_scatter_property(rank, world, n_examples):
             comm(out, xs[rank].clone(), dist.group.WORLD, dist.ReduceOp.AVG)
             received += out.double()
         comp = unit.rs
+        # One FP32 copy of the group's unsharded gradient: the residual, no spare beside it.
+        assert comp.memory.nbytes() == 4 * numel, (
+            f"rank {rank}: {method} keeps {comp.memory.nbytes()} bytes of state for {numel} "
+            "elements (one FP32 copy is the floor)")
         res = comp.memory.get(unit.full_layout, ("residual",), out)["residual"]
         everyone = [torch.empty_like(res) for _ in range(world)]
         dist.all_gather(everyone, res.contiguous())

@@ -91,9 +91,15 @@ def train(rank, world, hsdp: bool, cfg: dict | None, steps: int, lr: float = 0.0
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     state = hooks.register(model, _config(**cfg), optimizer=opt) if cfg is not None else None
     losses = [_step(model, opt, rank, s) for s in range(steps)]
-    return {"full": _full(model), "local": [p.to_local().detach().clone()
-                                            for p in model.parameters()],
-            "losses": losses, "stats": state.stats() if state is not None else None}
+    local = [p.to_local().detach().clone() for p in model.parameters()]
+    state_bytes = shard_bytes = 0
+    if state is not None:  # the compressors' state, against one FP32 copy of the shard
+        state_bytes = sum(c.memory.nbytes() for u in state.units
+                          for c in u.compressors().values())
+        shard_bytes = sum(u.shard_layout.numel * 4 for u in state.units)
+    return {"full": _full(model), "local": local, "losses": losses,
+            "stats": state.stats() if state is not None else None,
+            "state_bytes": state_bytes, "shard_bytes": shard_bytes}
 
 
 EXACT = dict(method="csc", density=1.0, wire_dtype="fp32", dense_wire_dtype="fp32")
@@ -124,6 +130,10 @@ def test_hsdp_csc_at_one_percent_keeps_replicas_identical_and_the_loss_falls(poo
     assert last < 0.7 * first, f"loss did not fall: {first:.4f} -> {last:.4f}"
     replicate = runs[0]["stats"]["replicate"]
     assert replicate["steady"] and replicate["ratio"] > 5, replicate
+    for rank, run in enumerate(runs):  # the residual beside the shard, no spare: one copy
+        assert run["state_bytes"] == run["shard_bytes"] > 0, (
+            f"rank {rank}: {run['state_bytes']} bytes of compression state for a "
+            f"{run['shard_bytes']}-byte FP32 shard (one copy is the goal)")
 
 
 @pytest.mark.parametrize("world,hsdp", [(2, False), (4, True)], ids=["fsdp2", "hsdp"])

@@ -83,6 +83,7 @@ def main():
                                          momentum=None if mom is None else torch.from_numpy(mom),
                                          momentum_out=torch.empty(n) if mode else None, m=0.9,
                                          nesterov=mode == 2, v_out=tv2, zero_grad=True)
+                    g3 = g2.copy()
                     vout = np.empty(n, np.float32)
                     norms2 = np.empty(nch, np.float32)
                     mom_out = np.empty(n, np.float32) if mode else None
@@ -91,6 +92,11 @@ def main():
                     same_bits(torch.from_numpy(vout), tv2)
                     same_bits(torch.from_numpy(g2), tg2)
                     torch.testing.assert_close(torch.from_numpy(norms2), ref2, rtol=1e-5, atol=1e-5)
+                    if r is not None:  # v over the residual it reads (the in-place state)
+                        r3 = r.copy()
+                        K.launch_chunk_norms(g3, r3, mom, np.empty(n, np.float32) if mode else None,
+                                             mode, 0.9, c, l2, norms2, vout=r3, zero_g=True)
+                        same_bits(torch.from_numpy(r3), tv2)
                     cases += 1
         for wd in (torch.float32, torch.float16, torch.bfloat16):
             v = rng.standard_normal(n).astype(np.float32) * 100

@@ -73,9 +73,10 @@ def test_chunk_norms_matches_reference(lay, norm, has_r, mom, alias, seed):
 @SETTINGS
 @given(lay=layouts(), norm=st.sampled_from(["l1", "l2"]), has_r=st.booleans(),
        mom=st.sampled_from([None, "plain", "nesterov"]), zero=st.booleans(),
-       seed=st.integers(0, 2**16))
-def test_chunk_norms_into_v_out_matches_reference(lay, norm, has_r, mom, zero, seed):
-    """v written into a buffer of its own (grad zeroed or left) is the in-place v, bit for bit."""
+       into_r=st.booleans(), seed=st.integers(0, 2**16))
+def test_chunk_norms_into_v_out_matches_reference(lay, norm, has_r, mom, zero, into_r, seed):
+    """v written into a buffer of its own, or over the residual it reads (the in-place state of
+    the FSDP2 path), with grad zeroed or left, is the in-place v, bit for bit."""
     n, c = lay
     grad = _vec(seed, n)
     res = _vec(seed + 1, n) if has_r else None
@@ -87,9 +88,10 @@ def test_chunk_norms_into_v_out_matches_reference(lay, norm, has_r, mom, zero, s
                               impl="torch", **kw)
     for impl in ("numba", "torch"):
         g = grad.clone()
-        v = torch.full((n,), 5.0)
+        r = res.clone() if has_r else None
+        v = r if into_r and has_r else torch.full((n,), 5.0)
         m_out = torch.empty(n) if mom else None
-        norms = K.chunk_norms(g, res, c, norm, momentum=momentum, momentum_out=m_out,
+        norms = K.chunk_norms(g, r, c, norm, momentum=momentum, momentum_out=m_out,
                               v_out=v, zero_grad=zero, impl=impl, **kw)
         assert_same_bits(v, in_place)
         assert_same_bits(g, torch.zeros(n) if zero else grad)
@@ -99,9 +101,11 @@ def test_chunk_norms_into_v_out_matches_reference(lay, norm, has_r, mom, zero, s
 
 
 def test_chunk_norms_refuses_an_aliased_v_out_and_zero_grad_alone():
-    g, r = torch.ones(8), torch.ones(8)
-    with pytest.raises(ValueError, match="v_out must be a buffer of its own"):
-        K.chunk_norms(g, r, 4, v_out=r)
+    g, r, mom = torch.ones(8), torch.ones(8), torch.ones(8)
+    with pytest.raises(ValueError, match="v_out must not be grad or momentum"):
+        K.chunk_norms(g, r, 4, v_out=g)
+    with pytest.raises(ValueError, match="v_out must not be grad or momentum"):
+        K.chunk_norms(g, r, 4, momentum=mom, momentum_out=mom, v_out=mom)
     with pytest.raises(ValueError, match="zero_grad=True needs a v_out"):
         K.chunk_norms(g, r, 4, zero_grad=True)
 
