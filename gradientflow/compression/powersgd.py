@@ -163,9 +163,11 @@ class PowerSGDCompressor(Compressor):
         opts = self.config.options
         q = self._q.get(m.name) if opts.warm_start else None
         if q is not None and q.shape == (m.cols, m.rank):
-            # Orthonormal again: the same span (so the same output), but P = M Q then stays
-            # at the scale of M, where the kept average Q would square it (a half wire
-            # overflows).
+            if self.config.torch_wire_dtype == torch.float32:
+                return q.to(device)  # P is orthonormalised after the sum: Q's scale is moot
+            # Orthonormal again on a half wire: the same span (so the same output), but
+            # P = M Q then stays at the scale of M, where the kept average Q would square it
+            # (a half wire overflows).
             return orthonormalize(q.to(device))
         salt = zlib.crc32(m.name.encode()) + (0 if opts.warm_start else self.step << 32)
         gen = torch.Generator().manual_seed(opts.seed * 1_000_003 + salt)
@@ -228,7 +230,6 @@ class PowerSGDCompressor(Compressor):
         *p_parts, dense_avg = reduced1.split(p_sizes + [dense_v.numel()])
 
         # --- stage 2: Q_i = M^T P for every matrix, pre-scaled by 1/n -----------------------------
-        outs: list[torch.Tensor] = []
         if mats:
             ps = [orthonormalize(part.float().view(m.rows, m.rank))
                   for part, m in zip(p_parts, plan.matrices)]
@@ -239,17 +240,20 @@ class PowerSGDCompressor(Compressor):
             finite.append(torch.isfinite(reduced2).all())
             q_sizes = [m.cols * m.rank for m in plan.matrices]
             sents = local_q.split(q_sizes) if ef else [None] * len(mats)
-            for m, mat, p, q_avg, sent in zip(plan.matrices, mats, ps, reduced2.split(q_sizes),
+            # One copy of the reduced Qs: kept for the next step, not views of the engine's
+            # buffer.
+            kept = reduced2.float() if reduced2.dtype != torch.float32 else reduced2.clone()
+            for m, mat, p, q_avg, sent in zip(plan.matrices, mats, ps, kept.split(q_sizes),
                                               sents):
-                q_avg = q_avg.float().view(m.cols, m.rank)
-                outs.append(p @ q_avg.t())
+                q_avg = q_avg.view(m.cols, m.rank)
+                # The average straight into the buffer: without error feedback `mat` is a view
+                # of it too, but read no more (its Q_i has been sent).
+                torch.matmul(p, q_avg.t(), out=flat[m.start:m.end].view(m.rows, m.cols))
                 if ef:  # what this rank's own Q_i (as sent) did not carry
                     mat.sub_(p @ (sent.float().view(m.cols, m.rank) * n).t())
-                self._q_next[m.name] = q_avg.clone()  # not a view of the engine's buffer
+                self._q_next[m.name] = q_avg
 
-        # --- the average in place, the residual committed ---------------------------------------
-        for m, out in zip(plan.matrices, outs):
-            flat[m.start:m.end].copy_(out.reshape(-1))
+        # --- the dense part's average in place, the residual committed ----------------------------
         if dense_v.numel():
             flat.index_copy_(0, plan.dense_idx, dense_avg.float())
             if ef:  # the dense part's rounding error on the wire (0 on an FP32 wire)
