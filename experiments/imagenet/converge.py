@@ -31,8 +31,14 @@ import protocol  # noqa: E402
 import run_experiment as rx  # noqa: E402
 
 # DDP, the CSC default, the CSC default with momentum correction, torch's FP16 hook, PowerSGD
-# rank 4: the default against its former self and the peers a user would pick.
-SETTINGS = ["ddp-gloo", "csc-default", "csc-default-mc", "torch-fp16", "powersgd-4"]
+# rank 4: the default against its former self and the peers a user would pick. Digits' ResNet-18
+# (44.7 MB of gradient) fills two DDP buckets, where torch's PowerSGD hook on gloo aborts the job
+# (it did at epoch 7 of seed 10): it runs in one bucket there, and the engine's PowerSGD, which
+# takes DDP's buckets as they are, beside it.
+SETTINGS = {"fashion-mnist": ["ddp-gloo", "csc-default", "csc-default-mc", "torch-fp16",
+                              "powersgd-4"],
+            "digits": ["ddp-gloo", "csc-default", "csc-default-mc", "torch-fp16",
+                       "powersgd-4-1b", "gf-powersgd-4"]}
 MODELS = {"fashion-mnist": ["alexnet_shaped", "resnet_shaped"], "digits": ["resnet18"]}
 OUTS = {"fashion-mnist": HERE / "results" / "fashion-converged",
         "digits": HERE / "results" / "digits-converged"}
@@ -100,7 +106,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--data", choices=list(MODELS), default="fashion-mnist")
     p.add_argument("--models", nargs="+", default=None, help="default: the data set's models")
-    p.add_argument("--settings", nargs="+", default=SETTINGS, choices=list(rx.SETTINGS))
+    p.add_argument("--settings", nargs="+", default=None, choices=list(rx.SETTINGS),
+                   help="default: the data set's settings")
     p.add_argument("--seeds", nargs="+", type=int, default=list(protocol.REPORT_SEEDS))
     p.add_argument("--epochs", type=int, default=30)
     p.add_argument("--jobs", type=int, default=1, help="runs at a time (they share the cores)")
@@ -123,6 +130,7 @@ def main(argv=None) -> int:
     except protocol.ProtocolError as exc:
         p.error(str(exc))
     models = args.models or MODELS[args.data]
+    args.settings = args.settings or SETTINGS[args.data]
     extra = shlex.split(args.train_args)
     if args.quick:
         args.epochs, args.seeds = 2, args.seeds[:1]

@@ -80,6 +80,11 @@ SETTINGS = {
     "torch-fp16": ("DDP + torch fp16_compress_hook", ["--compression", "torch-fp16"]),
     "powersgd-2": ("DDP + PowerSGD rank 2", ["--compression", "powersgd", "--powersgd-rank", "2"]),
     "powersgd-4": ("DDP + PowerSGD rank 4", ["--compression", "powersgd", "--powersgd-rank", "4"]),
+    # The same in one DDP bucket: torch's hook on gloo aborts the job when a model has several
+    # ("Received data size doesn't match": its buckets' allreduces overtake each other).
+    "powersgd-4-1b": ("DDP + PowerSGD rank 4, one bucket",
+                      ["--compression", "powersgd", "--powersgd-rank", "4",
+                       "--bucket-cap-mb", "1024"]),
     # The same method on GradientFlow's engine (compression/powersgd.py): the same rank, start
     # step and FP32 wire, its factors fused and agreed like every other batch.
     "gf-powersgd-4": ("GradientFlow PowerSGD rank 4",
@@ -106,7 +111,7 @@ SETTINGS = {
 LIMIT = "nocomm"
 # Settings that always run on one transport (the others take --dist-backend).
 TRANSPORT = {"ddp-gloo": "gloo", "torch-fp16": "gloo", "powersgd-2": "gloo", "powersgd-4": "gloo",
-             "horovod": "gloo", "horovod-fp16": "gloo"}
+             "powersgd-4-1b": "gloo", "horovod": "gloo", "horovod-fp16": "gloo"}
 # Settings whose ranks run in the Horovod environment, started as horovodrun would.
 HOROVOD = ("horovod", "horovod-fp16")
 # The peers of the Fashion-MNIST comparison (compare.py), in table order; GradientFlow's CSC
