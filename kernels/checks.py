@@ -138,9 +138,10 @@ def chunk_norms(
     ``nesterov``: ``u = (momentum + grad) * m`` and ``v = residual + u + grad``. ``u`` is written
     into ``momentum_out`` (which may be ``momentum`` itself). ``v`` is written into ``grad``, or
     into ``v_out`` when given; ``residual`` is not modified unless it is ``v_out`` (an update in
-    place, which the caller cannot undo; otherwise it can undo a non-finite step). With ``zero_grad`` (only beside a ``v_out``) ``grad`` is zeroed in the same pass: a
-    compressor that keeps v in its spare residual buffer then only writes the sent chunks into
-    ``grad`` afterwards (``unpack_sent``), instead of a second full pass (``unpack_update``).
+    place, which the caller cannot undo; otherwise it can undo a non-finite step). With
+    ``zero_grad`` (only beside a ``v_out``) ``grad`` is zeroed in the same pass: a compressor
+    that keeps v in its spare residual buffer then only writes the sent chunks into ``grad``
+    afterwards (``unpack_sent``), instead of a second full pass (``unpack_update``).
 
     Args:
         grad: float32 gradient, N elements; overwritten with v.
