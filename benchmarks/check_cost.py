@@ -28,7 +28,8 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import fmt, machine_line, markdown_table, results_dir, write_result
+from benchmarks.common import (fmt, machine_line, markdown_table, results_dir, time_calls,
+                               write_result)
 from benchmarks.launch import launch
 
 HERE = Path(__file__).resolve().parent.parent
@@ -76,14 +77,7 @@ def beside_worker(rank: int, world_size: int, reps: int, with_gf: bool) -> dict:
         g = dist.new_group(backend="gradientflow")
         dist.all_reduce(torch.ones(1024), group=g)  # connected and used once
     x = torch.ones(1024)
-    for _ in range(20):
-        dist.all_reduce(x)
-    times = []
-    for _ in range(reps):
-        dist.barrier()
-        t0 = time.perf_counter()
-        dist.all_reduce(x)
-        times.append(time.perf_counter() - t0)
+    times = time_calls(lambda: dist.all_reduce(x), reps, warmup=20, before=dist.barrier)
     return {"gloo_ms": statistics.median(times) * 1e3}
 
 

@@ -73,12 +73,18 @@ def paired_ratio(num: Sequence[Sequence[float]], den: Sequence[Sequence[float]],
         percentile(meds, 97.5)
 
 
-def time_calls(fn: Callable[[], object], reps: int, warmup: int = 1) -> list[float]:
-    """Call `fn` warmup + reps times; return the wall time in seconds of each timed call."""
+def time_calls(fn: Callable[[], object], reps: int, warmup: int = 1,
+               before: Callable[[], object] | None = None) -> list[float]:
+    """Call `fn` warmup + reps times; return the wall time in seconds of each timed call.
+
+    `before` runs untimed ahead of each timed call (`dist.barrier`: the ranks start each call
+    together, so a rank's time is the collective's, not its wait for a late peer)."""
     for _ in range(warmup):
         fn()
     out = []
     for _ in range(reps):
+        if before is not None:
+            before()
         t0 = time.perf_counter()
         fn()
         out.append(time.perf_counter() - t0)

@@ -290,22 +290,14 @@ class Cluster:
 
 def probe_worker(rank: int, world_size: int, mbytes: float = 64.0, reps: int = 5) -> dict:
     """Time a gloo allreduce of `mbytes` MB; return the median and bus bandwidth (Gbit/s)."""
-    import time
-
     import torch
     import torch.distributed as dist
 
-    from benchmarks.common import median
+    from benchmarks.common import median, time_calls
 
     x = torch.ones(int(mbytes * 1e6 / 4), dtype=torch.float32)
-    dist.all_reduce(x)  # warm the connections
-    times = []
-    for _ in range(reps):
-        dist.barrier()
-        t0 = time.perf_counter()
-        dist.all_reduce(x)
-        times.append(time.perf_counter() - t0)
-    t = median(times)
+    # one untimed call warms the connections
+    t = median(time_calls(lambda: dist.all_reduce(x), reps, warmup=1, before=dist.barrier))
     n = world_size
     # Ring allreduce moves 2(n-1)/n of the message through every link: that is the bus bandwidth.
     busbw = 2 * (n - 1) / n * x.numel() * 4 * 8 / t / 1e9 if n > 1 else float("inf")
