@@ -69,11 +69,11 @@ def worker(rank: int, world: int, width: int, layers: int, steps: int,
         opt.step()
         losses.append(float(loss))
     shard_numel = sum(p.to_local().numel() for p in model.parameters())
-    out = {"rank": rank, "shard_numel": shard_numel, "losses": losses, "state_bytes": 0}
+    state_bytes = state.state_bytes() if state is not None else 0
+    out = {"rank": rank, "shard_numel": shard_numel, "losses": losses,
+           "state_x_shard": state_bytes / (4.0 * shard_numel)}  # copies of the FP32 shard
     if state is not None:
         out.update(state.stats())
-        out["state_bytes"] = sum(c.memory.nbytes() for u in state.units
-                                 for c in u.compressors().values())
     return out
 
 
@@ -107,8 +107,7 @@ def main(argv=None) -> int:
             steady = r0["replicate"]["steps"]
         rows.append({"config": label, "wire_bytes_per_step": wire, "steps": steps,
                      "steady_from": None if steady is None else steps - steady,
-                     "final_loss": r0["losses"][-1],
-                     "state_x_shard": r0["state_bytes"] / (4.0 * r0["shard_numel"])})
+                     "final_loss": r0["losses"][-1], "state_x_shard": r0["state_x_shard"]})
     dense = rows[0]["wire_bytes_per_step"]
     for row in rows:
         row["fewer_than_dense"] = dense / row["wire_bytes_per_step"]
@@ -132,7 +131,7 @@ def main(argv=None) -> int:
             ring = handed * 2 * (world - 1) / world
         fsdp_rows.append({"config": label, "handed": handed, "ring": ring,
                           "final_loss": r0["losses"][-1],
-                          "state_x_shard": r0["state_bytes"] / (4.0 * r0["shard_numel"])})
+                          "state_x_shard": r0["state_x_shard"]})
     for row in fsdp_rows:
         row["fewer_than_dense"] = fsdp_rows[0]["ring"] / row["ring"]
     params = sum(width * width + width for _ in range(layers)) + width * 10 + 10

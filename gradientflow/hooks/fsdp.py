@@ -169,6 +169,10 @@ class FSDPCompressionState:
                           "wire_bytes": sum(d["wire_bytes"] for d in dicts)}
         return out
 
+    def state_bytes(self) -> int:
+        """The bytes of compression state (residuals) this rank keeps, over every group."""
+        return sum(c.memory.nbytes() for c in self._compressors())
+
     # --- checkpoints --------------------------------------------------------------------------
     def _local_state(self) -> dict:
         return {"coord": (self.replicate_rank, self.shard_rank),

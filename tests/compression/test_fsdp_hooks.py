@@ -94,8 +94,7 @@ def train(rank, world, hsdp: bool, cfg: dict | None, steps: int, lr: float = 0.0
     local = [p.to_local().detach().clone() for p in model.parameters()]
     state_bytes = shard_bytes = 0
     if state is not None:  # the compressors' state, against one FP32 copy of the shard
-        state_bytes = sum(c.memory.nbytes() for u in state.units
-                          for c in u.compressors().values())
+        state_bytes = state.state_bytes()
         shard_bytes = sum(u.shard_layout.numel * 4 for u in state.units)
     return {"full": _full(model), "local": local, "losses": losses,
             "stats": state.stats() if state is not None else None,
