@@ -153,3 +153,136 @@ def sync_calls_on_the_caller_thread(rank, world):
 
 def test_sync_own_route_completes_in_the_call(pools):
     assert pools(2).run(sync_calls_on_the_caller_thread, timeout=90) == [[1024, 300_000]] * 2
+
+
+def repeated_calls_ride_in_their_round(rank, world, n_examples):
+    """Rank body: Hypothesis sequences of exchanged-size calls (sizes repeated or changed, a
+    small or a fused call between, some behind a pending async call so that they take the
+    engine's general path): gloo's bits every time, an exchanged call counted as such."""
+    import torch
+    import torch.distributed as dist
+    from hypothesis import HealthCheck, Phase, given, settings
+    from hypothesis import strategies as st
+
+    from gradientflow.backend import backend_of
+
+    gloo = dist.new_group(backend="gloo")
+    stats = backend_of().engine.stats
+    big, other = 2**18, 2**18 + 64  # 1 MB and a little more: both exchanged
+    seen = {"carried": 0, "exchanged": 0, "general": 0}
+
+    @settings(max_examples=n_examples, derandomize=True, database=None, deadline=None,
+              phases=[Phase.generate], suppress_health_check=list(HealthCheck))
+    @given(seed=st.integers(0, 2**30),
+           calls=st.lists(st.sampled_from(["big", "big", "big", "other", "small", "fused",
+                                           "queued"]), min_size=1, max_size=8))
+    def prop(seed, calls):
+        ids = [None] * world
+        dist.all_gather_object(ids, (seed, calls), group=gloo)
+        assert all(i == ids[0] for i in ids), f"ranks run different examples: {ids}"
+        dist.barrier()  # the example's calls start after the last one's rounds
+        g = torch.Generator().manual_seed(seed * 7 + rank)
+        for i, call in enumerate(calls):
+            n = {"big": big, "queued": big, "other": other, "small": 64, "fused": 64}[call]
+            x = torch.randn(n, generator=g)
+            ours, theirs = x.clone(), x.clone()
+            before = (stats.exchanged, stats.carried)
+            fast = stats.fast_path
+            # "queued": a fused async call still pending, so the engine is not idle
+            pending = dist.all_reduce(torch.ones(16), async_op=True) if call == "queued" else None
+            work = dist.all_reduce(ours, async_op=call == "fused")
+            for w in (work, pending):
+                if w is not None:
+                    w.wait()
+            dist.all_reduce(theirs, group=gloo)
+            assert torch.equal(ours, theirs), f"rank {rank}: call {i} ({call}) differs from gloo"
+            moved = (stats.exchanged - before[0], stats.carried - before[1])
+            if call in ("small", "fused"):
+                assert moved == (0, 0), (rank, i, calls, moved)
+            else:
+                assert moved[0] == 1, (rank, i, calls, moved)
+                seen["carried"] += moved[1]
+                seen["exchanged"] += 1
+                seen["general"] += stats.fast_path == fast
+
+    prop()
+    # The last repeated sizes: three alike in a row, the third carried.
+    before = stats.carried
+    for _ in range(3):
+        x = torch.ones(big)
+        dist.all_reduce(x)
+        assert torch.equal(x, torch.full((big,), 2.0)), f"rank {rank}: wrong sum"
+    assert stats.carried - before >= 1, f"rank {rank}: a third repeat was not carried"
+    return seen
+
+
+def test_a_repeated_exchanged_call_rides_in_its_round(pools):
+    seen = pools(2).run(repeated_calls_ride_in_their_round, 25, timeout=240)
+    assert seen[0]["carried"] >= 3 and seen[0]["exchanged"] > seen[0]["carried"], seen[0]
+
+
+def refused_in_a_carrying_round(rank, world, case):
+    """Rank body: after two alike 1 MB calls the next round carries 1 MB; a call that differs
+    there (larger than its room, or the same bytes of another dtype) is refused on every rank
+    with its tensor untouched, and the group works after it, repeated calls included."""
+    import torch
+    import torch.distributed as dist
+
+    from gradientflow.backend import backend_of
+    from gradientflow.errors import CollectiveMismatchError
+
+    stats = backend_of().engine.stats
+    big = 2**18
+    for _ in range(2):
+        dist.all_reduce(torch.ones(big))
+    if case == "larger":
+        x = torch.ones(big * (1 + rank))
+    else:
+        x = torch.ones(big if rank == 0 else big // 2,
+                       dtype=torch.float32 if rank == 0 else torch.float64)
+    try:
+        dist.all_reduce(x)
+        error = "no error"
+    except CollectiveMismatchError as exc:
+        error = str(exc)
+    assert f"rank {rank}" in error and "refused on every rank" in error, (rank, error)
+    assert torch.equal(x, torch.ones_like(x)), f"rank {rank}: a refused call changed its tensor"
+    before = stats.carried
+    for _ in range(3):
+        y = torch.full((big,), float(rank + 1))
+        dist.all_reduce(y)
+        assert torch.equal(y, torch.full((big,), 3.0)), f"rank {rank}: group unusable after"
+    assert stats.carried - before == 1, f"rank {rank}: {stats.carried - before} carried"
+    return error
+
+
+@pytest.mark.parametrize("case", ["larger", "dtype"])
+def test_a_mismatch_in_a_carrying_round_is_refused(pools, case):
+    msgs = pools(2).run(refused_in_a_carrying_round, case, timeout=90, pg_timeout_s=20)
+    assert all("sequence number" in m for m in msgs), msgs
+
+
+def carried_on_the_general_path(rank, world):
+    """Rank body: under GRADIENTFLOW_DEBUG (sync_own.py is not taken: every eager call goes
+    as a Claim or a queued op, issue.py) the third of three alike 1 MB calls is carried in
+    its round, with gloo's sum, and a larger call after them goes by the exchange."""
+    import torch
+    import torch.distributed as dist
+
+    from gradientflow.backend import backend_of
+
+    stats = backend_of().engine.stats
+    carried = stats.carried
+    for i in range(3):
+        x = torch.full((2**18,), float(rank + 1))
+        dist.all_reduce(x)
+        assert torch.equal(x, torch.full_like(x, 3.0)), f"rank {rank}: call {i}: wrong sum"
+    y = torch.full((2**18 + 8,), float(rank + 1))
+    dist.all_reduce(y)
+    assert torch.equal(y, torch.full_like(y, 3.0)), f"rank {rank}: the larger call: wrong sum"
+    return stats.carried - carried
+
+
+def test_a_repeated_call_rides_in_its_round_on_the_general_path(pools):
+    assert pools(2).run(carried_on_the_general_path,
+                        env={"GRADIENTFLOW_DEBUG": "1"}) == [1, 1]

@@ -138,6 +138,23 @@ def orthonormalize(p: torch.Tensor) -> torch.Tensor:
     return torch.linalg.qr(p, mode="reduced").Q
 
 
+def orthonormalize_many(ps: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """`orthonormalize` of each matrix, the matrices of one shape in one batched QR: a model's
+    factors come in a few shapes, and a QR call's fixed cost outweighs its work at rank r."""
+    groups: dict[tuple, list[int]] = {}
+    for i, p in enumerate(ps):
+        groups.setdefault((tuple(p.shape), p.dtype, p.device), []).append(i)
+    out: list = [None] * len(ps)
+    for idx in groups.values():
+        if len(idx) == 1:
+            out[idx[0]] = orthonormalize(ps[idx[0]])
+            continue
+        qs = torch.linalg.qr(torch.stack([ps[i] for i in idx]), mode="reduced").Q
+        for i, q in zip(idx, qs.unbind(0)):
+            out[i] = q
+    return out
+
+
 @register_compressor("powersgd", options=PowerSGDOptions, wire_dtype="fp32")
 class PowerSGDCompressor(Compressor):
     """Send each large gradient matrix as two rank-r factors (P, then Q), with error feedback."""
@@ -231,8 +248,8 @@ class PowerSGDCompressor(Compressor):
 
         # --- stage 2: Q_i = M^T P for every matrix, pre-scaled by 1/n -----------------------------
         if mats:
-            ps = [orthonormalize(part.float().view(m.rows, m.rank))
-                  for part, m in zip(p_parts, plan.matrices)]
+            ps = orthonormalize_many([part.float().view(m.rows, m.rank)
+                                      for part, m in zip(p_parts, plan.matrices)])
             stage2 = torch.cat([(mat.t() @ p).reshape(-1) for mat, p in zip(mats, ps)])
             stage2 = stage2.mul_(1.0 / n).to(wire)
             local_q = stage2.clone() if ef else None

@@ -36,9 +36,10 @@ _PAIR_MASK = (1 << _PAIR_BITS) - 1
 class Check:
     """One eager collective as an agreement round's candidate (`seq`, `fingerprint`,
     `describe()`), with what each rank sends and expects for all-to-all (`pairs`), and the
-    tensor of an allreduce that travels inside its round (`payload`, see `inband`)."""
+    tensor of an allreduce that may travel inside its round (`payload`, see `inband_cap`;
+    `summed`: it did, and the peers' were added: rounds.check)."""
 
-    __slots__ = ("seq", "key", "fingerprint", "pairs", "waited", "payload", "route")
+    __slots__ = ("seq", "key", "fingerprint", "pairs", "waited", "payload", "route", "summed")
 
     def __init__(self, seq: int, key: tuple, pairs: Any = None, waited: bool = False,
                  payload: torch.Tensor | None = None, route: int = 0) -> None:
@@ -52,6 +53,7 @@ class Check:
         self.waited = waited  # a synchronous call: its caller blocks on it
         self.payload = payload
         self.route = route
+        self.summed = False
 
     @classmethod
     def known(cls, seq: int, key: tuple, fingerprint: int, waited: bool,
@@ -66,6 +68,7 @@ class Check:
         chk.waited = waited
         chk.payload = payload
         chk.route = route
+        chk.summed = False
         return chk
 
     def describe(self) -> str:
@@ -79,7 +82,9 @@ class Check:
 #   exchange instead of a round and then the transport's allreduce. 4 KiB because every round
 #   of a group of two sends a frame of that size, whether it carries a payload or not.
 # - EXCHANGE, up to 4 MiB: after the round, one all-to-all of the whole tensor on the transport
-#   (one hop each way, where gloo's ring of two takes two in a row, each of half the bytes).
+#   (one hop each way, where gloo's ring of two takes two in a row, each of half the bytes);
+#   or inside the round, when the last two rounds agreed an exchanged call of its size
+#   (rounds.py): a repeated call then costs one exchange, as an in-band one does.
 INBAND, EXCHANGE = 1, 2
 _ROUTE_NAMES = {INBAND: " (in its check round)", EXCHANGE: " (exchanged whole)"}
 INBAND_BYTES = 4096
@@ -89,7 +94,8 @@ _SUM = hash(ReduceOp.SUM)
 
 
 def inband_cap(world_size: int) -> int:
-    """The largest payload a rank of a group of `world_size` may send in a round (0: none)."""
+    """The payload room of a round of a group of `world_size` (0: none), unless the rounds
+    before it agreed a larger one (rounds.Rounds._cap)."""
     return INBAND_BYTES if world_size == 2 else 0
 
 

@@ -1,18 +1,19 @@
-"""One message each way between every pair of ranks: a round's words, and a small payload.
+"""One message each way between every pair of ranks: a round's words, and a payload.
 
 The agreement rounds (rounds.py) send every rank's words to every other rank in one all-to-all
 of the side group. gloo aborts the process when the bytes a peer sends differ from the bytes
-expected, so every rank sends a frame of the same fixed size (`HEADER + payload_cap`, a
-function of the world size alone) whatever it holds: a peer that sent a round of another
-length, or another kind of round, is read and named instead.
+expected, so every rank sends frames of the same size (`HEADER + cap`) whatever it holds: a
+peer that sent a round of another length, or another kind of round, is read and named instead.
+The cap is the caller's, the same on every rank: a function of what the group's earlier rounds
+agreed (rounds.py), never of what this rank holds now.
 
-The frame can carry a payload: a small synchronous allreduce of two ranks travels inside its
-own check round (checks.own_route), so it costs one exchange instead of a round and then the
+The frame can carry a payload: a synchronous allreduce of two ranks travels inside its own
+check round (checks.own_route), so it costs one exchange instead of a round and then the
 transport's allreduce.
 
 Frame: int64 [nwords, payload bytes or -1], the words, then (from HEADER bytes on) the
 payload. A reader reads only the words and payload bytes the header announces, so whatever a
-reused buffer held beyond them is never read.
+reused buffer held beyond them is never read. A rank sends no frame to itself.
 """
 from __future__ import annotations
 
@@ -35,7 +36,8 @@ class FrameError(RuntimeError):
 
 
 class _Buffers:
-    """One thread's send and receive frames (tensors, and writable views for struct)."""
+    """One thread's send and receive frames (tensors, and writable views for struct), room
+    for `nbytes` each way: frames of any cap up to it lie from the start, one per peer."""
 
     __slots__ = ("send", "recv", "send_mem", "recv_mem", "send_ptr", "views")
 
@@ -54,9 +56,9 @@ class Exchange:
     """Rounds on one gloo group: `swap` sends this rank's frame to every rank and returns
     every rank's words and payload.
 
-    `payload_cap`: the largest payload any rank may send (the same on every rank);
-    `wait(work)` blocks on the all-to-all (rounds.py waits in
-    slices, so that a fault found meanwhile ends it).
+    `payload_cap`: the payload room of a round whose caller names none (the same on every
+    rank); `wait(work)` blocks on the all-to-all (rounds.py waits in slices, so that a fault
+    found meanwhile ends it).
     """
 
     def __init__(self, group: Any, rank: int, world_size: int, payload_cap: int,
@@ -66,43 +68,54 @@ class Exchange:
         self.world_size = world_size
         self.payload_cap = payload_cap
         self._wait = wait
-        self.frame = HEADER + payload_cap
         # Buffers per thread: a round on the engine thread and one on a caller's never share
         # them, and a thread's next round starts only after its last one was read.
         self._local = threading.local()
 
-    def _buffers(self) -> _Buffers:
+    def _buffers(self, frame: int) -> _Buffers:
+        """This thread's buffers, with room for one frame of `frame` bytes per peer."""
         bufs = getattr(self._local, "bufs", None)
-        if bufs is None:
-            bufs = self._local.bufs = _Buffers(self.world_size * self.frame)
+        need = max(1, self.world_size - 1) * frame
+        if bufs is None or bufs.send.numel() < need:
+            bufs = self._local.bufs = _Buffers(need)
+        self._local.frame = frame
         return bufs
 
-    def swap(self, words: list[int], payload: torch.Tensor | None = None
-             ) -> tuple[list[list[int]], list[int]]:
+    def _slot(self, r: int) -> int:
+        """Where peer `r`'s frame lies in a thread's buffers, in frames (none for this rank)."""
+        return r - (r > self.rank)
+
+    def swap(self, words: list[int], payload: torch.Tensor | None = None,
+             cap: int | None = None) -> tuple[list[list[int]], list[int]]:
         """Every rank's words and payload size in bytes (-1 where a rank sent none), by rank;
-        `payload_of` reads a peer's payload until this thread's next swap. Raises FrameError
-        on a frame that cannot be read."""
+        `payload_of` reads a peer's payload until this thread's next swap. `cap`: this
+        round's payload room (every rank must name the same; default `payload_cap`). Raises
+        FrameError on a frame that cannot be read."""
         k = len(words)
         if k > MAX_WORDS:
             raise ValueError(f"Exchange.swap: at most {MAX_WORDS} words, got {k}")
+        cap = self.payload_cap if cap is None else cap
         nbytes = -1 if payload is None else payload.numel() * payload.element_size()
-        if nbytes > self.payload_cap:
+        if nbytes > cap:
             raise ValueError(f"Exchange.swap: a payload of {nbytes} bytes exceeds the "
-                             f"{self.payload_cap} every rank can receive")
+                             f"{cap} every rank can receive in this round")
         if nbytes > 0 and (payload.device.type != "cpu" or not payload.is_contiguous()):
             raise ValueError("Exchange.swap: the payload must be a contiguous CPU tensor")
-        n, f, me = self.world_size, self.frame, self.rank
-        bufs = self._buffers()
-        # The same frame to every other rank (this rank's own slot is never read).
+        n, f, me = self.world_size, HEADER + cap, self.rank
+        bufs = self._buffers(f)
+        # The same frame to every other rank, none to itself.
         pack = _WORDS[k].pack_into
         mem = bufs.send_mem
-        for r in range(n):
-            if r != me:
-                pack(mem, r * f, k, nbytes, *words)
-                if nbytes > 0:
-                    ctypes.memmove(bufs.send_ptr + r * f + HEADER, payload.data_ptr(), nbytes)
+        for i in range(n - 1):
+            pack(mem, i * f, k, nbytes, *words)
+            if nbytes > 0:
+                ctypes.memmove(bufs.send_ptr + i * f + HEADER, payload.data_ptr(), nbytes)
+        splits = [0 if r == me else f for r in range(n)]
+        total = (n - 1) * f
         try:
-            self._wait(self._group.alltoall_base(bufs.recv, bufs.send, [], []))
+            if n > 1:
+                self._wait(self._group.alltoall_base(bufs.recv[:total], bufs.send[:total],
+                                                     splits, splits))
         except BaseException:
             # The all-to-all may still be writing into them: the next round takes new ones.
             self._local.bufs = None
@@ -115,24 +128,26 @@ class Exchange:
                 every_words.append(list(words))
                 sizes.append(nbytes)
                 continue
-            their_k, their_n = _HEAD.unpack_from(rmem, r * f)
-            if not 0 <= their_k <= MAX_WORDS or their_n > self.payload_cap:
+            at = self._slot(r) * f
+            their_k, their_n = _HEAD.unpack_from(rmem, at)
+            if not 0 <= their_k <= MAX_WORDS or their_n > cap:
                 raise FrameError(f"rank {r} sent a frame that is not an agreement round "
                                  f"({their_k} words, {their_n} payload bytes)")
-            every_words.append(list(_READ[their_k].unpack_from(rmem, r * f + 16)))
+            every_words.append(list(_READ[their_k].unpack_from(rmem, at + 16)))
             sizes.append(their_n)
         return every_words, sizes
 
     def payload_of(self, r: int, like: torch.Tensor) -> torch.Tensor:
         """Peer `r`'s payload of this thread's last swap, as a tensor of `like`'s dtype and
         shape (a view of the receive buffer, valid until this thread's next swap)."""
-        bufs = self._buffers()
-        key = (r, like.dtype, like.shape)
+        bufs = self._local.bufs
+        f = self._local.frame
+        key = (r, like.dtype, like.shape, f)
         view = bufs.views.get(key)
         if view is None:
             if len(bufs.views) >= 256:
                 bufs.views.clear()
-            start = r * self.frame + HEADER
+            start = self._slot(r) * f + HEADER
             nbytes = like.numel() * like.element_size()
             view = bufs.views[key] = bufs.recv[start:start + nbytes].view(like.dtype).view(
                 like.shape)

@@ -188,21 +188,23 @@ class Issue:
                 return None  # complete: no Work (sync_own.py); else queued below
         stats = self._stats
 
-        def launch(seq: int) -> Any:  # once the round agreed the call on every rank
+        def launch(seq: int, chk: Check) -> Any:  # once the round agreed the call everywhere
             if route == INBAND:  # summed inside the round: nothing left to send
                 stats.record_inband()
                 return own_routes.done(self._works, seq, tensors)
             if route == EXCHANGE:
-                stats.record_exchange()
+                stats.record_exchange(carried=chk.summed)
+                if chk.summed:  # the round had room for it (rounds.py)
+                    return own_routes.done(self._works, seq, tensors)
                 return own_routes.exchange(main(tensor.device), tensor, self._parts.rank,
                                            self._works, seq,
                                            None if async_op else self._parts.rounds.wait)
             return main(tensor.device).allreduce(tensors, opts)
 
         return self._issue("all_reduce", lambda seq, chk: self._eager(
-            seq, "all_reduce", lambda: launch(seq), tensors, tensor.device, chk), tensor, opts,
-            tensor.device, reduce_op, outputs=tensors,
-            payload=tensor if route == INBAND else None, route=route)
+            seq, "all_reduce", lambda: launch(seq, chk), tensors, tensor.device, chk), tensor,
+            opts, tensor.device, reduce_op, outputs=tensors,
+            payload=tensor if route in (INBAND, EXCHANGE) else None, route=route)
 
     def collective(self, name: str, device: torch.device, call: Callable[[Any], Any],
                    outputs: Any, opts: Any = None, sig: torch.Tensor | None = None,

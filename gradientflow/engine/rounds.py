@@ -9,6 +9,13 @@ ranks disagree, gathers every rank's view for the error.
 Every round carries at least one op, so every rank reads the same words and reaches the same
 verdict: a mismatch refuses the same ops on every rank, before any of their data moved, and
 the group stays usable (`CollectiveMismatchError.refused`).
+
+A round's frame has room for a small allreduce's tensor (checks.INBAND). When the last two
+rounds each agreed an exchanged allreduce (checks.EXCHANGE) of the same size, the next round's
+frames have room for that size: a program that repeats the call has its tensor carried in the
+call's own round, one exchange instead of a round and then the data. The room is a function of
+what earlier rounds agreed, so every rank sends frames of one size whatever it now holds; a
+call that differs is refused as in any round, before its payload is read.
 """
 from __future__ import annotations
 
@@ -22,7 +29,7 @@ import torch
 from torch._C._distributed_c10d import ReduceOp
 
 from gradientflow.engine.agreement import batch_fingerprint, read_round, round_words, verdict
-from gradientflow.engine.checks import Check, inband_cap, pair_word, pairs_agree
+from gradientflow.engine.checks import EXCHANGE, Check, inband_cap, pair_word, pairs_agree
 from gradientflow.engine.exchange import Exchange
 from gradientflow.engine.fusion import FusableOp
 from gradientflow.errors import CollectiveMismatchError, EngineError
@@ -49,6 +56,9 @@ class Rounds:
         # Whether a round can carry a call's tensor (checks.own_route): every frame of the
         # group is then that much larger; the solo channel's rounds carry none.
         self._payload_cap = inband_cap(world_size) if payloads else 0
+        # Bytes of the exchanged allreduce each of the last two rounds agreed (0: a round of
+        # another kind, or one that failed): the same on every rank (_cap).
+        self._recent = (0, 0)
         # Every rank's payload of this thread's last round (exchange.py), per thread: the
         # engine thread and a caller's thread each read their own round's.
         self._last = threading.local()
@@ -68,11 +78,36 @@ class Rounds:
         When every rank has the same count (the usual case: the batch is closed by waits at
         the end of a step) one round is the whole check. Otherwise a second round compares the
         full fingerprint of the prefix every rank has.
+
+        A lone candidate's `payload`, if the round has room for it (_cap), travels in the round
+        (this thread's `_last.rode` says whether it did; check adds the peers').
         """
+        try:
+            n = self._agree(candidates, waited)
+        except BaseException:
+            self._recent = (self._recent[1], 0)
+            raise
+        one = candidates[0]
+        self._recent = (self._recent[1], _nbytes(one.payload) if (
+            n == 1 and isinstance(one, Check) and one.route == EXCHANGE) else 0)
+        return n
+
+    def _cap(self) -> int:
+        """The payload room of this round's frames: the in-band size, or the size of the
+        exchanged allreduce that each of the last two rounds agreed, when they agreed the same
+        (module doc). The same on every rank: it follows what the rounds agreed."""
+        a, b = self._recent
+        base = self._payload_cap
+        return b if base and a == b > base else base
+
+    def _agree(self, candidates: list, waited: bool) -> int:
         t0 = time.perf_counter()
         k = len(candidates)
         first = candidates[0].seq
         payload = getattr(candidates[0], "payload", None) if k == 1 else None
+        if payload is not None and _nbytes(payload) > self._cap():
+            payload = None  # no room this round: the data goes after it
+        self._last.rode = payload is not None
         a, b, all_waited = self._reduce(
             round_words(k, batch_fingerprint(candidates)) + [int(waited)], ReduceOp.MIN, first,
             payload)
@@ -98,19 +133,23 @@ class Rounds:
             raise self._mismatch(candidates[:n], first + n, (lo, hi), bool(all_waited))
         return n
 
-    def check(self, chk: Check, waited: bool = True) -> None:
+    def check(self, chk: Check, waited: bool = True) -> bool:
         """The round of one eager collective (and, for all-to-all, its pair round); raises
         CollectiveMismatchError on every rank, before any data moved, if the ranks differ
-        (`waited`: as in agree)."""
+        (`waited`: as in agree). True when the call's payload travelled in the round and the
+        peers' are added to it: nothing of the call is left to send (`chk.summed` says so too).
+        """
         self.agree([chk], waited)
-        if chk.payload is not None:
+        chk.summed = self._last.rode
+        if chk.summed:
             self._add_payloads(chk.payload)
         if chk.pairs is None:
-            return
+            return chk.summed
         send, recv = chk.pairs()
         total = self._reduce([pair_word(self.rank, send, recv)], ReduceOp.SUM, chk.seq)[0]
         if not pairs_agree(total):
             raise self._pairs_mismatch(chk, send, recv)
+        return chk.summed
 
     def _add_payloads(self, tensor: torch.Tensor) -> None:
         """An in-band allreduce's result: the other ranks' tensors, from the round just agreed,
@@ -141,7 +180,7 @@ class Rounds:
         another kind of round is read and named instead of aborting the transport.
         """
         try:
-            every, self._last.payloads = self._exchange().swap(words, payload)
+            every, self._last.payloads = self._exchange().swap(words, payload, self._cap())
         except CollectiveMismatchError:
             raise
         except Exception as exc:
@@ -279,6 +318,10 @@ class Rounds:
         outs = [torch.zeros(cap, dtype=torch.uint8) for _ in range(self.world_size)]
         self.wait(self._group.allgather([outs], [padded]))
         return [pickle.loads(bytes(o[:int(sz.item())].tolist())) for o, sz in zip(outs, sizes)]
+
+
+def _nbytes(tensor: torch.Tensor | None) -> int:
+    return 0 if tensor is None else tensor.numel() * tensor.element_size()
 
 
 def describe_op(chk: Check) -> str:

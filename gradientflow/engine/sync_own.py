@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
-from gradientflow.engine.checks import EXCHANGE, INBAND, Check, refuses_only_the_call, signature
+from gradientflow.engine.checks import EXCHANGE, Check, refuses_only_the_call, signature
 
 if TYPE_CHECKING:
     from gradientflow.engine.issue import IssueParts
@@ -82,7 +82,8 @@ class SyncOwn:
             queue.floor = True
             self._checking.add(seq)
             parts.stats.record_eager(True)
-            chk = Check.known(seq, key, fp, True, tensor if route == INBAND else None, route)
+            # Both routes offer the tensor to the round, which carries it when it has room.
+            chk = Check.known(seq, key, fp, True, tensor, route)
             if insp is not None:
                 insp.record(seq, "all_reduce", tensor, None, reduce_op, call)
         try:
@@ -94,8 +95,9 @@ class SyncOwn:
                     raise
                 raise parts.fail(exc) from None
             if route == EXCHANGE:
-                parts.stats.record_exchange()
-                self._exchange(tensor)
+                parts.stats.record_exchange(carried=chk.summed)
+                if not chk.summed:
+                    self._exchange(tensor)
             else:
                 parts.stats.record_inband()
         finally:

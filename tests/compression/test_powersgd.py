@@ -365,3 +365,25 @@ def test_optimizer_and_horovod_at_full_rank_equal_sgd_on_the_average(pools):
     for rank, worst in enumerate(pools(2).run(optimizer_full_rank, backend="gradientflow",
                                               timeout=TIMEOUT_S)):
         assert all(w < 1e-5 for w in worst.values()), (rank, worst)
+
+
+@SETTINGS
+@given(shapes=st.lists(st.tuples(st.integers(1, 12), st.integers(1, 4)), min_size=1,
+                       max_size=6),
+       repeat=st.integers(1, 3), seed=st.integers(0, 2**16))
+def test_batched_orthonormalisation_is_each_matrix_alone(shapes, repeat, seed):
+    """orthonormalize_many (one batched QR per shape) gives each matrix orthonormal columns
+    spanning what orthonormalize alone spans, in the input's order."""
+    from gradientflow.compression.powersgd import orthonormalize, orthonormalize_many
+
+    gen = torch.Generator().manual_seed(seed)
+    ps = [torch.randn(max(rows, r), r, generator=gen) for rows, r in shapes for _ in
+          range(repeat)]
+    got = orthonormalize_many(ps)
+    assert len(got) == len(ps)
+    for p, q in zip(ps, got):
+        want = orthonormalize(p)
+        assert q.shape == want.shape
+        eye = torch.eye(q.shape[1])
+        assert torch.allclose(q.t() @ q, eye, atol=1e-5)
+        assert torch.allclose(q @ q.t(), want @ want.t(), atol=1e-5)
