@@ -13,7 +13,7 @@ transport's allreduce.
 
 Frame: int64 [nwords, payload bytes or -1], the words, then (from HEADER bytes on) the
 payload. A reader reads only the words and payload bytes the header announces, so whatever a
-reused buffer held beyond them is never read. A rank sends no frame to itself.
+reused buffer held beyond them is never read. A large frame is not sent by a rank to itself.
 """
 from __future__ import annotations
 
@@ -37,9 +37,10 @@ class FrameError(RuntimeError):
 
 class _Buffers:
     """One thread's send and receive frames (tensors, and writable views for struct), room
-    for `nbytes` each way: frames of any cap up to it lie from the start, one per peer."""
+    for `nbytes` each way; `cuts[frame]`: the (send, recv) slices a round of that frame size
+    hands the transport."""
 
-    __slots__ = ("send", "recv", "send_mem", "recv_mem", "send_ptr", "views")
+    __slots__ = ("send", "recv", "send_mem", "recv_mem", "send_ptr", "views", "cuts")
 
     def __init__(self, nbytes: int) -> None:
         self.send = torch.zeros(nbytes, dtype=torch.uint8)
@@ -47,9 +48,16 @@ class _Buffers:
         self.send_mem = memoryview(self.send.numpy())
         self.recv_mem = memoryview(self.recv.numpy())
         self.send_ptr = self.send.data_ptr()
-        # (rank, dtype, shape) -> that rank's payload in `recv`, typed and shaped: a program
-        # repeats a few shapes, and three tensor views per call cost more than a lookup.
+        # (rank, dtype, shape, frame) -> that rank's payload in `recv`, typed and shaped: a
+        # program repeats a few shapes, and three tensor views per call cost more than a lookup.
         self.views: dict = {}
+        self.cuts: dict = {}
+
+
+# Frames up to this size keep a slot for the rank itself (never read): one all-to-all of equal
+# parts, gloo's quickest for small frames. Larger ones leave it out, which saves gloo copying
+# a large frame to itself.
+_SELF_SLOT_MAX = 64 * 1024
 
 
 class Exchange:
@@ -73,17 +81,32 @@ class Exchange:
         self._local = threading.local()
 
     def _buffers(self, frame: int) -> _Buffers:
-        """This thread's buffers, with room for one frame of `frame` bytes per peer."""
+        """This thread's buffers, with room for a round of `frame`-byte frames."""
         bufs = getattr(self._local, "bufs", None)
-        need = max(1, self.world_size - 1) * frame
+        n = self.world_size
+        need = (n if frame <= _SELF_SLOT_MAX else max(1, n - 1)) * frame
         if bufs is None or bufs.send.numel() < need:
             bufs = self._local.bufs = _Buffers(need)
         self._local.frame = frame
         return bufs
 
-    def _slot(self, r: int) -> int:
-        """Where peer `r`'s frame lies in a thread's buffers, in frames (none for this rank)."""
-        return r - (r > self.rank)
+    def _slot(self, r: int, frame: int) -> int:
+        """Where peer `r`'s frame lies in a round's buffers, in frames."""
+        return r if frame <= _SELF_SLOT_MAX else r - (r > self.rank)
+
+    def _cut(self, bufs: _Buffers, frame: int) -> tuple:
+        """(send, recv, splits) of a round of `frame`-byte frames (made once per size)."""
+        cut = bufs.cuts.get(frame)
+        if cut is None:
+            n = self.world_size
+            if frame <= _SELF_SLOT_MAX:
+                cut = (bufs.send[:n * frame], bufs.recv[:n * frame], [])
+            else:
+                total = (n - 1) * frame
+                splits = [0 if r == self.rank else frame for r in range(n)]
+                cut = (bufs.send[:total], bufs.recv[:total], splits)
+            bufs.cuts[frame] = cut
+        return cut
 
     def swap(self, words: list[int], payload: torch.Tensor | None = None,
              cap: int | None = None) -> tuple[list[list[int]], list[int]]:
@@ -103,19 +126,19 @@ class Exchange:
             raise ValueError("Exchange.swap: the payload must be a contiguous CPU tensor")
         n, f, me = self.world_size, HEADER + cap, self.rank
         bufs = self._buffers(f)
-        # The same frame to every other rank, none to itself.
+        # The same frame to every other rank (_slot: where each lies).
         pack = _WORDS[k].pack_into
         mem = bufs.send_mem
-        for i in range(n - 1):
-            pack(mem, i * f, k, nbytes, *words)
-            if nbytes > 0:
-                ctypes.memmove(bufs.send_ptr + i * f + HEADER, payload.data_ptr(), nbytes)
-        splits = [0 if r == me else f for r in range(n)]
-        total = (n - 1) * f
+        for r in range(n):
+            if r != me:
+                at = self._slot(r, f) * f
+                pack(mem, at, k, nbytes, *words)
+                if nbytes > 0:
+                    ctypes.memmove(bufs.send_ptr + at + HEADER, payload.data_ptr(), nbytes)
+        send, recv, splits = self._cut(bufs, f)
         try:
             if n > 1:
-                self._wait(self._group.alltoall_base(bufs.recv[:total], bufs.send[:total],
-                                                     splits, splits))
+                self._wait(self._group.alltoall_base(recv, send, splits, splits))
         except BaseException:
             # The all-to-all may still be writing into them: the next round takes new ones.
             self._local.bufs = None
@@ -128,7 +151,7 @@ class Exchange:
                 every_words.append(list(words))
                 sizes.append(nbytes)
                 continue
-            at = self._slot(r) * f
+            at = self._slot(r, f) * f
             their_k, their_n = _HEAD.unpack_from(rmem, at)
             if not 0 <= their_k <= MAX_WORDS or their_n > cap:
                 raise FrameError(f"rank {r} sent a frame that is not an agreement round "
@@ -147,7 +170,7 @@ class Exchange:
         if view is None:
             if len(bufs.views) >= 256:
                 bufs.views.clear()
-            start = self._slot(r) * f + HEADER
+            start = self._slot(r, f) * f + HEADER
             nbytes = like.numel() * like.element_size()
             view = bufs.views[key] = bufs.recv[start:start + nbytes].view(like.dtype).view(
                 like.shape)
