@@ -97,3 +97,37 @@ def test_a_changed_number_is_caught():
     delta = re.search(r"\(([+-])(\d+\.\d+)\)", rows[2][2])  # the CSC row's difference
     flipped = {"+": "-", "-": "+"}[delta.group(1)] + delta.group(2)
     assert unmatched(readme.replace(delta.group(0), f"({flipped})", 1)) != []
+
+
+def paragraph(readme: str, opening: str) -> str:
+    """The README paragraph that starts with `opening` (up to the next blank line)."""
+    start = readme.index(opening)
+    end = readme.find("\n\n", start)
+    return readme[start:end if end >= 0 else len(readme)]
+
+
+def unmatched_in_paragraph(text: str, root: Path = ROOT) -> list[str]:
+    """Every decimal number of a paragraph that none of the results folders it cites
+    (`.../results/<name>/`, their results.md) holds at its rounding; kB in a file may be quoted
+    as MB."""
+    folders = re.findall(r"`([^`]*results/[^`]+)/`", text)
+    held = []
+    for folder in folders:
+        for _, value, places, _ in numbers((root / folder / "results.md").read_text()):
+            held += [value, value / 1000]
+    missing = []
+    for sign, value, places, _ in numbers(text):
+        if places and not any(round(v, places) == value for v in held):
+            missing.append(f"{sign}{value:.{places}f}")
+    return missing
+
+
+def test_the_digits_paragraph_holds_only_numbers_of_its_results():
+    readme = (ROOT / "README.md").read_text()
+    text = paragraph(readme, "**Read with care.**")
+    assert "digits-converged" in text and "digits-plateau" in text, text[:200]
+    assert unmatched_in_paragraph(text) == []
+    # a number changed by hand is caught
+    first = re.search(r"\d+\.\d\d%", text).group(0)  # e.g. "98.67%"
+    wrong = f"{float(first[:-1]) + 0.03:.2f}%"
+    assert unmatched_in_paragraph(text.replace(first, wrong, 1)) == [wrong[:-1]]
