@@ -98,6 +98,8 @@ class Exchange:
         """(send, recv, splits) of a round of `frame`-byte frames (made once per size)."""
         cut = bufs.cuts.get(frame)
         if cut is None:
+            if len(bufs.cuts) >= 64:  # a program repeating many sizes: keep a few
+                bufs.cuts.clear()
             n = self.world_size
             if frame <= _SELF_SLOT_MAX:
                 cut = (bufs.send[:n * frame], bufs.recv[:n * frame], [])
