@@ -133,23 +133,21 @@ class Rounds:
             raise self._mismatch(candidates[:n], first + n, (lo, hi), bool(all_waited))
         return n
 
-    def check(self, chk: Check, waited: bool = True) -> bool:
+    def check(self, chk: Check, waited: bool = True) -> None:
         """The round of one eager collective (and, for all-to-all, its pair round); raises
         CollectiveMismatchError on every rank, before any data moved, if the ranks differ
-        (`waited`: as in agree). True when the call's payload travelled in the round and the
-        peers' are added to it: nothing of the call is left to send (`chk.summed` says so too).
-        """
+        (`waited`: as in agree). Sets `chk.summed` when the call's payload travelled in the
+        round and the peers' were added to it: nothing of the call is left to send."""
         self.agree([chk], waited)
         chk.summed = self._last.rode
         if chk.summed:
             self._add_payloads(chk.payload)
         if chk.pairs is None:
-            return chk.summed
+            return
         send, recv = chk.pairs()
         total = self._reduce([pair_word(self.rank, send, recv)], ReduceOp.SUM, chk.seq)[0]
         if not pairs_agree(total):
             raise self._pairs_mismatch(chk, send, recv)
-        return chk.summed
 
     def _add_payloads(self, tensor: torch.Tensor) -> None:
         """An in-band allreduce's result: the other ranks' tensors, from the round just agreed,
