@@ -60,6 +60,12 @@ class _Buffers:
 _SELF_SLOT_MAX = 64 * 1024
 
 
+def _keeps_self_slot(frame: int) -> bool:
+    """Whether a round of `frame`-byte frames lays out a slot for every rank, its own included
+    (the layout every rank derives alike from the frame size)."""
+    return frame <= _SELF_SLOT_MAX
+
+
 class Exchange:
     """Rounds on one gloo group: `swap` sends this rank's frame to every rank and returns
     every rank's words and payload.
@@ -84,7 +90,7 @@ class Exchange:
         """This thread's buffers, with room for a round of `frame`-byte frames."""
         bufs = getattr(self._local, "bufs", None)
         n = self.world_size
-        need = (n if frame <= _SELF_SLOT_MAX else max(1, n - 1)) * frame
+        need = (n if _keeps_self_slot(frame) else max(1, n - 1)) * frame
         if bufs is None or bufs.send.numel() < need:
             bufs = self._local.bufs = _Buffers(need)
         self._local.frame = frame
@@ -92,7 +98,7 @@ class Exchange:
 
     def _slot(self, r: int, frame: int) -> int:
         """Where peer `r`'s frame lies in a round's buffers, in frames."""
-        return r if frame <= _SELF_SLOT_MAX else r - (r > self.rank)
+        return r if _keeps_self_slot(frame) else r - (r > self.rank)
 
     def _cut(self, bufs: _Buffers, frame: int) -> tuple:
         """(send, recv, splits) of a round of `frame`-byte frames (made once per size)."""
@@ -101,7 +107,7 @@ class Exchange:
             if len(bufs.cuts) >= 64:  # a program repeating many sizes: keep a few
                 bufs.cuts.clear()
             n = self.world_size
-            if frame <= _SELF_SLOT_MAX:
+            if _keeps_self_slot(frame):
                 cut = (bufs.send[:n * frame], bufs.recv[:n * frame], [])
             else:
                 total = (n - 1) * frame
