@@ -100,6 +100,11 @@ class _Plan:
     matrices: tuple[_Matrix, ...]
     dense_idx: torch.Tensor  # int64 positions of the dense elements
 
+    @property
+    def p_numel(self) -> int:
+        """Elements of every matrix's P (rows x rank), stage 1's head."""
+        return sum(m.rows * m.rank for m in self.matrices)
+
 
 @dataclass(frozen=True)
 class _Local:
@@ -110,9 +115,8 @@ class _Local:
     plan: _Plan
     v: torch.Tensor
     mats: list
-    dense_v: torch.Tensor
     stage1: torch.Tensor
-    local_dense: torch.Tensor | None  # stage 1's dense part as sent (error feedback)
+    local_dense: torch.Tensor | None  # stage 1's dense part as sent (a rounding wire's EF)
 
 
 def _build_plan(layout: Layout, opts: PowerSGDOptions, factors: bool) -> _Plan:
@@ -209,13 +213,21 @@ class PowerSGDCompressor(Compressor):
             v = flat
         mats = [v[m.start:m.end].view(m.rows, m.cols) for m in plan.matrices]
         qs = [self._q_of(m, flat.device) for m in plan.matrices]
-        dense_v = v.index_select(0, plan.dense_idx)
-        # stage 1: P_i = M Q for every matrix, and the dense part, all pre-scaled by 1/n
-        stage1 = torch.cat([(mat @ q).reshape(-1) for mat, q in zip(mats, qs)] + [dense_v])
+        # stage 1: P_i = M Q for every matrix, and the dense part, all pre-scaled by 1/n,
+        # written in place into one tensor (no per-matrix temporaries and no concatenation)
+        p_end = plan.p_numel
+        stage1 = torch.empty(p_end + plan.dense_idx.numel(), dtype=v.dtype, device=v.device)
+        at = 0
+        for m, mat, q in zip(plan.matrices, mats, qs):
+            torch.matmul(mat, q, out=stage1[at:at + m.rows * m.rank].view(m.rows, m.rank))
+            at += m.rows * m.rank
+        torch.index_select(v, 0, plan.dense_idx, out=stage1[p_end:])
         stage1 = stage1.mul_(1.0 / n).to(cfg.torch_wire_dtype)
-        local_dense = (stage1[stage1.numel() - dense_v.numel():].clone()
-                       if cfg.error_feedback else None)
-        return _Local(factors, plan, v, mats, dense_v, stage1, local_dense)
+        # The dense part's error feedback needs what was sent only where the wire rounds it:
+        # on a wire of the buffer's own dtype the values themselves were sent.
+        local_dense = (stage1[p_end:].clone()
+                       if cfg.error_feedback and stage1.dtype != v.dtype else None)
+        return _Local(factors, plan, v, mats, stage1, local_dense)
 
     def reduce_many(self, flats: Sequence[torch.Tensor], layouts: Sequence[Layout], *,
                     loss_scale: float = 1.0, final: bool = False,
@@ -237,20 +249,25 @@ class PowerSGDCompressor(Compressor):
         n, ef = self.world_size, self.config.error_feedback
         wire = self.config.torch_wire_dtype
         local = prepared if prepared is not None else self._local(flat, layout, loss_scale)
-        plan, v, mats, dense_v = local.plan, local.v, local.mats, local.dense_v
+        plan, v, mats = local.plan, local.v, local.mats
         local_dense = local.local_dense
         self.stats.add_bucket(numel=flat.numel(), elements_sent_dense=plan.dense_idx.numel(),
                               warmup=not local.factors)
         reduced1 = yield from self._stage(local.stage1, final=final and not mats)
         finite = [torch.isfinite(reduced1).all()]
         p_sizes = [m.rows * m.rank for m in plan.matrices]
-        *p_parts, dense_avg = reduced1.split(p_sizes + [dense_v.numel()])
+        *p_parts, dense_avg = reduced1.split(p_sizes + [plan.dense_idx.numel()])
 
         # --- stage 2: Q_i = M^T P for every matrix, pre-scaled by 1/n -----------------------------
         if mats:
             ps = orthonormalize_many([part.float().view(m.rows, m.rank)
                                       for part, m in zip(p_parts, plan.matrices)])
-            stage2 = torch.cat([(mat.t() @ p).reshape(-1) for mat, p in zip(mats, ps)])
+            stage2 = torch.empty(sum(m.cols * m.rank for m in plan.matrices), dtype=v.dtype,
+                                 device=v.device)
+            at = 0
+            for m, mat, p in zip(plan.matrices, mats, ps):
+                torch.matmul(mat.t(), p, out=stage2[at:at + m.cols * m.rank].view(m.cols, m.rank))
+                at += m.cols * m.rank
             stage2 = stage2.mul_(1.0 / n).to(wire)
             local_q = stage2.clone() if ef else None
             reduced2 = yield from self._stage(stage2, final=final)
@@ -266,15 +283,18 @@ class PowerSGDCompressor(Compressor):
                 # The average straight into the buffer: without error feedback `mat` is a view
                 # of it too, but read no more (its Q_i has been sent).
                 torch.matmul(p, q_avg.t(), out=flat[m.start:m.end].view(m.rows, m.cols))
-                if ef:  # what this rank's own Q_i (as sent) did not carry
-                    mat.sub_(p @ (sent.float().view(m.cols, m.rank) * n).t())
+                if ef:  # what this rank's own Q_i (as sent) did not carry, in place
+                    mat.addmm_(p, sent.float().view(m.cols, m.rank).t(), alpha=-n)
                 self._q_next[m.name] = q_avg
 
         # --- the dense part's average in place, the residual committed ----------------------------
-        if dense_v.numel():
+        if plan.dense_idx.numel():
             flat.index_copy_(0, plan.dense_idx, dense_avg.float())
-            if ef:  # the dense part's rounding error on the wire (0 on an FP32 wire)
-                v.index_copy_(0, plan.dense_idx, dense_v - local_dense.float() * n)
+            if ef and local_dense is None:  # the wire sent the values themselves
+                v.index_fill_(0, plan.dense_idx, 0.0)
+            elif ef:  # the dense part's rounding error on the wire
+                v.index_copy_(0, plan.dense_idx,
+                              v.index_select(0, plan.dense_idx) - local_dense.float() * n)
         if ef:
             self.memory.commit(layout, (("residual", "_residual_spare"),))
         ok = finite[0] if len(finite) == 1 else torch.stack(finite).all()
