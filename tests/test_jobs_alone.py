@@ -10,8 +10,11 @@ import torch
 
 from gradientflow.config import Config
 from gradientflow.engine.fusion import FusableOp, Message
-from gradientflow.engine.jobs import AgreeBatch, EagerOp, JobParts
+from gradientflow.engine.jobs import AgreeBatch, EagerOp, JobParts, StagesBatch
 from gradientflow.engine.queue import OrderedQueue
+from gradientflow.engine.stages import Final, StagesOp
+from gradientflow.engine.streams import EngineStreams
+from gradientflow.observability.stats import GroupStats
 from gradientflow.errors import CollectiveMismatchError
 
 pytestmark = pytest.mark.timeout(60)  # a future the pool never settles fails, not hangs
@@ -40,7 +43,8 @@ def _parts(rounds, queue=None):
     cv = threading.Condition(threading.RLock())
     refused: list = []
     failed: list = []
-    parts = JobParts(0, cv, queue, rounds, None, None, None, lambda dev: None, set(),
+    parts = JobParts(0, cv, queue, rounds, None, None, None, lambda dev: None,
+                     lambda tensor: False, set(),
                      lambda exc: failed.append(exc) or exc,
                      lambda n, err, seqs: refused.append((n, seqs)))
     return parts, refused, failed
@@ -88,3 +92,46 @@ def test_eager_op_refused_completes_its_future_and_sends_nothing():
     assert not sent and refused == [(0, [7])] and not failed and not parts.checking
     with pytest.raises(Exception, match="another root"):
         fut.wait()  # settled by the completion pool with the round's error
+
+
+class _Transport:
+    """An allreduce of a world of two equal ranks (x2), remembering what it was handed."""
+
+    def __init__(self) -> None:
+        self.sent: list = []
+
+    def allreduce(self, tensors, opts):
+        self.sent.append(tensors[0].clone())
+        tensors[0].mul_(2)
+        return SimpleNamespace(wait=lambda: None)
+
+
+def _two_stages(parts):
+    """A fuser of one op: stage 1 sends the values, stage 2 (Final) them + 1."""
+    x = parts[0].clone()
+    x = yield x
+    x = yield Final(x + 1)
+    return [x]
+
+
+@pytest.mark.parametrize("swapped", [True, False])
+def test_stages_batch_sums_a_stage_the_swap_takes_without_the_transport(swapped):
+    """JobParts.swap sums a stage in place (True) or leaves it to the transport's allreduce
+    (False); either way every stage is summed once and the last one is unpacked after it."""
+    transport, swaps = _Transport(), []
+
+    def swap(t):
+        swaps.append(t.clone())
+        if swapped:
+            t.mul_(2)
+        return swapped
+
+    parts = JobParts(0, threading.Condition(threading.RLock()), None, None,
+                     SimpleNamespace(later=lambda fn: fn()), EngineStreams(), GroupStats(),
+                     lambda dev: transport, swap, set(), lambda exc: exc,
+                     lambda n, err, seqs: None)
+    fut = torch.futures.Future()
+    StagesBatch([StagesOp(0, "t", torch.ones(3), _two_stages, torch.device("cpu"), fut)]).run(
+        parts)
+    assert torch.equal(fut.wait(), torch.full((3,), 6.0))  # ((1 x 2) + 1) x 2
+    assert len(swaps) == 2 and len(transport.sent) == (0 if swapped else 2)

@@ -37,7 +37,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from gradientflow.config import Config
-from gradientflow.engine import completion, streams
+from gradientflow.engine import completion, own_routes, streams
 from gradientflow.engine.fusion import FusableOp, Message
 from gradientflow.engine.issue import Issue, IssueParts
 from gradientflow.engine.jobs import JobParts, StagesBatch
@@ -103,10 +103,17 @@ class Engine:
         self.stages = issue.stages
         # What the engine thread's jobs work with (jobs.py), so none of them holds the engine.
         self._parts = JobParts(rank, self.cv, self.queue, self.rounds, self.messages,
-                               self.streams, self.stats, transport_for, issue.checking,
-                               self.fail, self.refuse_batch)
+                               self.streams, self.stats, transport_for, self._swap,
+                               issue.checking, self.fail, self.refuse_batch)
         self._thread = threading.Thread(target=self._main, name=f"{name}-engine", daemon=True)
         self._thread.start()
+
+    def _swap(self, tensor: torch.Tensor) -> bool:
+        """A compressed stage's sum, by one exchange where an eager call of its kind takes
+        an own route (own_routes.swap_stage); False: the transport's allreduce carries it."""
+        return self.issue.own_routes_on and own_routes.swap_stage(
+            self.transport_for(tensor.device), tensor, self.rank, self.world_size,
+            self.rounds.wait)
 
     # ------------------------------------------------------------------ callers' side
     def describe(self, seq: int, name: str) -> str:

@@ -141,6 +141,11 @@ class Issue:
         # algorithm, whose result they give; the others are the algorithm's to carry.
         self._own_routes = config.algorithm == "ring"
 
+    @property
+    def own_routes_on(self) -> bool:
+        """Whether sums of two ranks may take routes of their own (configure)."""
+        return self._own_routes
+
     # ------------------------------------------------------------------ routing
     def route(self, device: torch.device, nbytes: int, async_op: bool = True) -> str:
         """SOLO, FUSED or EAGER for an allreduce of `nbytes` bytes on `device` (module doc).

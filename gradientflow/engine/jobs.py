@@ -63,6 +63,9 @@ class JobParts:
     streams: EngineStreams
     stats: GroupStats
     transport_for: Callable[[torch.device], Any]
+    # Sum a stage's tensor of two ranks by one exchange, in place (Issue.stage_swap): True, or
+    # False where the transport's allreduce must carry it.
+    swap: Callable[[torch.Tensor], bool]
     checking: set  # sequence numbers of the eager calls in their round now (Issue.checking)
     # Fail the group with an error (explained once); returns the group's error.
     fail: Callable[[BaseException], BaseException]
@@ -227,12 +230,13 @@ class StagesBatch:
                 t1 = time.perf_counter()
                 _stage_event(codec_name, tl.CAT_CODEC, t0, t1, lane)
                 stats.record_codec_time(t1 - t0)
-                work = transport.allreduce([tensor], opts)
+                work = None if parts.swap(tensor) else transport.allreduce([tensor], opts)
                 if final and stream is None:
                     parts.messages.later(
                         lambda: self._finish(parts, gen, work, tensor, t1, lane))
                     return
-                work.wait()
+                if work is not None:
+                    work.wait()
                 t0 = time.perf_counter()
                 stats.record_message(len(self.ops), tensor.numel() * tensor.element_size(), 0,
                                      t0 - t1)
@@ -252,7 +256,8 @@ class StagesBatch:
         """The last stage landed (the reaper's thread): the rest of the generator, then the
         futures."""
         try:
-            work.wait()
+            if work is not None:  # None: summed already (JobParts.swap)
+                work.wait()
             t0 = time.perf_counter()
             parts.stats.record_message(len(self.ops), tensor.numel() * tensor.element_size(),
                                        0, t0 - t1)

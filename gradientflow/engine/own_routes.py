@@ -4,6 +4,7 @@
   the launch only hands back a Work that is complete.
 - EXCHANGE: one all-to-all of the whole tensor on the transport, the peer's then added to this
   rank's; the round before it agreed dtype and size, so the all-to-all's byte counts match.
+  A compressed stage of the same dtype and size is summed the same way (swap_stage).
 """
 from __future__ import annotations
 
@@ -11,8 +12,10 @@ import threading
 from typing import Any, Callable
 
 import torch
+from torch._C._distributed_c10d import ReduceOp
 
 from gradientflow.engine import completion
+from gradientflow.engine.checks import own_route
 from gradientflow.engine.work import FutureWork, WorkOwner
 
 
@@ -73,6 +76,18 @@ def swap_add(transport: Any, tensor: torch.Tensor, rank: int,
         _LOCAL.buf = None  # the all-to-all may still be writing into it
         raise
     flat.add_(theirs)
+
+
+def swap_stage(transport: Any, tensor: torch.Tensor, rank: int, world_size: int,
+               wait: Callable[[Any], None]) -> bool:
+    """A compressed stage's SUM (jobs.StagesBatch) by `swap_add`, where an eager allreduce of
+    its dtype and size would take a route of its own: True; False, for the transport's
+    allreduce. Its size is agreed like any stage's (a function of the agreed batch), and the
+    exchange is one hop each way where gloo's ring of two takes two in a row."""
+    if not tensor.is_contiguous() or own_route(tensor, ReduceOp.SUM, world_size) == 0:
+        return False
+    swap_add(transport, tensor, rank, wait)
+    return True
 
 
 def _splits(rank: int, n: int) -> list[int]:
