@@ -1,0 +1,127 @@
+"""Where a synchronous exchanged allreduce's time goes: gloo's, the engine's, and the floor.
+
+The floor is what any carried exchange of two ranks must do, written by hand on a gloo group
+with no engine and no check: copy the tensor into a frame behind a 256-byte header, one
+all-to-all of the frame, add the peer's payload. The engine's call (checks.own_route: the
+call carried in its own check round, rounds.py) does the same plus its per-call Python
+(torch's dispatch into a Python backend, validation, the inspector's record, the round's words).
+Each rep times the three alternately in the same processes; the caller's thread CPU per call is
+measured beside the wall time.
+
+    python benchmarks/exchange_floor.py [--runs 3] [--reps 300] [--lock /work/timing.lock]
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.check_cost import locked
+from benchmarks.common import fmt, machine_line, markdown_table, results_dir, write_result
+from benchmarks.launch import launch
+
+SIZES = (1 << 20,)
+HEADER = 256
+
+
+def floor_worker(rank: int, world_size: int, reps: int, sizes: list) -> dict:
+    """Per size and variant: median wall ms and caller-thread CPU ms per call."""
+    import torch
+    import torch.distributed as dist
+
+    import gradientflow  # noqa: F401 - registers the backend before torch 2.14
+
+    torch.set_num_threads(1)
+    side = dist.new_group(backend="gloo")
+    gf = dist.new_group(backend="gradientflow")
+    out = {}
+    for size in sizes:
+        x = torch.ones(size // 4)
+        frame = size + HEADER
+        send = torch.zeros(frame, dtype=torch.uint8)
+        recv = torch.zeros(frame, dtype=torch.uint8)
+        splits = [0, frame] if rank == 0 else [frame, 0]
+        peer = recv[HEADER:].view(torch.float32)
+
+        def floor():
+            ctypes.memmove(send.data_ptr() + HEADER, x.data_ptr(), size)
+            side.alltoall_base(recv, send, splits, splits).wait()
+            x.add_(peer)
+
+        variants = {"gloo": lambda: dist.all_reduce(x),
+                    "gradientflow": lambda: dist.all_reduce(x, group=gf), "floor": floor}
+        wall: dict = {k: [] for k in variants}
+        cpu: dict = {k: [] for k in variants}
+        for fn in variants.values():
+            for _ in range(20):
+                fn()
+        for i in range(reps):
+            names = list(variants)
+            for name in names[i % 3:] + names[:i % 3]:
+                dist.barrier()
+                c0, t0 = time.thread_time(), time.perf_counter()
+                variants[name]()
+                wall[name].append(time.perf_counter() - t0)
+                cpu[name].append(time.thread_time() - c0)
+        out[str(size)] = {k: {"wall_ms": statistics.median(wall[k]) * 1e3,
+                              "cpu_ms": statistics.median(cpu[k]) * 1e3} for k in variants}
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--runs", type=int, default=3, help="launches")
+    ap.add_argument("--reps", type=int, default=300, help="timed calls per launch and variant")
+    ap.add_argument("--lock", default=None, help="a lock file shared with other timing jobs")
+    ap.add_argument("--out", type=Path, default=Path(results_dir("exchange_floor")))
+    args = ap.parse_args()
+    runs, loads = [], []
+    started = time.strftime("%Y-%m-%d %H:%M:%S")
+    with locked(args.lock):
+        for i in range(args.runs):
+            loads.append(os.getloadavg()[0])
+            res = launch("benchmarks.exchange_floor:floor_worker", 2,
+                         kwargs={"reps": args.reps, "sizes": list(SIZES)}, timeout_s=600)
+            if not res.ok:
+                raise RuntimeError(f"floor_worker: {res.error}")
+            runs.append(res.results[0])
+            print(f"run {i + 1}/{args.runs} done (load {loads[-1]:.1f})", flush=True)
+    rows = []
+    for size in SIZES:
+        per = [r[str(size)] for r in runs]
+
+        def med(variant: str, what: str = "wall_ms") -> float:
+            return statistics.median(p[variant][what] for p in per)
+
+        ratio = [p["floor"]["wall_ms"] / p["gloo"]["wall_ms"] for p in per]
+        over = [p["gradientflow"]["wall_ms"] - p["floor"]["wall_ms"] for p in per]
+        rows.append({"all_reduce": f"{size >> 20} MB", "gloo ms": med("gloo"),
+                     "floor ms": med("floor"), "gradientflow ms": med("gradientflow"),
+                     "floor / gloo": statistics.median(ratio),
+                     "floor / gloo spread": f"{fmt(min(ratio))}-{fmt(max(ratio))}",
+                     "gradientflow - floor ms": statistics.median(over),
+                     "caller CPU ms: gloo / floor / gradientflow":
+                         " / ".join(fmt(med(v, "cpu_ms")) for v in ("gloo", "floor",
+                                                                    "gradientflow"))})
+    md = (f"## A synchronous exchanged allreduce: gloo, the floor of a carried exchange, and "
+          f"the engine\n\n{machine_line()}\nStarted {started}; 1-minute load averages at each "
+          f"launch: {', '.join(f'{x:.1f}' for x in loads)}.\n\n2 ranks on loopback, the three "
+          f"timed in turn in the same processes ({args.reps} reps each, per-launch medians; "
+          f"median and spread over {args.runs} launches). Floor: the tensor copied behind a "
+          f"{HEADER}-byte header, one all-to-all, the peer's payload added, on a gloo group "
+          "with no engine (module doc).\n\n" + markdown_table(list(rows[0]), rows)
+          + f"\n\nCommand: `python benchmarks/exchange_floor.py --runs {args.runs} --reps "
+          f"{args.reps}`\n")
+    write_result(args.out, "exchange_floor", {"runs": runs, "loads": loads, "rows": rows,
+                                              "started": started}, md)
+    print(md)
+
+
+if __name__ == "__main__":
+    main()
