@@ -143,16 +143,18 @@ def markdown(rows: dict, seeds: list, steps: int, title: str, command: str) -> s
              f"scored during training; test: its last 5%, read once after the last step. "
              f"Difference to DDP: the final validation loss's excess over DDP's, in percent, "
              f"paired by seed, with its 95% Student t interval where there are two seeds or more.",
-             "", "| setting | final val loss | val perplexity | test loss | test perplexity | "
-             "vs DDP (val, %) | fewer bytes | wall min/run | CPU min/run | commits |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "", "| setting | seeds run | final val loss | val perplexity | test loss | "
+             "test perplexity | vs DDP (val, %) | fewer bytes | wall min/run | CPU min/run | "
+             "commits |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for key, r in rows.items():
         iv, rel = r["vs_ddp_pct"], r["vs_ddp_pct_seeds"]
         vs = ("-" if not rel else f"{statistics.mean(rel.values()):+.2f}"
               + (f" [{iv['low']:+.2f}, {iv['high']:+.2f}]" if iv else " (one seed)"))
         cpu = [c for c in r["cpu_s"].values() if c]
         lines.append(
-            f"| {r['label']} | {_ms(r['val_loss'].values())} | "
+            f"| {r['label']} | {', '.join(map(str, r['val_loss']))} | "
+            f"{_ms(r['val_loss'].values())} | "
             f"{statistics.mean(math.exp(v) for v in r['val_loss'].values()):.3f} | "
             f"{_ms(r['test_loss'].values())} | "
             f"{statistics.mean(math.exp(v) for v in r['test_loss'].values()):.3f} | {vs} | "
