@@ -63,7 +63,7 @@ class JobParts:
     streams: EngineStreams
     stats: GroupStats
     transport_for: Callable[[torch.device], Any]
-    # Sum a stage's tensor of two ranks by one exchange, in place (Issue.stage_swap): True, or
+    # Sum a stage's tensor of two ranks by one exchange, in place (Engine._swap): True, or
     # False where the transport's allreduce must carry it.
     swap: Callable[[torch.Tensor], bool]
     checking: set  # sequence numbers of the eager calls in their round now (Issue.checking)
