@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 import torch
@@ -99,11 +99,8 @@ class _Plan:
 
     matrices: tuple[_Matrix, ...]
     dense_idx: torch.Tensor  # int64 positions of the dense elements
-
-    @property
-    def p_numel(self) -> int:
-        """Elements of every matrix's P (rows x rank), stage 1's head."""
-        return sum(m.rows * m.rank for m in self.matrices)
+    p_sizes: tuple[int, ...]  # elements of each matrix's P (rows x rank): stage 1's head
+    q_sizes: tuple[int, ...]  # elements of each matrix's Q (cols x rank): stage 2
 
 
 @dataclass(frozen=True)
@@ -133,7 +130,8 @@ def _build_plan(layout: Layout, opts: PowerSGDOptions, factors: bool) -> _Plan:
                 continue
         dense.append(torch.arange(start, end, dtype=torch.int64))
     idx = torch.cat(dense) if dense else torch.empty(0, dtype=torch.int64)
-    return _Plan(tuple(mats), idx)
+    return _Plan(tuple(mats), idx, tuple(m.rows * m.rank for m in mats),
+                 tuple(m.cols * m.rank for m in mats))
 
 
 def orthonormalize(p: torch.Tensor) -> torch.Tensor:
@@ -176,7 +174,7 @@ class PowerSGDCompressor(Compressor):
         plan = self._plans.get(key)
         if plan is None:
             plan = _build_plan(layout, self.config.options, factors)
-            plan = self._plans[key] = _Plan(plan.matrices, plan.dense_idx.to(device))
+            plan = self._plans[key] = replace(plan, dense_idx=plan.dense_idx.to(device))
         return plan
 
     def _q_of(self, m: _Matrix, device: torch.device) -> torch.Tensor:
@@ -215,12 +213,10 @@ class PowerSGDCompressor(Compressor):
         qs = [self._q_of(m, flat.device) for m in plan.matrices]
         # stage 1: P_i = M Q for every matrix, and the dense part, all pre-scaled by 1/n,
         # written in place into one tensor (no per-matrix temporaries and no concatenation)
-        p_end = plan.p_numel
+        p_end = sum(plan.p_sizes)
         stage1 = torch.empty(p_end + plan.dense_idx.numel(), dtype=v.dtype, device=v.device)
-        at = 0
-        for m, mat, q in zip(plan.matrices, mats, qs):
-            torch.matmul(mat, q, out=stage1[at:at + m.rows * m.rank].view(m.rows, m.rank))
-            at += m.rows * m.rank
+        for m, mat, q, out in zip(plan.matrices, mats, qs, stage1[:p_end].split(plan.p_sizes)):
+            torch.matmul(mat, q, out=out.view(m.rows, m.rank))
         torch.index_select(v, 0, plan.dense_idx, out=stage1[p_end:])
         stage1 = stage1.mul_(1.0 / n).to(cfg.torch_wire_dtype)
         # The dense part's error feedback needs what was sent only where the wire rounds it:
@@ -255,29 +251,24 @@ class PowerSGDCompressor(Compressor):
                               warmup=not local.factors)
         reduced1 = yield from self._stage(local.stage1, final=final and not mats)
         finite = [torch.isfinite(reduced1).all()]
-        p_sizes = [m.rows * m.rank for m in plan.matrices]
-        *p_parts, dense_avg = reduced1.split(p_sizes + [plan.dense_idx.numel()])
+        *p_parts, dense_avg = reduced1.split([*plan.p_sizes, plan.dense_idx.numel()])
 
         # --- stage 2: Q_i = M^T P for every matrix, pre-scaled by 1/n -----------------------------
         if mats:
             ps = orthonormalize_many([part.float().view(m.rows, m.rank)
                                       for part, m in zip(p_parts, plan.matrices)])
-            stage2 = torch.empty(sum(m.cols * m.rank for m in plan.matrices), dtype=v.dtype,
-                                 device=v.device)
-            at = 0
-            for m, mat, p in zip(plan.matrices, mats, ps):
-                torch.matmul(mat.t(), p, out=stage2[at:at + m.cols * m.rank].view(m.cols, m.rank))
-                at += m.cols * m.rank
+            stage2 = torch.empty(sum(plan.q_sizes), dtype=v.dtype, device=v.device)
+            for m, mat, p, out in zip(plan.matrices, mats, ps, stage2.split(plan.q_sizes)):
+                torch.matmul(mat.t(), p, out=out.view(m.cols, m.rank))
             stage2 = stage2.mul_(1.0 / n).to(wire)
             local_q = stage2.clone() if ef else None
             reduced2 = yield from self._stage(stage2, final=final)
             finite.append(torch.isfinite(reduced2).all())
-            q_sizes = [m.cols * m.rank for m in plan.matrices]
-            sents = local_q.split(q_sizes) if ef else [None] * len(mats)
+            sents = local_q.split(plan.q_sizes) if ef else [None] * len(mats)
             # One copy of the reduced Qs: kept for the next step, not views of the engine's
             # buffer.
             kept = reduced2.float() if reduced2.dtype != torch.float32 else reduced2.clone()
-            for m, mat, p, q_avg, sent in zip(plan.matrices, mats, ps, kept.split(q_sizes),
+            for m, mat, p, q_avg, sent in zip(plan.matrices, mats, ps, kept.split(plan.q_sizes),
                                               sents):
                 q_avg = q_avg.view(m.cols, m.rank)
                 # The average straight into the buffer: without error feedback `mat` is a view
