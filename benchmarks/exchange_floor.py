@@ -2,10 +2,12 @@
 
 The floor is what any carried exchange of two ranks must do, written by hand on a gloo group
 with no engine and no check: copy the tensor into a frame behind a 256-byte header, one
-all-to-all of the frame, add the peer's payload. The engine's call (checks.own_route: the
-call carried in its own check round, rounds.py) does the same plus its per-call Python
-(torch's dispatch into a Python backend, validation, the inspector's record, the round's words).
-Each rep times the three alternately in the same processes; the caller's thread CPU per call is
+all-to-all of the frame, add the peer's payload. The plugin floor is that same work as the
+whole `allreduce` of a process-group backend registered with torch as ours is, called through
+`dist.all_reduce`: what any Python backend pays, torch's dispatch into Python included. The
+engine's call (checks.own_route: the call carried in its own check round, rounds.py) does the
+same plus its per-call Python (validation, routing, the inspector's record, the round's words).
+Each rep times the four alternately in the same processes; the caller's thread CPU per call is
 measured beside the wall time.
 
     python benchmarks/exchange_floor.py [--runs 3] [--reps 300] [--lock /work/timing.lock]
@@ -28,6 +30,41 @@ from benchmarks.launch import launch
 
 SIZES = (1 << 20,)
 HEADER = 256
+_SIDE: list = []  # the plugin floor's gloo group (set by floor_worker before its first call)
+
+
+def _floor_backend(store, rank: int, size: int, timeout):
+    """A process-group backend whose allreduce is the floor and nothing else (module doc)."""
+    import ctypes as ct
+
+    import torch
+    from torch._C._distributed_c10d import Backend
+
+    class FloorBackend(Backend):
+        def __init__(self) -> None:
+            super().__init__(rank, size)
+            self.frames: dict = {}
+
+        def allreduce(self, tensors, opts=None):
+            x = tensors[0]
+            n = x.numel() * x.element_size()
+            f = n + HEADER
+            bufs = self.frames.get((f, x.dtype, x.shape))
+            if bufs is None:
+                send, recv = torch.zeros(f, dtype=torch.uint8), torch.zeros(f, dtype=torch.uint8)
+                bufs = self.frames[(f, x.dtype, x.shape)] = (
+                    send, recv, recv[HEADER:].view(x.dtype).view(x.shape),
+                    [0, f] if rank == 0 else [f, 0])
+            send, recv, peer, splits = bufs
+            ct.memmove(send.data_ptr() + HEADER, x.data_ptr(), n)
+            _SIDE[0].alltoall_base(recv, send, splits, splits).wait()
+            x.add_(peer)
+            return None  # complete, as the engine's synchronous call
+
+        def getBackendName(self) -> str:
+            return "exchange_floor"
+
+    return FloorBackend()
 
 
 def floor_worker(rank: int, world_size: int, reps: int, sizes: list) -> dict:
@@ -40,6 +77,9 @@ def floor_worker(rank: int, world_size: int, reps: int, sizes: list) -> dict:
     torch.set_num_threads(1)
     side = dist.new_group(backend="gloo")
     gf = dist.new_group(backend="gradientflow")
+    _SIDE[:] = [side]
+    dist.Backend.register_backend("exchange_floor", _floor_backend, devices=["cpu"])
+    plugin = dist.new_group(backend="exchange_floor")
     out = {}
     for size in sizes:
         x = torch.ones(size // 4)
@@ -55,7 +95,8 @@ def floor_worker(rank: int, world_size: int, reps: int, sizes: list) -> dict:
             x.add_(peer)
 
         variants = {"gloo": lambda: dist.all_reduce(x),
-                    "gradientflow": lambda: dist.all_reduce(x, group=gf), "floor": floor}
+                    "gradientflow": lambda: dist.all_reduce(x, group=gf), "floor": floor,
+                    "plugin floor": lambda: dist.all_reduce(x, group=plugin)}
         wall: dict = {k: [] for k in variants}
         cpu: dict = {k: [] for k in variants}
         for fn in variants.values():
@@ -63,7 +104,8 @@ def floor_worker(rank: int, world_size: int, reps: int, sizes: list) -> dict:
                 fn()
         for i in range(reps):
             names = list(variants)
-            for name in names[i % 3:] + names[:i % 3]:
+            turn = i % len(names)
+            for name in names[turn:] + names[:turn]:
                 dist.barrier()
                 c0, t0 = time.thread_time(), time.perf_counter()
                 variants[name]()
@@ -99,23 +141,30 @@ def main() -> None:
         def med(variant: str, what: str = "wall_ms") -> float:
             return statistics.median(p[variant][what] for p in per)
 
-        ratio = [p["floor"]["wall_ms"] / p["gloo"]["wall_ms"] for p in per]
-        over = [p["gradientflow"]["wall_ms"] - p["floor"]["wall_ms"] for p in per]
+        def over_gloo(variant: str) -> str:
+            ratio = [p[variant]["wall_ms"] / p["gloo"]["wall_ms"] for p in per]
+            return f"{fmt(statistics.median(ratio))} ({fmt(min(ratio))}-{fmt(max(ratio))})"
+
+        over = [p["gradientflow"]["wall_ms"] - p["plugin floor"]["wall_ms"] for p in per]
         rows.append({"all_reduce": f"{size >> 20} MB", "gloo ms": med("gloo"),
-                     "floor ms": med("floor"), "gradientflow ms": med("gradientflow"),
-                     "floor / gloo": statistics.median(ratio),
-                     "floor / gloo spread": f"{fmt(min(ratio))}-{fmt(max(ratio))}",
-                     "gradientflow - floor ms": statistics.median(over),
-                     "caller CPU ms: gloo / floor / gradientflow":
-                         " / ".join(fmt(med(v, "cpu_ms")) for v in ("gloo", "floor",
-                                                                    "gradientflow"))})
+                     "floor ms": med("floor"), "plugin floor ms": med("plugin floor"),
+                     "gradientflow ms": med("gradientflow"),
+                     "floor / gloo": over_gloo("floor"),
+                     "plugin floor / gloo": over_gloo("plugin floor"),
+                     "gradientflow / gloo": over_gloo("gradientflow"),
+                     "gradientflow - plugin floor ms": statistics.median(over),
+                     "caller CPU ms: gloo / floor / plugin floor / gradientflow":
+                         " / ".join(fmt(med(v, "cpu_ms")) for v in (
+                             "gloo", "floor", "plugin floor", "gradientflow"))})
     md = (f"## A synchronous exchanged allreduce: gloo, the floor of a carried exchange, and "
           f"the engine\n\n{machine_line()}\nStarted {started}; 1-minute load averages at each "
-          f"launch: {', '.join(f'{x:.1f}' for x in loads)}.\n\n2 ranks on loopback, the three "
+          f"launch: {', '.join(f'{x:.1f}' for x in loads)}.\n\n2 ranks on loopback, the four "
           f"timed in turn in the same processes ({args.reps} reps each, per-launch medians; "
           f"median and spread over {args.runs} launches). Floor: the tensor copied behind a "
           f"{HEADER}-byte header, one all-to-all, the peer's payload added, on a gloo group "
-          "with no engine (module doc).\n\n" + markdown_table(list(rows[0]), rows)
+          "with no engine; plugin floor: the same as a registered backend's whole allreduce, "
+          "called through dist.all_reduce (module doc); ratios per launch, median (range)."
+          "\n\n" + markdown_table(list(rows[0]), rows)
           + f"\n\nCommand: `python benchmarks/exchange_floor.py --runs {args.runs} --reps "
           f"{args.reps}`\n")
     write_result(args.out, "exchange_floor", {"runs": runs, "loads": loads, "rows": rows,

@@ -37,10 +37,9 @@ class FrameError(RuntimeError):
 
 class _Buffers:
     """One thread's send and receive frames (tensors, and writable views for struct), room
-    for `nbytes` each way; `cuts[frame]`: the (send, recv) slices a round of that frame size
-    hands the transport."""
+    for `nbytes` each way; `plans[frame]`: a round of that frame size (_Plan)."""
 
-    __slots__ = ("send", "recv", "send_mem", "recv_mem", "send_ptr", "views", "cuts")
+    __slots__ = ("send", "recv", "send_mem", "recv_mem", "send_ptr", "plans")
 
     def __init__(self, nbytes: int) -> None:
         self.send = torch.zeros(nbytes, dtype=torch.uint8)
@@ -48,10 +47,30 @@ class _Buffers:
         self.send_mem = memoryview(self.send.numpy())
         self.recv_mem = memoryview(self.recv.numpy())
         self.send_ptr = self.send.data_ptr()
-        # (rank, dtype, shape, frame) -> that rank's payload in `recv`, typed and shaped: a
-        # program repeats a few shapes, and three tensor views per call cost more than a lookup.
+        self.plans: dict = {}
+
+
+class _Plan:
+    """A round of one frame size on one thread's buffers, laid out once: the (send, recv,
+    splits) the transport is handed, where each peer's frame lies in them (`peers`: (rank,
+    byte offset)), and each peer's payload as a typed view (`views`, by (rank, dtype, shape):
+    a program repeats a few shapes, and three tensor views per call cost more than a lookup)."""
+
+    __slots__ = ("bufs", "send", "recv", "splits", "peers", "views")
+
+    def __init__(self, bufs: _Buffers, frame: int, rank: int, world_size: int) -> None:
+        n = world_size
+        self.bufs = bufs
+        if _keeps_self_slot(frame):
+            total, self.splits = n * frame, []
+            slot = list(range(n))
+        else:
+            total = (n - 1) * frame
+            self.splits = [0 if r == rank else frame for r in range(n)]
+            slot = [r - (r > rank) for r in range(n)]
+        self.send, self.recv = bufs.send[:total], bufs.recv[:total]
+        self.peers = tuple((r, slot[r] * frame) for r in range(n) if r != rank)
         self.views: dict = {}
-        self.cuts: dict = {}
 
 
 # Frames up to this size keep a slot for the rank itself (never read): one all-to-all of equal
@@ -86,35 +105,22 @@ class Exchange:
         # them, and a thread's next round starts only after its last one was read.
         self._local = threading.local()
 
-    def _buffers(self, frame: int) -> _Buffers:
-        """This thread's buffers, with room for a round of `frame`-byte frames."""
-        bufs = getattr(self._local, "bufs", None)
-        n = self.world_size
-        need = (n if _keeps_self_slot(frame) else max(1, n - 1)) * frame
-        if bufs is None or bufs.send.numel() < need:
-            bufs = self._local.bufs = _Buffers(need)
-        self._local.frame = frame
-        return bufs
-
-    def _slot(self, r: int, frame: int) -> int:
-        """Where peer `r`'s frame lies in a round's buffers, in frames."""
-        return r if _keeps_self_slot(frame) else r - (r > self.rank)
-
-    def _cut(self, bufs: _Buffers, frame: int) -> tuple:
-        """(send, recv, splits) of a round of `frame`-byte frames (made once per size)."""
-        cut = bufs.cuts.get(frame)
-        if cut is None:
-            if len(bufs.cuts) >= 64:  # a program repeating many sizes: keep a few
-                bufs.cuts.clear()
+    def _plan(self, frame: int) -> _Plan:
+        """This thread's plan of a round of `frame`-byte frames (made once per size and
+        buffer; the thread's last plan, which payload_of reads)."""
+        local = self._local
+        bufs = getattr(local, "bufs", None)
+        plan = None if bufs is None else bufs.plans.get(frame)
+        if plan is None:
             n = self.world_size
-            if _keeps_self_slot(frame):
-                cut = (bufs.send[:n * frame], bufs.recv[:n * frame], [])
-            else:
-                total = (n - 1) * frame
-                splits = [0 if r == self.rank else frame for r in range(n)]
-                cut = (bufs.send[:total], bufs.recv[:total], splits)
-            bufs.cuts[frame] = cut
-        return cut
+            need = (n if _keeps_self_slot(frame) else max(1, n - 1)) * frame
+            if bufs is None or bufs.send.numel() < need:
+                bufs = local.bufs = _Buffers(need)
+            if len(bufs.plans) >= 64:  # a program repeating many sizes: keep a few
+                bufs.plans.clear()
+            plan = bufs.plans[frame] = _Plan(bufs, frame, self.rank, n)
+        local.plan = plan
+        return plan
 
     def swap(self, words: list[int], payload: torch.Tensor | None = None,
              cap: int | None = None) -> tuple[list[list[int]], list[int]]:
@@ -132,54 +138,46 @@ class Exchange:
                              f"{cap} every rank can receive in this round")
         if nbytes > 0 and (payload.device.type != "cpu" or not payload.is_contiguous()):
             raise ValueError("Exchange.swap: the payload must be a contiguous CPU tensor")
-        n, f, me = self.world_size, HEADER + cap, self.rank
-        bufs = self._buffers(f)
-        # The same frame to every other rank (_slot: where each lies).
+        plan = self._plan(HEADER + cap)
+        bufs = plan.bufs
+        # The same frame to every other rank.
         pack = _WORDS[k].pack_into
         mem = bufs.send_mem
-        for r in range(n):
-            if r != me:
-                at = self._slot(r, f) * f
-                pack(mem, at, k, nbytes, *words)
-                if nbytes > 0:
-                    ctypes.memmove(bufs.send_ptr + at + HEADER, payload.data_ptr(), nbytes)
-        send, recv, splits = self._cut(bufs, f)
+        for _, at in plan.peers:
+            pack(mem, at, k, nbytes, *words)
+            if nbytes > 0:
+                ctypes.memmove(bufs.send_ptr + at + HEADER, payload.data_ptr(), nbytes)
         try:
-            if n > 1:
-                self._wait(self._group.alltoall_base(recv, send, splits, splits))
+            if plan.peers:
+                self._wait(self._group.alltoall_base(plan.recv, plan.send, plan.splits,
+                                                     plan.splits))
         except BaseException:
             # The all-to-all may still be writing into them: the next round takes new ones.
             self._local.bufs = None
             raise
-        every_words: list[list[int]] = []
-        sizes: list[int] = []
+        every_words: list[list[int]] = [list(words)] * self.world_size  # this rank's: as sent
+        sizes: list[int] = [nbytes] * self.world_size
         rmem = bufs.recv_mem
-        for r in range(n):
-            if r == me:  # this rank's own: as sent
-                every_words.append(list(words))
-                sizes.append(nbytes)
-                continue
-            at = self._slot(r, f) * f
+        for r, at in plan.peers:
             their_k, their_n = _HEAD.unpack_from(rmem, at)
             if not 0 <= their_k <= MAX_WORDS or their_n > cap:
                 raise FrameError(f"rank {r} sent a frame that is not an agreement round "
                                  f"({their_k} words, {their_n} payload bytes)")
-            every_words.append(list(_READ[their_k].unpack_from(rmem, at + 16)))
-            sizes.append(their_n)
+            every_words[r] = list(_READ[their_k].unpack_from(rmem, at + 16))
+            sizes[r] = their_n
         return every_words, sizes
 
     def payload_of(self, r: int, like: torch.Tensor) -> torch.Tensor:
         """Peer `r`'s payload of this thread's last swap, as a tensor of `like`'s dtype and
         shape (a view of the receive buffer, valid until this thread's next swap)."""
-        bufs = self._local.bufs
-        f = self._local.frame
-        key = (r, like.dtype, like.shape, f)
-        view = bufs.views.get(key)
+        plan = self._local.plan
+        key = (r, like.dtype, like.shape)
+        view = plan.views.get(key)
         if view is None:
-            if len(bufs.views) >= 256:
-                bufs.views.clear()
-            start = self._slot(r, f) * f + HEADER
+            if len(plan.views) >= 256:
+                plan.views.clear()
+            start = dict(plan.peers)[r] + HEADER
             nbytes = like.numel() * like.element_size()
-            view = bufs.views[key] = bufs.recv[start:start + nbytes].view(like.dtype).view(
+            view = plan.views[key] = plan.recv[start:start + nbytes].view(like.dtype).view(
                 like.shape)
         return view

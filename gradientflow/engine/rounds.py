@@ -108,10 +108,13 @@ class Rounds:
         if payload is not None and _nbytes(payload) > self._cap():
             payload = None  # no room this round: the data goes after it
         self._last.rode = payload is not None
-        a, b, all_waited = self._reduce(
-            round_words(k, batch_fingerprint(candidates)) + [int(waited)], ReduceOp.MIN, first,
-            payload)
-        n, n_max, lo, hi = read_round(a, b)
+        words = round_words(k, batch_fingerprint(candidates)) + [int(waited)]
+        every = self._swap(words, first, payload)
+        if all(w == words for w in every):  # the usual round: every rank queued the same
+            n, n_max, lo, hi, all_waited = k, k, 0, 0, waited
+        else:
+            a, b, all_waited = self._fold(every, ReduceOp.MIN, first)
+            n, n_max, lo, hi = read_round(a, b)
         rounds = 1
         if n != n_max and 1 <= n <= k:
             h = batch_fingerprint(candidates[:n])
@@ -177,6 +180,11 @@ class Rounds:
         hop, where gloo's ring allreduce takes 2(n-1) hops in a row, and a peer that sent
         another kind of round is read and named instead of aborting the transport.
         """
+        return self._fold(self._swap(words, first_seq, payload), op, first_seq)
+
+    def _swap(self, words: list[int], first_seq: int,
+              payload: torch.Tensor | None = None) -> list[list[int]]:
+        """Every rank's words of one round, by rank (_reduce)."""
         try:
             every, self._last.payloads = self._exchange().swap(words, payload, self._cap())
         except CollectiveMismatchError:
@@ -187,7 +195,11 @@ class Rounds:
                 f"sequence number {first_seq} failed (a peer may have died or stopped "
                 f"issuing the same collectives): {exc}"
             ) from exc
-        k = len(words)
+        return every
+
+    def _fold(self, every: list[list[int]], op: Any, first_seq: int) -> list[int]:
+        """Every rank's words (_swap) reduced with `op`, column by column (_reduce)."""
+        k = len(every[self.rank])
         odd = [r for r, w in enumerate(every) if len(w) != k]
         if odd:
             raise EngineError(
