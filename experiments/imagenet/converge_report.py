@@ -125,8 +125,21 @@ def verdict(row: dict) -> str:
             + f" a loss of more than {GOAL_POINTS} points")
 
 
+def progress(result: dict, models: list, settings: list, seeds: list) -> str | None:
+    """A sentence naming the runs of the plan not finished yet, or None when all are."""
+    planned = len(models) * len(settings) * len(seeds)
+    done = sum(len(row["test_top1"]) for rows in result.values() for row in rows.values())
+    if done >= planned:
+        return None
+    return (f"**In progress: {done} of {planned} runs finished.** The tables cover the finished "
+            "runs only (the per-seed column names them); the same command goes on with the "
+            "rest, seed by seed.")
+
+
 def markdown(data: str, result: dict, seeds: list, epochs: int, command: str,
-             baseline: str = BASELINE, title: str | None = None) -> str:
+             baseline: str = BASELINE, title: str | None = None,
+             plan: tuple | None = None) -> str:
+    """The report; `plan` (models, settings): the runs planned, for a stage in progress."""
     base = "DDP" if baseline == BASELINE else rx.SETTINGS[baseline][0]
     lines = [f"# {title or TITLES[data]}", "",
              f"2 CPU ranks on loopback, warm-up + cosine over {epochs} epochs, seeds "
@@ -140,6 +153,9 @@ def markdown(data: str, result: dict, seeds: list, epochs: int, command: str,
              f"only where the runs went one at a time (--jobs 1). kB/step sent: what one rank "
              f"put on the wire per step in the last epoch. Cost: mean wall minutes and CPU "
              f"minutes (both ranks) per run.", ""]
+    note = progress(result, *plan, seeds) if plan else None
+    if note:
+        lines += [note, ""]
     for model, rows in result.items():
         lines += [f"## {LABELS.get(model, model)}", "",
                   f"| setting | test top-1 (%) | per seed | Δ vs {base}, paired (points) | 95% "
@@ -181,6 +197,6 @@ def write(out: Path, data: str, models: list, settings: list, seeds: list, epoch
     result = summarise(out, models, settings, seeds, epochs, baseline)
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
-    text = markdown(data, result, seeds, epochs, command, baseline, title)
+    text = markdown(data, result, seeds, epochs, command, baseline, title, (models, settings))
     (out / "results.md").write_text(text)
     return text

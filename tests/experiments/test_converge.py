@@ -63,8 +63,20 @@ def test_the_report_gives_means_paired_intervals_costs_and_the_goal(tmp_path):
     assert "| 100.0 | +0.0 [+0.0, +0.0] | 0.0 |" in row  # ms per step, paired; no bytes logged
     assert "**met**" in text and "does not rule out a loss of more than 0.3" in text
     assert "DDP + PowerSGD rank 4" not in text  # a setting without runs has no row
+    assert "In progress: 10 of 15 runs finished" in text  # PowerSGD's five are still to run
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["resnet_shaped"]["csc-default"]["vs_ddp"]["dof"] == 4
+
+
+def test_a_finished_stage_says_nothing_of_progress(tmp_path):
+    for seed in (10, 11):
+        _write_run(tmp_path / "m", "ddp-gloo", seed, 90.0)
+    text = converge_report.write(tmp_path, "fashion-mnist", ["m"], ["ddp-gloo"], [10, 11], 2,
+                                 "cmd")
+    assert "In progress" not in text
+    text = converge_report.write(tmp_path, "fashion-mnist", ["m"], ["ddp-gloo"], [10, 11, 12],
+                                 2, "cmd")
+    assert "In progress: 2 of 3 runs finished" in text
 
 
 def test_a_run_without_its_test_evaluation_is_not_reported(tmp_path):
