@@ -1094,6 +1094,10 @@ def train_one_epoch(cfg, epoch, model, criterion, optimizer, scaler, loader, com
     sums = torch.zeros(4, dtype=torch.float64)  # loss*n, correct@1, correct@5, n
     comm_before, nic_before = comm.stats(), nic_tx_bytes()
     start = time.perf_counter()
+    # Wall seconds of each part of a step, summed: where a setting's step time goes (forward
+    # holds DDP's buffer broadcast, backward the comm hooks and DDP's wait for their results).
+    phases = dict.fromkeys(("data", "forward", "backward", "step"), 0.0)
+    t_mark = start
     for i, (images, target) in enumerate(loader):
         if i >= steps:
             break
@@ -1103,13 +1107,21 @@ def train_one_epoch(cfg, epoch, model, criterion, optimizer, scaler, loader, com
         for g in optimizer.param_groups:
             g["lr"] = learning_rate(cfg, epoch + i / steps)
         images, target = images.to(device, non_blocking=True), target.to(device, non_blocking=True)
+        t0 = time.perf_counter()
         with autocast(cfg, device):
             output = model(images)
             loss = criterion(output, target)
+        t1 = time.perf_counter()
         optimizer.zero_grad()  # set_to_none, torch's default; Horovod's takes no argument
         scaler.scale(loss).backward()  # DDP's comm hook runs here, overlapped with backward
+        t2 = time.perf_counter()
         scaler.step(optimizer)
         scaler.update()
+        t3 = time.perf_counter()
+        phases["data"] += t0 - t_mark
+        phases["forward"] += t1 - t0
+        phases["backward"] += t2 - t1
+        phases["step"] += t3 - t2
         top1, top5 = accuracy(output.detach().float(), target)
         sums += torch.tensor(
             [loss.item() * len(target), top1, top5, len(target)], dtype=torch.float64
@@ -1118,6 +1130,7 @@ def train_one_epoch(cfg, epoch, model, criterion, optimizer, scaler, loader, com
         if i % cfg.print_freq == 0:
             bar.set_postfix(loss=f"{sums[0] / sums[3]:.3f}", top1=f"{100 * sums[1] / sums[3]:.1f}",
                             lr=f"{optimizer.param_groups[0]['lr']:.3g}")
+        t_mark = time.perf_counter()
     if device.type == "cuda":
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
@@ -1131,6 +1144,7 @@ def train_one_epoch(cfg, epoch, model, criterion, optimizer, scaler, loader, com
         "train_loss": sums[0].item() / sums[3].item(),
         "train_top1": 100 * sums[1].item() / sums[3].item(),
         "comm_s": comm_after["comm_s"] - comm_before["comm_s"],
+        "phase_s": phases,
         "wire_bytes": comm_after["wire_bytes"] - comm_before["wire_bytes"],
         "dense_bytes": comm_after["dense_bytes"] - comm_before["dense_bytes"],
         "density": comm_after["density"],
