@@ -149,10 +149,11 @@ def markdown(data: str, result: dict, seeds: list, epochs: int, command: str,
              f"last epoch. Top-1: mean ± standard deviation over seeds. Paired difference: "
              f"per seed, the setting's test top-1 minus {base}'s, with its 95% Student t "
              f"interval (n - 1 degrees of freedom). ms/step: training time per step (evaluation "
-             f"out), mean over seeds, and the paired per-seed difference to {base}'s; a speed "
-             f"only where the runs went one at a time (--jobs 1). kB/step sent: what one rank "
-             f"put on the wire per step in the last epoch. Cost: mean wall minutes and CPU "
-             f"minutes (both ranks) per run.", ""]
+             f"out), mean over seeds, and the paired per-seed difference to {base}'s: a cost, "
+             f"not a timing (the runs may share the machine with other work, which accuracy "
+             f"does not depend on; the timed comparisons are make compare's). kB/step sent: "
+             f"what one rank put on the wire per step in the last epoch. Cost: mean wall "
+             f"minutes and CPU minutes (both ranks) per run.", ""]
     note = progress(result, *plan, seeds) if plan else None
     if note:
         lines += [note, ""]
