@@ -33,11 +33,26 @@ HEADER = 256
 _SIDE: list = []  # the plugin floor's gloo group (set by floor_worker before its first call)
 
 
+def _frames(x, rank: int) -> tuple:
+    """(send, recv, the peer's payload as x's dtype and shape, splits) for carrying `x` between
+    two ranks behind a HEADER-byte header."""
+    import torch
+
+    f = x.numel() * x.element_size() + HEADER
+    send, recv = torch.zeros(f, dtype=torch.uint8), torch.zeros(f, dtype=torch.uint8)
+    return send, recv, recv[HEADER:].view(x.dtype).view(x.shape), [0, f] if rank == 0 else [f, 0]
+
+
+def _carry(x, frames: tuple, group) -> None:
+    """The floor: `x` copied into its frame, one all-to-all on `group`, the peer's added."""
+    send, recv, peer, splits = frames
+    ctypes.memmove(send.data_ptr() + HEADER, x.data_ptr(), x.numel() * x.element_size())
+    group.alltoall_base(recv, send, splits, splits).wait()
+    x.add_(peer)
+
+
 def _floor_backend(store, rank: int, size: int, timeout):
     """A process-group backend whose allreduce is the floor and nothing else (module doc)."""
-    import ctypes as ct
-
-    import torch
     from torch._C._distributed_c10d import Backend
 
     class FloorBackend(Backend):
@@ -47,18 +62,10 @@ def _floor_backend(store, rank: int, size: int, timeout):
 
         def allreduce(self, tensors, opts=None):
             x = tensors[0]
-            n = x.numel() * x.element_size()
-            f = n + HEADER
-            bufs = self.frames.get((f, x.dtype, x.shape))
-            if bufs is None:
-                send, recv = torch.zeros(f, dtype=torch.uint8), torch.zeros(f, dtype=torch.uint8)
-                bufs = self.frames[(f, x.dtype, x.shape)] = (
-                    send, recv, recv[HEADER:].view(x.dtype).view(x.shape),
-                    [0, f] if rank == 0 else [f, 0])
-            send, recv, peer, splits = bufs
-            ct.memmove(send.data_ptr() + HEADER, x.data_ptr(), n)
-            _SIDE[0].alltoall_base(recv, send, splits, splits).wait()
-            x.add_(peer)
+            frames = self.frames.get((x.dtype, x.shape))
+            if frames is None:
+                frames = self.frames[(x.dtype, x.shape)] = _frames(x, rank)
+            _carry(x, frames, _SIDE[0])
             return None  # complete, as the engine's synchronous call
 
         def getBackendName(self) -> str:
@@ -83,19 +90,10 @@ def floor_worker(rank: int, world_size: int, reps: int, sizes: list) -> dict:
     out = {}
     for size in sizes:
         x = torch.ones(size // 4)
-        frame = size + HEADER
-        send = torch.zeros(frame, dtype=torch.uint8)
-        recv = torch.zeros(frame, dtype=torch.uint8)
-        splits = [0, frame] if rank == 0 else [frame, 0]
-        peer = recv[HEADER:].view(torch.float32)
-
-        def floor():
-            ctypes.memmove(send.data_ptr() + HEADER, x.data_ptr(), size)
-            side.alltoall_base(recv, send, splits, splits).wait()
-            x.add_(peer)
-
+        frames = _frames(x, rank)
         variants = {"gloo": lambda: dist.all_reduce(x),
-                    "gradientflow": lambda: dist.all_reduce(x, group=gf), "floor": floor,
+                    "gradientflow": lambda: dist.all_reduce(x, group=gf),
+                    "floor": lambda: _carry(x, frames, side),
                     "plugin floor": lambda: dist.all_reduce(x, group=plugin)}
         wall: dict = {k: [] for k in variants}
         cpu: dict = {k: [] for k in variants}
