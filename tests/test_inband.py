@@ -286,3 +286,137 @@ def carried_on_the_general_path(rank, world):
 def test_a_repeated_call_rides_in_its_round_on_the_general_path(pools):
     assert pools(2).run(carried_on_the_general_path,
                         env={"GRADIENTFLOW_DEBUG": "1"}) == [1, 1]
+
+
+BCAST_DTYPES = ["float32", "float64", "int64", "int32", "float16", "bfloat16", "uint8", "bool",
+                "complex64"]
+
+
+def broadcasts_match_gloo(rank, world, n_examples):
+    """Rank body: random eager broadcasts on gradientflow and on gloo, bit for bit, each made
+    twice: a broadcast of two ranks up to CARRY_BYTES is carried in its round when the round
+    has room (always at the repeat), a larger one never; strided views get their result."""
+    import torch
+    import torch.distributed as dist
+    from hypothesis import HealthCheck, Phase, given, settings
+    from hypothesis import strategies as st
+
+    from gradientflow.backend import backend_of
+    from gradientflow.engine.checks import CARRIED, broadcast_route
+
+    gloo = dist.new_group(backend="gloo")
+    stats = backend_of().engine.stats
+    seen = {"carried": 0, "sent": 0}
+
+    @settings(max_examples=n_examples, derandomize=True, database=None, deadline=None,
+              phases=[Phase.generate], suppress_health_check=list(HealthCheck))
+    @given(seed=st.integers(0, 2**30), dtype=st.sampled_from(BCAST_DTYPES),
+           shape=st.sampled_from([(), (3,), (1024,), (2420,), (4100,), (64, 255), (16384,),
+                                  (16385,), (40000,)]),
+           root=st.sampled_from([0, 1]), strided=st.booleans(),
+           async_op=st.sampled_from([False, False, True]))
+    def prop(seed, dtype, shape, root, strided, async_op):
+        ids = [None] * world
+        dist.all_gather_object(ids, (seed, dtype, shape, root, strided, async_op), group=gloo)
+        assert all(i == ids[0] for i in ids), f"ranks run different examples: {ids}"
+        dt = getattr(torch, dtype)
+        g = torch.Generator().manual_seed(seed * 7 + rank)
+        for repeat in range(2):
+            base = torch.randn(shape + (2,) if strided else shape, generator=g,
+                               dtype=torch.float64).mul(1e3)
+            base = base.to(dt) if dt.is_floating_point or dt.is_complex else (
+                base.to(torch.int64).to(dt))
+            x = base[..., 0] if strided else base  # every other element: a strided view
+            ours, theirs = x, x.clone()
+            before = stats.bcast_carried
+            work = dist.broadcast(ours, src=root, async_op=async_op)
+            if async_op:
+                work.wait()
+            dist.broadcast(theirs, src=root, group=gloo)
+            assert torch.equal(ours, theirs), (
+                f"rank {rank}: {dtype} {shape} root {root} strided={strided} repeat {repeat}: "
+                "differs from gloo")
+            moved = stats.bcast_carried - before
+            route = broadcast_route(x, world)
+            if route != CARRIED:
+                assert moved == 0, (rank, dtype, shape, "carried past its size")
+            elif repeat == 1:
+                assert moved == 1, (rank, dtype, shape, "a repeated broadcast not carried")
+            seen["carried" if moved else "sent"] += 1
+
+    prop()
+    return seen
+
+
+def test_broadcast_carried_in_its_round_is_gloo_bit_for_bit(pools):
+    seen = pools(2).run(broadcasts_match_gloo, 40, timeout=240)
+    assert min(seen[0].values()) >= 5, seen[0]
+
+
+def broadcast_refused_then_usable(rank, world, case):
+    """Rank body: two alike 9.6 KB broadcasts keep room for that size; a broadcast that then
+    differs (another root, another size, a broadcast against an allreduce) is refused on every
+    rank with its tensor untouched, and the group works after it, carried broadcasts too."""
+    import torch
+    import torch.distributed as dist
+
+    from gradientflow.backend import backend_of
+    from gradientflow.errors import CollectiveMismatchError
+
+    stats = backend_of().engine.stats
+    n = 2420
+    for _ in range(2):
+        y = torch.full((n,), float(rank))
+        dist.broadcast(y, src=0)
+        assert torch.equal(y, torch.zeros(n)), f"rank {rank}: wrong broadcast"
+    x = torch.full((n + (24 * rank if case == "size" else 0),), float(rank + 5))
+    if case == "root":
+        call = lambda: dist.broadcast(x, src=rank)  # noqa: E731
+    elif case == "op":
+        call = ((lambda: dist.broadcast(x, src=0)) if rank == 0
+                else (lambda: dist.all_reduce(x)))
+    else:
+        call = lambda: dist.broadcast(x, src=0)  # noqa: E731
+    try:
+        call()
+        error = "no error"
+    except CollectiveMismatchError as exc:
+        error = str(exc)
+    assert f"rank {rank}" in error and "refused on every rank" in error, (rank, error)
+    assert torch.equal(x, torch.full_like(x, float(rank + 5))), (
+        f"rank {rank}: a refused call changed its tensor")
+    before = stats.bcast_carried
+    for _ in range(2):
+        y = torch.full((n,), float(rank + 1))
+        dist.broadcast(y, src=1)
+        assert torch.equal(y, torch.full((n,), 2.0)), f"rank {rank}: group unusable after"
+    assert stats.bcast_carried - before >= 1, f"rank {rank}: no broadcast carried after"
+    return error
+
+
+@pytest.mark.parametrize("case", ["root", "size", "op"])
+def test_a_broadcast_mismatch_in_a_carrying_round_is_refused(pools, case):
+    msgs = pools(2).run(broadcast_refused_then_usable, case, timeout=90, pg_timeout_s=20)
+    assert all("sequence number" in m for m in msgs), msgs
+
+
+def rooms_keep_payloads_aligned(rank, world):
+    """Rank body: a room of a size that is no multiple of 8 (two exchanged allreduces of 1025
+    float32) before an in-band float64 allreduce and an int64 broadcast: both land whole."""
+    import torch
+    import torch.distributed as dist
+
+    for _ in range(2):
+        x = torch.ones(1025)
+        dist.all_reduce(x)
+    y = torch.full((64,), float(rank + 1), dtype=torch.float64)
+    dist.all_reduce(y)
+    assert torch.equal(y, torch.full_like(y, 3.0)), f"rank {rank}: wrong float64 sum"
+    z = torch.full((9,), rank + 7, dtype=torch.int64)
+    dist.broadcast(z, src=1)
+    assert torch.equal(z, torch.full_like(z, 8)), f"rank {rank}: wrong int64 broadcast"
+    return True
+
+
+def test_an_odd_room_keeps_later_payloads_aligned(pools):
+    assert pools(2).run(rooms_keep_payloads_aligned, timeout=90) == [True, True]

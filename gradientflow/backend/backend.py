@@ -249,8 +249,8 @@ class GradientFlowBackend(BACKEND_BASE):
     def broadcast(self, tensors, opts):
         t = V.check_single(self._rank, "broadcast", tensors)
         V.check_root(self._rank, "broadcast", opts.rootRank, self._size)
-        return self._eager("broadcast", t.device, lambda tp: tp.broadcast(tensors, opts), tensors,
-                           opts, t)
+        self._seq_for_group += 1
+        return self.engine.broadcast(tensors, opts, t)
 
     def allgather(self, output_tensors, input_tensors, opts=None):
         t = V.check_single(self._rank, "all_gather", input_tensors)

@@ -36,8 +36,9 @@ _PAIR_MASK = (1 << _PAIR_BITS) - 1
 class Check:
     """One eager collective as an agreement round's candidate (`seq`, `fingerprint`,
     `describe()`), with what each rank sends and expects for all-to-all (`pairs`), and the
-    tensor of an allreduce that may travel inside its round (`payload`, see `inband_cap`;
-    `summed`: it did, and the peers' were added: rounds.check)."""
+    tensor of an allreduce or a broadcast that may travel inside its round (`payload`, see
+    `inband_cap`; `summed`: it did, and the peers' were added, or the root's copied:
+    rounds.check)."""
 
     __slots__ = ("seq", "key", "fingerprint", "pairs", "waited", "payload", "route", "summed")
 
@@ -85,10 +86,18 @@ class Check:
 #   (one hop each way, where gloo's ring of two takes two in a row, each of half the bytes);
 #   or inside the round, when the last two rounds agreed an exchanged call of its size
 #   (rounds.py): a repeated call then costs one exchange, as an in-band one does.
-INBAND, EXCHANGE = 1, 2
-_ROUTE_NAMES = {INBAND: " (in its check round)", EXCHANGE: " (exchanged whole)"}
+#
+# A broadcast of two ranks on CPU up to 64 KiB is CARRIED: the root's tensor travels in the
+# call's check round and the other rank copies it from there (gloo's bits: the root's bytes),
+# one exchange instead of a round and then the transport's broadcast. DDP broadcasts its
+# buffers (BatchNorm's statistics) before every forward: a few KiB, once or twice a step. The
+# round has room for it when a broadcast of that size was agreed not long before (rounds.py).
+INBAND, EXCHANGE, CARRIED = 1, 2, 3
+_ROUTE_NAMES = {INBAND: " (in its check round)", EXCHANGE: " (exchanged whole)",
+                CARRIED: " (carried in its check round)"}
 INBAND_BYTES = 4096
 EXCHANGE_BYTES = 4 * 2**20
+CARRY_BYTES = 64 * 1024
 _OWN_ROUTE_DTYPES = frozenset({torch.float32, torch.float64, torch.int32, torch.int64})
 _SUM = hash(ReduceOp.SUM)
 
@@ -108,6 +117,14 @@ def own_route(tensor: torch.Tensor, reduce_op: Any, world_size: int) -> int:
         return 0
     nbytes = tensor.numel() * tensor.element_size()
     return INBAND if nbytes <= INBAND_BYTES else EXCHANGE if nbytes <= EXCHANGE_BYTES else 0
+
+
+def broadcast_route(tensor: torch.Tensor, world_size: int) -> int:
+    """CARRIED or 0 (the transport's broadcast) for an eager broadcast: a function of what the
+    round compares (dtype, size) and the world size, as own_route is for an allreduce."""
+    if world_size != 2 or tensor.device.type != "cpu" or tensor.layout != torch.strided:
+        return 0
+    return CARRIED if tensor.numel() * tensor.element_size() <= CARRY_BYTES else 0
 
 
 def _tensors(x: Any) -> Iterator[torch.Tensor]:

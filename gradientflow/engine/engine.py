@@ -24,7 +24,7 @@ on each rank for a local reason (a wait, flush(), the threshold, another collect
 batch, or a quiet caller), but rounds pair one-to-one across ranks because every rank closes
 the same batches; a round whose ranks queued different calls refuses them on every rank.
 
-Entry points (one per operation kind, bound from Issue): `allreduce`, `collective`,
+Entry points (one per operation kind, bound from Issue): `allreduce`, `broadcast`, `collective`,
 `barrier`, `stages`; and `flush`, `drain`, `reconfigure`, `abort`, `close`.
 """
 from __future__ import annotations
@@ -99,6 +99,7 @@ class Engine:
         self.issue = issue
         self.allreduce = issue.allreduce
         self.collective = issue.collective
+        self.broadcast = issue.broadcast
         self.barrier = issue.barrier
         self.stages = issue.stages
         # What the engine thread's jobs work with (jobs.py), so none of them holds the engine.

@@ -138,7 +138,9 @@ class Exchange:
                              f"{cap} every rank can receive in this round")
         if nbytes > 0 and (payload.device.type != "cpu" or not payload.is_contiguous()):
             raise ValueError("Exchange.swap: the payload must be a contiguous CPU tensor")
-        plan = self._plan(HEADER + cap)
+        # Every slot starts 8-byte aligned, so a payload of any dtype can be viewed in place
+        # whatever room an earlier round had (a room of 4100 bytes would misalign the next).
+        plan = self._plan(HEADER + (cap + 7) // 8 * 8)
         bufs = plan.bufs
         # The same frame to every other rank.
         pack = _WORDS[k].pack_into

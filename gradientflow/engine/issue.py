@@ -1,11 +1,10 @@
 """The front of the engine: every collective is numbered, recorded and routed here, on the
 caller's thread.
 
-Sequence numbers follow issue order (the same on every rank, because torch.distributed
-requires every rank to issue the same collectives in the same order). Under the engine's lock
-a call takes its number, is handed to the ordered queue (or the transport), and is recorded
-for the inspector, so the records stay in sequence order under any number of threads. With
-GRADIENTFLOW_DEBUG the inspector checks the call on every rank first.
+Sequence numbers follow issue order (the same on every rank: torch.distributed requires it).
+Under the engine's lock a call takes its number, goes to the ordered queue (or the transport)
+and is recorded for the inspector, so the records keep sequence order under any number of
+threads; with GRADIENTFLOW_DEBUG the inspector checks the call on every rank first.
 
 Every call is checked on every rank before its data moves (checks.py): a deferred allreduce
 by its batch's round, any other collective by a round of its own on the same side group, in
@@ -26,7 +25,8 @@ Routing of an allreduce, decided only here, from the call alone (so the same on 
 - FUSED: below the fusion threshold (synchronous calls: below sync_fusion_limit too):
   deferred, sent later fused with its neighbours once a round agreed its batch.
 - EAGER: anything else, like every other collective: in sequence order, on the caller's
-  thread when nothing is queued (the fast path), else behind what was issued before it.
+  thread when nothing is queued (the fast path), else behind what was issued before it;
+  in a group of two some go their own ways (own_routes.py), broadcasts too (`broadcast`).
 """
 from __future__ import annotations
 
@@ -38,10 +38,10 @@ from typing import TYPE_CHECKING, Any, Callable, Hashable
 import torch
 
 from gradientflow.engine import completion, own_routes, streams
-from gradientflow.engine.checks import (EXCHANGE, INBAND, Check, own_route,
+from gradientflow.engine.checks import (Check, broadcast_route, own_route,
                                         refuses_only_the_call, signature)
 from gradientflow.engine.fusion import FusableOp, solo_cut
-from gradientflow.engine.jobs import EagerOp
+from gradientflow.engine.jobs import Claim, EagerOp
 from gradientflow.engine.rounds import Rounds
 from gradientflow.engine.solo import SoloChannel, SoloOp
 from gradientflow.engine.stages import Fuser, StagesOp, fuse
@@ -79,25 +79,6 @@ class IssueParts:
     check_usable: Callable[[str], None]  # refuses new work on a failed or destroyed group
     fail: Callable[[BaseException], BaseException]  # fails the group; returns its error
     solo_agree_group: Any = None  # the side group of the solo channel's rounds
-
-
-class Claim:
-    """An eager collective that holds the queue's floor: its round and its launch run on the
-    caller's thread once the engine's lock is released (Issue._run_claim). Stands in for its
-    Work (in the inspector's records) until it is launched."""
-
-    __slots__ = ("check", "launch", "wrap", "refusable", "work")
-
-    def __init__(self, check: Check, launch: Callable[[], Any],
-                 wrap: Callable[[Any], Any] | None = None, refusable: bool = True) -> None:
-        self.check = check
-        self.launch = launch
-        self.wrap = wrap
-        self.refusable = refusable  # False: part of it was sent already (a barrier's solo part)
-        self.work: Any = None
-
-    def is_completed(self) -> bool:
-        return self.work is not None and self.work.is_completed()
 
 
 class Issue:
@@ -191,25 +172,35 @@ class Issue:
         if route and not async_op and (self._insp is None or self._insp.debug is None):
             if self._sync_own.run(tensors, tensor, reduce_op, route):
                 return None  # complete: no Work (sync_own.py); else queued below
-        stats = self._stats
+        parts = self._parts
 
         def launch(seq: int, chk: Check) -> Any:  # once the round agreed the call everywhere
-            if route == INBAND:  # summed inside the round: nothing left to send
-                stats.record_inband()
-                return own_routes.done(self._works, seq, tensors)
-            if route == EXCHANGE:
-                stats.record_exchange(carried=chk.summed)
-                if chk.summed:  # the round had room for it (rounds.py)
-                    return own_routes.done(self._works, seq, tensors)
-                return own_routes.exchange(main(tensor.device), tensor, self._parts.rank,
-                                           self._works, seq,
-                                           None if async_op else self._parts.rounds.wait)
-            return main(tensor.device).allreduce(tensors, opts)
+            return own_routes.launch_allreduce(route, chk, tensors, opts, main(tensor.device),
+                                               parts.rank, self._works, self._stats,
+                                               None if async_op else parts.rounds.wait)
 
         return self._issue("all_reduce", lambda seq, chk: self._eager(
             seq, "all_reduce", lambda: launch(seq, chk), tensors, tensor.device, chk), tensor,
             opts, tensor.device, reduce_op, outputs=tensors,
-            payload=tensor if route in (INBAND, EXCHANGE) else None, route=route)
+            payload=tensor if route else None, route=route)  # INBAND, EXCHANGE: in the round
+
+    def broadcast(self, tensors: list, opts: Any, tensor: torch.Tensor) -> Any:
+        """A broadcast of `tensor` (`tensors` == [tensor], validated): carried in its check
+        round where the round has room for it (checks.broadcast_route), else the transport's;
+        its Work."""
+        main = self._transport_for
+        route = broadcast_route(tensor, self._parts.world_size) if self._own_routes else 0
+
+        def launch(seq: int, chk: Check) -> Any:  # once the round agreed the call everywhere
+            if chk.summed:  # the root's tensor came in the round (rounds.py)
+                self._stats.record_carried_broadcast()
+                return own_routes.done(self._works, chk.seq, tensors, "broadcast")
+            return main(tensor.device).broadcast(tensors, opts)
+
+        return self._issue("broadcast", lambda seq, chk: self._eager(
+            seq, "broadcast", lambda: launch(seq, chk), tensors, tensor.device, chk), tensor,
+            opts, tensor.device, outputs=tensors, payload=tensor if route else None,
+            route=route)
 
     def collective(self, name: str, device: torch.device, call: Callable[[Any], Any],
                    outputs: Any, opts: Any = None, sig: torch.Tensor | None = None,

@@ -28,7 +28,7 @@ from torch._C._distributed_c10d import AllreduceOptions, ReduceOp
 
 from gradientflow.errors import CollectiveMismatchError, StepFailed
 from gradientflow.engine import completion
-from gradientflow.engine.checks import refuses_only_the_call
+from gradientflow.engine.checks import Check, refuses_only_the_call
 from gradientflow.engine.fusion import FusableOp, Message
 from gradientflow.engine.stages import StagesOp, unwrap
 from gradientflow.observability import timeline as tl
@@ -123,6 +123,25 @@ class SendMessage:
 
     def run(self, parts: JobParts) -> None:
         parts.messages.launch(self.msg, self.seg, self.buf)
+
+
+class Claim:
+    """An eager collective that holds the queue's floor: its round and its launch run on the
+    caller's thread once the engine's lock is released (Issue._run_claim). Stands in for its
+    Work (in the inspector's records) until it is launched."""
+
+    __slots__ = ("check", "launch", "wrap", "refusable", "work")
+
+    def __init__(self, check: Check, launch: Callable[[], Any],
+                 wrap: Callable[[Any], Any] | None = None, refusable: bool = True) -> None:
+        self.check = check
+        self.launch = launch
+        self.wrap = wrap
+        self.refusable = refusable  # False: part of it was sent already (a barrier's solo part)
+        self.work: Any = None
+
+    def is_completed(self) -> bool:
+        return self.work is not None and self.work.is_completed()
 
 
 @dataclass

@@ -5,6 +5,7 @@
 - EXCHANGE: one all-to-all of the whole tensor on the transport, the peer's then added to this
   rank's; the round before it agreed dtype and size, so the all-to-all's byte counts match.
   A compressed stage of the same dtype and size is summed the same way (swap_stage).
+- CARRIED (a broadcast): the check round already copied the root's tensor (rounds.py).
 """
 from __future__ import annotations
 
@@ -15,15 +16,33 @@ import torch
 from torch._C._distributed_c10d import ReduceOp
 
 from gradientflow.engine import completion
-from gradientflow.engine.checks import own_route
+from gradientflow.engine.checks import EXCHANGE, INBAND, own_route
 from gradientflow.engine.work import FutureWork, WorkOwner
 
 
-def done(works: WorkOwner, seq: int, tensors: list) -> FutureWork:
-    """The Work of an allreduce its round already summed: complete, its value the tensors."""
+def done(works: WorkOwner, seq: int, tensors: list, name: str = "all_reduce") -> FutureWork:
+    """The Work of a call its round already completed (an allreduce summed, a broadcast
+    copied): complete, its value the tensors."""
     fut = completion.new_source()
     fut.set_result(tensors)
-    return FutureWork(fut, works, seq, "all_reduce")
+    return FutureWork(fut, works, seq, name)
+
+
+def launch_allreduce(route: int, chk: Any, tensors: list, opts: Any, transport: Any,
+                     rank: int, works: WorkOwner, stats: Any,
+                     wait: Callable[[Any], None] | None) -> Any:
+    """An eager allreduce's launch once its round (`chk`) agreed it everywhere: by its own
+    `route` (checks.own_route; `wait`: a synchronous call's, see exchange), or the transport's
+    allreduce; its Work."""
+    if route == INBAND:  # summed inside the round: nothing left to send
+        stats.record_inband()
+        return done(works, chk.seq, tensors)
+    if route == EXCHANGE:
+        stats.record_exchange(carried=chk.summed)
+        if chk.summed:  # the round had room for it (rounds.py)
+            return done(works, chk.seq, tensors)
+        return exchange(transport, tensors[0], rank, works, chk.seq, wait)
+    return transport.allreduce(tensors, opts)
 
 
 def exchange(transport: Any, tensor: torch.Tensor, rank: int, works: WorkOwner, seq: int,

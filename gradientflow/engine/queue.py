@@ -58,7 +58,7 @@ class OrderedQueue:
         self.last_submit = 0.0  # when the last deferred or solo op was issued (the quiet rule)
         self.wanted_upto = -1  # highest seq somebody waits on (or flushed)
         self.busy = False  # the engine thread is running a job
-        # A caller runs an eager call's round and launch itself (issue.Claim): no other round
+        # A caller runs an eager call's round and launch itself (jobs.Claim): no other round
         # or send may start until it is done, so the engine thread waits.
         self.floor = False
         # Blocks of allreduces the caller will wait on as one (Engine.waited): their round

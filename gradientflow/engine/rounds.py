@@ -13,9 +13,12 @@ the group stays usable (`CollectiveMismatchError.refused`).
 A round's frame has room for a small allreduce's tensor (checks.INBAND). When the last two
 rounds each agreed an exchanged allreduce (checks.EXCHANGE) of the same size, the next round's
 frames have room for that size: a program that repeats the call has its tensor carried in the
-call's own round, one exchange instead of a round and then the data. The room is a function of
-what earlier rounds agreed, so every rank sends frames of one size whatever it now holds; a
-call that differs is refused as in any round, before its payload is read.
+call's own round, one exchange instead of a round and then the data. A broadcast of up to
+checks.CARRY_BYTES agreed within the last CARRY_ROUNDS rounds keeps room for its size too: a
+program that broadcasts the same buffers every step (DDP's) has them carried from the second
+step on. The room is a function of what earlier rounds agreed, so every rank sends frames of
+one size whatever it now holds; a call that differs is refused as in any round, before its
+payload is read.
 """
 from __future__ import annotations
 
@@ -29,7 +32,8 @@ import torch
 from torch._C._distributed_c10d import ReduceOp
 
 from gradientflow.engine.agreement import batch_fingerprint, read_round, round_words, verdict
-from gradientflow.engine.checks import EXCHANGE, Check, inband_cap, pair_word, pairs_agree
+from gradientflow.engine.checks import (CARRIED, EXCHANGE, Check, inband_cap, pair_word,
+                                        pairs_agree)
 from gradientflow.engine.exchange import Exchange
 from gradientflow.engine.fusion import FusableOp
 from gradientflow.errors import CollectiveMismatchError, EngineError
@@ -37,6 +41,9 @@ from gradientflow.observability import timeline as tl
 from gradientflow.observability.timeline import TIMELINE, now_us
 
 _SLICE = datetime.timedelta(seconds=0.2)  # how often a blocked round looks for a fault
+# How long the room of an agreed broadcast lasts, in rounds: a training step's rounds (a batch
+# or a few per step, a compressed bucket's stages) lie well inside it.
+CARRY_ROUNDS = 64
 
 
 class Rounds:
@@ -59,6 +66,10 @@ class Rounds:
         # Bytes of the exchanged allreduce each of the last two rounds agreed (0: a round of
         # another kind, or one that failed): the same on every rank (_cap).
         self._recent = (0, 0)
+        # The largest broadcast size (above the in-band room) agreed lately, and the last
+        # round its room lasts to; rounds are numbered alike on every rank (`_round_no`).
+        self._round_no = 0
+        self._carry = (0, -1)
         # Every rank's payload of this thread's last round (exchange.py), per thread: the
         # engine thread and a caller's thread each read their own round's.
         self._last = threading.local()
@@ -86,19 +97,35 @@ class Rounds:
             n = self._agree(candidates, waited)
         except BaseException:
             self._recent = (self._recent[1], 0)
+            self._round_no += 1
             raise
         one = candidates[0]
-        self._recent = (self._recent[1], _nbytes(one.payload) if (
-            n == 1 and isinstance(one, Check) and one.route == EXCHANGE) else 0)
+        route = one.route if n == 1 and isinstance(one, Check) else 0
+        self._recent = (self._recent[1], _nbytes(one.payload) if route == EXCHANGE else 0)
+        if route == CARRIED:
+            self._keep_room(_nbytes(one.payload))
+        self._round_no += 1
         return n
+
+    def _keep_room(self, nbytes: int) -> None:
+        """Keep room for a broadcast of `nbytes` for the next CARRY_ROUNDS rounds (the
+        largest such size while it lasts; a smaller one's room comes back when it recurs)."""
+        size, until = self._carry
+        if nbytes > self._payload_cap and (nbytes >= size or until < self._round_no):
+            self._carry = (nbytes, self._round_no + CARRY_ROUNDS)
 
     def _cap(self) -> int:
         """The payload room of this round's frames: the in-band size, or the size of the
-        exchanged allreduce that each of the last two rounds agreed, when they agreed the same
-        (module doc). The same on every rank: it follows what the rounds agreed."""
-        a, b = self._recent
+        exchanged allreduce that each of the last two rounds agreed, when they agreed the same,
+        or a broadcast's kept room, whichever is larger (module doc). The same on every rank:
+        it follows what the rounds agreed."""
         base = self._payload_cap
-        return b if base and a == b > base else base
+        if not base:
+            return 0
+        a, b = self._recent
+        room = b if a == b > base else base
+        size, until = self._carry
+        return size if size > room and until >= self._round_no else room
 
     def _agree(self, candidates: list, waited: bool) -> int:
         t0 = time.perf_counter()
@@ -108,6 +135,9 @@ class Rounds:
         if payload is not None and _nbytes(payload) > self._cap():
             payload = None  # no room this round: the data goes after it
         self._last.rode = payload is not None
+        if payload is not None and candidates[0].route == CARRIED:
+            # A broadcast: the root's tensor rides; the others' frames carry none.
+            payload = payload.contiguous() if candidates[0].key[3] == self.rank else None
         words = round_words(k, batch_fingerprint(candidates)) + [int(waited)]
         every = self._swap(words, first, payload)
         if all(w == words for w in every):  # the usual round: every rank queued the same
@@ -144,7 +174,10 @@ class Rounds:
         self.agree([chk], waited)
         chk.summed = self._last.rode
         if chk.summed:
-            self._add_payloads(chk.payload)
+            if chk.route == CARRIED:
+                self._copy_root(chk.payload, chk.key[3])
+            else:
+                self._add_payloads(chk.payload)
         if chk.pairs is None:
             return
         send, recv = chk.pairs()
@@ -164,6 +197,18 @@ class Rounds:
                         f"gradientflow: rank {self.rank}: rank {r} sent {size} payload bytes "
                         f"in the round of an allreduce of {nbytes} bytes")
                 tensor.add_(ex.payload_of(r, tensor))
+
+    def _copy_root(self, tensor: torch.Tensor, root: int) -> None:
+        """A carried broadcast's result: the root's tensor, from the round just agreed."""
+        if root == self.rank:
+            return
+        nbytes = tensor.numel() * tensor.element_size()
+        size = self._last.payloads[root]
+        if size != nbytes:  # the round agreed dtype, shape and root: a frame not ours
+            raise EngineError(
+                f"gradientflow: rank {self.rank}: rank {root} sent {size} payload bytes in "
+                f"the round of a broadcast of {nbytes} bytes from it")
+        tensor.copy_(self._exchange().payload_of(root, tensor))
 
     def _min(self, words: list[int], first_seq: int) -> tuple[int, int]:
         """MIN-allreduce two int64 words on the agreement group (blocking)."""

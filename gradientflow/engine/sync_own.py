@@ -1,14 +1,14 @@
 """A synchronous allreduce on a route of its own (checks.own_route), whole on the caller's
 thread: numbered, recorded, checked in its round, summed, and handed back complete.
 
-It is the general eager path's fast case (issue.py: a Claim that holds the queue's floor, its
-round and launch on the caller's thread), taken only when the engine is idle, with the same
-lock, order and rules: the call takes its sequence number and the floor under the engine's
-lock, so no other round or send overlaps it, and its round refuses a mismatch on every rank
-before anything is applied. What it saves is per-call Python: the signature's fingerprint is
-cached per (dtype, shape, route), and no Work is made: the call returns complete, as torch
-takes of a synchronous call (NCCL's return no Work either, and torch.distributed's functions
-wait only on a Work they get).
+It is the general eager path's fast case (issue.py: a jobs.Claim that holds the queue's
+floor, its round and launch on the caller's thread), taken only when the engine is idle, with
+the same lock, order and rules: the call takes its sequence number and the floor under the
+engine's lock, so no other round or send overlaps it, and its round refuses a mismatch on
+every rank before anything is applied. What it saves is per-call Python: the signature's
+fingerprint is cached per (dtype, shape, route), and no Work is made: the call returns
+complete, as torch takes of a synchronous call (NCCL's return no Work either, and
+torch.distributed's functions wait only on a Work they get).
 """
 from __future__ import annotations
 

@@ -189,21 +189,21 @@ class GroupStats:
     them, and per route the operations issued: ``deferred`` (queued for fusion), ``eager``
     (of which ``fast_path``: sent on the caller's thread; ``inband``: allreduces summed
     inside their check round; ``exchanged``: allreduces of two ranks sent as one all-to-all,
-    of which ``carried``: inside their check round, as a repeated size)
-    and ``solo_channel``; ``checks`` /
+    of which ``carried``: inside their check round, as a repeated size; ``bcast_carried``:
+    broadcasts carried in their check round) and ``solo_channel``; ``checks`` /
     ``check_s`` the signature rounds of eager and solo collectives and their time. They are
     plain increments: the issuing side counts under the engine's lock (or the floor), the
     engine thread its own.
     """
 
     __slots__ = ("rounds", "round_s", "messages", "fused_tensors", "deferred", "eager",
-                 "fast_path", "inband", "exchanged", "carried", "solo_channel", "checks", "check_s",
-                 "_totals")
+                 "fast_path", "inband", "exchanged", "carried", "bcast_carried", "solo_channel",
+                 "checks", "check_s", "_totals")
 
     def __init__(self, totals: Stats | None = None) -> None:
         self.rounds = self.messages = self.fused_tensors = 0
         self.deferred = self.eager = self.fast_path = self.solo_channel = self.checks = 0
-        self.inband = self.exchanged = self.carried = 0
+        self.inband = self.exchanged = self.carried = self.bcast_carried = 0
         self.round_s = self.check_s = 0.0
         self._totals = totals if totals is not None else STATS
 
@@ -228,6 +228,10 @@ class GroupStats:
         (`carried`: inside its check round, which had room for it)."""
         self.exchanged += 1
         self.carried += carried
+
+    def record_carried_broadcast(self) -> None:
+        """An eager broadcast whose root's tensor travelled inside its check round."""
+        self.bcast_carried += 1
 
     def record_solo(self, nbytes: int, numel: int) -> None:
         """An allreduce sent at once on the solo channel (its time on the wire is not seen)."""
