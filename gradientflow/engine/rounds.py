@@ -296,6 +296,11 @@ class Rounds:
         """
         mine = [op.describe() for op in ops]
         views = self._views(mine) if fps is not None else None  # (else a gather could hang)
+        fault = self.fault() if views is None else None
+        if isinstance(fault, CollectiveMismatchError):
+            # The inspector found the same mismatch first and failed the group (which ended
+            # the gather): its error names every rank's call.
+            return fault
         if ops and isinstance(ops[0], Check) and views is not None:
             err = self._eager_mismatch(ops[0], views)
         else:

@@ -320,3 +320,26 @@ def test_a_mismatch_across_the_solo_and_agreement_streams_is_found(pools):
     for rank, msg in enumerate(msgs):
         assert "collective mismatch" in msg, (rank, msg)
         assert "(1250000,)" in msg and "(250000,)" in msg, (rank, msg)
+
+
+def test_a_mismatch_the_inspector_named_first_keeps_its_names():
+    """When the inspector fails the group with the same mismatch while a round gathers every
+    rank's view (which the fault then ends), the round's error is the inspector's, which names
+    every rank's call, not a sentence without them."""
+    from gradientflow.engine.checks import Check, signature
+    from gradientflow.engine.rounds import Rounds
+    from gradientflow.errors import CollectiveMismatchError
+    from gradientflow.observability.stats import GroupStats
+
+    class Failed:
+        def allgather(self, *args):
+            raise RuntimeError("the group was failed")
+
+    named = CollectiveMismatchError("rank 0 issued broadcast root 0, rank 1 issued root 1")
+    rounds = Rounds(0, 2, Failed(), GroupStats())
+    chk = Check(1, signature("broadcast", None, [], 0, None))
+    rounds.fault = lambda: None
+    plain = rounds._mismatch([chk], 2, (1, 2), True)
+    assert plain is not named and "rank 1 issued" not in str(plain)
+    rounds.fault = lambda: named
+    assert rounds._mismatch([chk], 2, (1, 2), True) is named
