@@ -89,6 +89,9 @@ class Executor:
             self._cv.notify()
 
     def _main(self) -> None:
+        # torch's intra-op thread count for this thread's reductions (engine/streams.py: a
+        # Python thread otherwise forms OpenMP teams of one per core).
+        torch.set_num_threads(torch.get_num_threads())
         while True:
             with self._cv:
                 while not self._q and not self._closed:

@@ -17,6 +17,7 @@ from typing import Any, Callable
 import torch
 from torch._C._distributed_c10d import Work
 
+from gradientflow.engine.streams import following_torch_threads
 from gradientflow.backend.dtypes import (MOVE, REDUCE, NarrowedWork, bits_args, narrow_,
                                          widen_args)
 
@@ -39,8 +40,8 @@ class _Waiter:
         with self._cv:
             self._items.append((work, fut, result))
             if self._thread is None:
-                self._thread = threading.Thread(target=self._main, daemon=True,
-                                                name=f"{self._name}-waiter")
+                self._thread = threading.Thread(target=following_torch_threads(self._main),
+                                                daemon=True, name=f"{self._name}-waiter")
                 self._thread.start()
             self._cv.notify()
         return fut

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from gradientflow.engine.streams import follow_torch_threads, following_torch_threads
 from gradientflow.errors import StepFailed
 
 # Big enough that blocked callbacks (each waiting on a later collective) cannot starve the
@@ -41,8 +42,8 @@ def _get_pool() -> concurrent.futures.ThreadPoolExecutor:
         with _pool_lock:
             if _pool is None:
                 _pool = concurrent.futures.ThreadPoolExecutor(
-                    max_workers=_MAX_THREADS, thread_name_prefix="gradientflow-complete"
-                )
+                    max_workers=_MAX_THREADS, thread_name_prefix="gradientflow-complete",
+                    initializer=follow_torch_threads)  # callbacks run torch ops
     return _pool
 
 
@@ -154,7 +155,8 @@ class _Watchdog:
         with self._cv:
             self._batches.append(batch)
             if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._run, daemon=True,
+                self._thread = threading.Thread(target=following_torch_threads(self._run),
+                                                daemon=True,
                                                 name="gradientflow-complete-watchdog")
                 self._thread.start()
             self._cv.notify()

@@ -106,7 +106,8 @@ class Engine:
         self._parts = JobParts(rank, self.cv, self.queue, self.rounds, self.messages,
                                self.streams, self.stats, transport_for, self._swap,
                                issue.checking, self.fail, self.refuse_batch)
-        self._thread = threading.Thread(target=self._main, name=f"{name}-engine", daemon=True)
+        self._thread = threading.Thread(target=streams.following_torch_threads(self._main),
+                                        name=f"{name}-engine", daemon=True)
         self._thread.start()
 
     def _swap(self, tensor: torch.Tensor) -> bool:
@@ -313,6 +314,7 @@ class Engine:
                     self.cv.wait(delay)
                 queue.busy = True
             try:
+                streams.follow_torch_threads()  # a job may run torch ops (a codec's stages)
                 job.run(self._parts)
             except BaseException as exc:  # noqa: BLE001 - the engine must fail loudly, not die
                 self.fail(exc)

@@ -20,6 +20,7 @@ from typing import Any, Callable
 from gradientflow.engine import completion
 from gradientflow.engine.agreement import MAX_BATCH
 from gradientflow.engine.checks import Check
+from gradientflow.engine.streams import following_torch_threads
 from gradientflow.errors import CollectiveMismatchError
 
 
@@ -75,8 +76,8 @@ class SoloChannel:
             if op.check is not None:
                 self.pending.add(op.check.seq)
             if self._thread is None:
-                self._thread = threading.Thread(target=self._main, daemon=True,
-                                                name=f"{self._name}-solo")
+                self._thread = threading.Thread(target=following_torch_threads(self._main),
+                                                daemon=True, name=f"{self._name}-solo")
                 self._thread.start()
             self._cv.notify()
 
