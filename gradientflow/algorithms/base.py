@@ -17,6 +17,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from gradientflow.engine.streams import following_torch_threads
 from gradientflow.errors import StepFailed  # noqa: F401  (raised here, re-exported)
 from gradientflow.observability.stats import STATS
 
@@ -71,7 +72,9 @@ class Executor:
         self._q: collections.deque = collections.deque()
         self._cv = threading.Condition()
         self._closed = False
-        self._thread = threading.Thread(target=self._main, name=name, daemon=True)
+        # Its reductions run with torch's thread count (engine/streams.py).
+        self._thread = threading.Thread(target=following_torch_threads(self._main), name=name,
+                                        daemon=True)
         self._thread.start()
 
     def submit(self, job: Callable[[], list]) -> AlgorithmWork:
@@ -89,9 +92,6 @@ class Executor:
             self._cv.notify()
 
     def _main(self) -> None:
-        # torch's intra-op thread count for this thread's reductions (engine/streams.py: a
-        # Python thread otherwise forms OpenMP teams of one per core).
-        torch.set_num_threads(torch.get_num_threads())
         while True:
             with self._cv:
                 while not self._q and not self._closed:

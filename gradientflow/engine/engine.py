@@ -106,8 +106,7 @@ class Engine:
         self._parts = JobParts(rank, self.cv, self.queue, self.rounds, self.messages,
                                self.streams, self.stats, transport_for, self._swap,
                                issue.checking, self.fail, self.refuse_batch)
-        self._thread = threading.Thread(target=streams.following_torch_threads(self._main),
-                                        name=f"{name}-engine", daemon=True)
+        self._thread = threading.Thread(target=self._main, name=f"{name}-engine", daemon=True)
         self._thread.start()
 
     def _swap(self, tensor: torch.Tensor) -> bool:
