@@ -52,14 +52,14 @@ def _frames(x, rank: int) -> tuple:
 def _carry(x, frames: tuple, group, words: tuple | None = None) -> None:
     """The floor: `x` copied into its frame, one all-to-all on `group`, the peer's added.
     `words` (the checked floor): packed into the header, and the peer's must be the same."""
-    send, recv, peer, splits = frames[:4]
+    send, recv, peer, splits, send_mem, recv_mem = frames
     if words is not None:
-        _WORDS.pack_into(frames[4], 0, *words)
+        _WORDS.pack_into(send_mem, 0, *words)
     ctypes.memmove(send.data_ptr() + HEADER, x.data_ptr(), x.numel() * x.element_size())
     group.alltoall_base(recv, send, splits, splits).wait()
-    if words is not None and _WORDS.unpack_from(frames[5], 0) != words:
-        raise RuntimeError(f"checked floor: the peer issued {_WORDS.unpack_from(frames[5], 0)}"
-                           f" where this rank issued {words}")
+    if words is not None and (theirs := _WORDS.unpack_from(recv_mem, 0)) != words:
+        raise RuntimeError(f"checked floor: the peer issued {theirs} where this rank issued "
+                           f"{words}")
     x.add_(peer)
 
 
@@ -77,13 +77,13 @@ def _floor_backend(store, rank: int, size: int, timeout, checked: bool = False):
         def allreduce(self, tensors, opts=None):
             x = tensors[0]
             key = (x.dtype, x.shape)
-            frames = self.frames.get(key)
-            if frames is None:
-                fp = zlib.crc32(repr(key).encode())
-                frames = self.frames[key] = (*_frames(x, rank), fp)
+            entry = self.frames.get(key)
+            if entry is None:  # the frames, and the fingerprint the checked floor sends
+                entry = self.frames[key] = (_frames(x, rank), zlib.crc32(repr(key).encode()))
+            frames, fp = entry
             if checked:
                 self.seq += 1
-                _carry(x, frames, _SIDE[1], (self.seq, frames[6]))
+                _carry(x, frames, _SIDE[1], (self.seq, fp))
             else:
                 _carry(x, frames, _SIDE[0])
             return None  # complete, as the engine's synchronous call
