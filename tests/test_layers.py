@@ -5,7 +5,8 @@ The layers, bottom to top (a module may import its own component and any lower l
     0  kernels, algorithm_registry  compute kernels (numba); the table of collective algorithms
     1  errors, fingerprint,         every error; process-independent hashing; the resolved
        config, stores, simulate,    Config; a store connection of one's own; the scale model;
-       cross_rank                   the ranks' agreement on a description (digest, then views)
+       cross_rank, threads          the ranks' agreement on a description (digest, then views);
+                                    torch's thread count on the threads we start
     2  observability, settings_check  the statistics sink and timeline; settings agreed at init
     3  inspector, algorithms        check-ins, mismatch and stall detection; collective algorithms
     4  engine                       issue -> agreement -> messages -> completion
@@ -16,10 +17,10 @@ The layers, bottom to top (a module may import its own component and any lower l
     9  gradientflow/__init__.py     the package's front door
    10  spark, run, reducer          programs and launchers, which may import the front door
 
-Components that share a layer (errors / fingerprint / config / stores / simulate / cross_rank;
-hooks / optim) do not import each other. Function-level imports count like module-level ones: a
-lazy import is still a dependency, and hiding a cycle in a function is what this test exists to
-catch.
+Components that share a layer (errors / fingerprint / config / stores / simulate / cross_rank /
+threads; hooks / optim) do not import each other. Function-level imports count like module-level
+ones: a lazy import is still a dependency, and hiding a cycle in a function is what this test
+exists to catch.
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "gradientflow"
 LAYERS = [
     {"kernels", "algorithm_registry"},
-    {"errors", "fingerprint", "config", "stores", "simulate", "cross_rank"},
+    {"errors", "fingerprint", "config", "stores", "simulate", "cross_rank", "threads"},
     {"observability", "settings_check"},
     {"inspector", "algorithms"},
     {"engine"},

@@ -3,7 +3,7 @@
 `torch.set_num_threads(n)` sets the OpenMP team of the calling thread only: a thread Python
 starts forms teams of one member per core. Two ranks on two cores that each set one thread ran
 our codec on two, and the idle members spun on the cores the training needed
-(engine/streams.py: follow_torch_threads). In a fresh process: the test workers set
+(gradientflow/threads.py: follow_torch_threads). In a fresh process: the test workers set
 OMP_NUM_THREADS, which hides the difference.
 """
 from __future__ import annotations
@@ -36,7 +36,7 @@ def test_a_thread_of_ours_has_torch_thread_count():
 import sys, threading, torch
 sys.path.insert(0, {str(__import__('pathlib').Path(__file__).parent)!r})
 from test_threads import omp_max_threads
-from gradientflow.engine.streams import following_torch_threads
+from gradientflow.threads import following_torch_threads
 torch.set_num_threads(3)
 out = []
 t = threading.Thread(target=following_torch_threads(lambda: out.append(omp_max_threads())))

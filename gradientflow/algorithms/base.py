@@ -17,7 +17,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from gradientflow.engine.streams import following_torch_threads
+from gradientflow.threads import following_torch_threads
 from gradientflow.errors import StepFailed  # noqa: F401  (raised here, re-exported)
 from gradientflow.observability.stats import STATS
 
@@ -72,7 +72,7 @@ class Executor:
         self._q: collections.deque = collections.deque()
         self._cv = threading.Condition()
         self._closed = False
-        # Its reductions run with torch's thread count (engine/streams.py).
+        # Its reductions run with torch's thread count (gradientflow/threads.py).
         self._thread = threading.Thread(target=following_torch_threads(self._main), name=name,
                                         daemon=True)
         self._thread.start()

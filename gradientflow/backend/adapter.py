@@ -17,7 +17,7 @@ from typing import Any, Callable
 import torch
 from torch._C._distributed_c10d import Work
 
-from gradientflow.engine.streams import following_torch_threads
+from gradientflow.threads import following_torch_threads
 from gradientflow.backend.dtypes import (MOVE, REDUCE, NarrowedWork, bits_args, narrow_,
                                          widen_args)
 

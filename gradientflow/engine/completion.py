@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from gradientflow.engine.streams import follow_torch_threads, following_torch_threads
+from gradientflow.threads import follow_torch_threads, following_torch_threads
 from gradientflow.errors import StepFailed
 
 # Big enough that blocked callbacks (each waiting on a later collective) cannot starve the

@@ -37,6 +37,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from gradientflow.config import Config
+from gradientflow import threads
 from gradientflow.engine import completion, own_routes, streams
 from gradientflow.engine.fusion import FusableOp, Message
 from gradientflow.engine.issue import Issue, IssueParts
@@ -313,7 +314,7 @@ class Engine:
                     self.cv.wait(delay)
                 queue.busy = True
             try:
-                streams.follow_torch_threads()  # a job may run torch ops (a codec's stages)
+                threads.follow_torch_threads()  # a job may run torch ops (a codec's stages)
                 job.run(self._parts)
             except BaseException as exc:  # noqa: BLE001 - the engine must fail loudly, not die
                 self.fail(exc)

@@ -19,7 +19,8 @@ from typing import Any, Callable, Hashable
 import torch
 from torch._C._distributed_c10d import AllreduceOptions
 
-from gradientflow.engine import completion, streams
+from gradientflow import threads
+from gradientflow.engine import completion
 from gradientflow.engine.fusion import Message, pack, unpack
 from gradientflow.errors import StepFailed
 from gradientflow.errors import EngineError
@@ -220,7 +221,7 @@ class Messages:
                         return
                     self._reap_cv.wait()
                 item = self._reap.popleft()
-            streams.follow_torch_threads()  # the unpack, a codec's last stage
+            threads.follow_torch_threads()  # the unpack, a codec's last stage
             # A Work's wait() releases the GIL: gloo's thread only signals a C++ condition.
             item()
 

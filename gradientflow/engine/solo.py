@@ -20,7 +20,7 @@ from typing import Any, Callable
 from gradientflow.engine import completion
 from gradientflow.engine.agreement import MAX_BATCH
 from gradientflow.engine.checks import Check
-from gradientflow.engine.streams import following_torch_threads
+from gradientflow.threads import following_torch_threads
 from gradientflow.errors import CollectiveMismatchError
 
 

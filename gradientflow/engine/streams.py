@@ -1,6 +1,6 @@
-"""What the engine's threads take from the callers': CUDA stream order (callers' writes before
-the transport reads them, the engine's unpack before callers read the results), and torch's
-intra-op thread count (`follow_torch_threads`).
+"""What the engine's threads take from the callers' CUDA streams: callers' writes before the
+transport reads them, the engine's unpack before callers read the results. (Torch's intra-op
+thread count, the other thing a thread of ours takes from the caller, is `gradientflow/threads.py`.)
 
 A CUDA kernel is ordered only with the kernels of its own stream, and the current stream is
 per thread. The engine packs, sends and unpacks on its own thread, so without this module a
@@ -23,41 +23,13 @@ The rules, the same as torch's own collectives follow across threads:
   value() / then() make the waiter's current stream wait for it, as c10d's NCCL Works do.
 
 On CPU every stream function here is a no-op that costs one device-type test.
-
-`torch.set_num_threads(n)` sets the OpenMP team size of the thread that calls it only; a thread
-started by Python forms teams of one per core whatever the program set. Two ranks on two cores
-that each set one thread then ran our codec on two, and the idle member of each team spun on
-the cores the training needed. Every thread of ours that runs torch ops follows torch's setting.
 """
 from __future__ import annotations
 
 import contextlib
-import threading
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Iterable, Iterator
 
 import torch
-
-_LOCAL = threading.local()
-
-
-def follow_torch_threads() -> None:
-    """Give this thread torch's intra-op thread count (the process's, as
-    `torch.get_num_threads()` reads it), if it does not have it yet; microseconds."""
-    n = torch.get_num_threads()
-    if getattr(_LOCAL, "threads", None) != n:
-        torch.set_num_threads(n)
-        _LOCAL.threads = n
-
-
-def following_torch_threads(target: Callable[..., Any]) -> Callable[..., Any]:
-    """`target` as a thread's body that first follows torch's thread count."""
-
-    def run(*args: Any, **kwargs: Any) -> Any:
-        follow_torch_threads()
-        return target(*args, **kwargs)
-
-    return run
-
 
 def current(device: torch.device) -> Any:
     """This thread's current CUDA stream of `device` (None on CPU)."""
