@@ -387,6 +387,26 @@ class GradientFlowBackend(BACKEND_BASE):
         p2p.monitored_barrier(self, opts, wait_all_ranks)  # gloo's own (backend/p2p.py)
 
 
+def _repeat_first(general: Any) -> Any:
+    """The class's `allreduce` (`general`, layouts' wrappers included) behind the engine's
+    path for a repeated synchronous call, which checks what it takes and leaves the rest to
+    `general` with nothing taken (engine/sync_own.py: repeat)."""
+
+    @functools.wraps(general)
+    def allreduce(self, tensors, opts=None, priority: int | None = None):
+        if priority is None:
+            if opts is not None and self.engine.repeat(tensors, opts):
+                self._seq_for_group += 1
+                return None  # complete, as a synchronous call of the engine's may return
+            return general(self, tensors, opts)
+        return general(self, tensors, opts, priority=priority)
+
+    return allreduce
+
+
+GradientFlowBackend.allreduce = _repeat_first(GradientFlowBackend.allreduce)
+
+
 def _eager_under_compile(method: Any) -> Any:
     """`method`, run eagerly where torch.compile traces its caller (a graph break).
 

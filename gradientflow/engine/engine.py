@@ -99,6 +99,7 @@ class Engine:
                       config, transport_for, solo, inspector)
         self.issue = issue
         self.allreduce = issue.allreduce
+        self.repeat = issue.repeat
         self.collective = issue.collective
         self.broadcast = issue.broadcast
         self.barrier = issue.barrier

@@ -108,7 +108,8 @@ class Issue:
         self._sync_own = SyncOwn(parts, self._take, self.checking, self._refused,
                                  lambda t: own_routes.swap_add(transport_for(t.device), t,
                                                                parts.rank, parts.rounds.wait),
-                                 self._insp)
+                                 self._insp, self._sync_route)
+        self.repeat = self._sync_own.repeat  # the backend's entry for a repeated sync call
         self.configure(config)
 
     def configure(self, config: Any) -> None:
@@ -121,6 +122,7 @@ class Issue:
         # Eager sums of two ranks go their own ways (checks.own_route) under the ring
         # algorithm, whose result they give; the others are the algorithm's to carry.
         self._own_routes = config.algorithm == "ring"
+        self._sync_own.forget()
 
     @property
     def own_routes_on(self) -> bool:
@@ -140,6 +142,13 @@ class Issue:
         if self._solo_channel and nbytes >= self.solo_bytes and device.type == "cpu":
             return SOLO
         return FUSED if nbytes < (self._threshold if async_op else self._sync_limit) else EAGER
+
+    def _sync_route(self, tensors: list, tensor: torch.Tensor, reduce_op: Any) -> int:
+        """The own route `allreduce` gives a synchronous call of `tensor`, or 0."""
+        nbytes = tensor.numel() * tensor.element_size()
+        if not self._own_routes or self.route(tensor.device, nbytes, False) is not EAGER:
+            return 0
+        return own_route(tensor, reduce_op, self._parts.world_size)
 
     # ------------------------------------------------------------------ entry points
     def allreduce(self, tensors: list, opts: Any, tensor: torch.Tensor, reduce_op: Any,

@@ -9,18 +9,34 @@ every rank before anything is applied. What it saves is per-call Python: the sig
 fingerprint is cached per (dtype, shape, route), and no Work is made: the call returns
 complete, as torch takes of a synchronous call (NCCL's return no Work either, and
 torch.distributed's functions wait only on a Work they get).
+
+`repeat` is the same call from torch's own arguments, for the backend's entry: a program
+repeats a few allreduces, so what the general path works out for each call (the arguments'
+checks, the route, the signature) is a function of (dtype, shape, reduce op) here, worked out
+once; per call only what that key does not fix is read (one tensor, dense, contiguous, on
+CPU; a synchronous call of torch's options type). Anything else is left to the general path
+with nothing taken.
 """
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
+from torch._C._distributed_c10d import AllreduceOptions
+
 from gradientflow.engine.checks import EXCHANGE, Check, refuses_only_the_call, signature
 
 if TYPE_CHECKING:
     from gradientflow.engine.issue import IssueParts
 
 _MAX_KEYS = 4096  # signatures cached; a program repeats a few
+_STRIDED = torch.strided
+# Whether torch's options say if a call is synchronous (torch's that do not treat every call
+# as asynchronous, and this path never applies).
+_SAYS_SYNC = hasattr(AllreduceOptions(), "asyncOp")
+
+
+_UNKNOWN = object()
 
 
 class _Call:
@@ -45,14 +61,53 @@ class SyncOwn:
 
     def __init__(self, parts: IssueParts, take: Callable[[str], int], checking: set,
                  refused: Callable[[list], None], exchange: Callable[[torch.Tensor], None],
-                 insp: Any) -> None:
+                 insp: Any, route_of: Callable[[list, torch.Tensor, Any], int]) -> None:
         self._parts = parts
         self._take = take
         self._checking = checking
         self._refused = refused
         self._exchange = exchange
         self._insp = insp
+        # The own route the general path gives a synchronous allreduce, or 0 (Issue).
+        self._route_of = route_of
         self._keys: dict = {}
+        # (dtype, shape, reduce op) -> (route, signature key, fingerprint), or None where
+        # the general path takes the call (repeat).
+        self._repeats: dict = {}
+
+    def forget(self) -> None:
+        """Drop what was worked out per signature (the routing settings changed)."""
+        self._keys.clear()
+        self._repeats.clear()
+
+    def repeat(self, tensors: list, opts: Any) -> bool:
+        """A synchronous allreduce from torch's arguments (`tensors`, `opts` as the backend
+        gets them), run to its end on this path: True; False, with nothing checked or taken,
+        for the general path (module doc)."""
+        if (len(tensors) != 1 or opts.__class__ is not AllreduceOptions or not _SAYS_SYNC
+                or opts.asyncOp):
+            return False
+        tensor = tensors[0]
+        if not isinstance(tensor, torch.Tensor) or tensor.layout is not _STRIDED or (
+                not tensor.is_cpu or not tensor.is_contiguous()):
+            return False
+        reduce_op = opts.reduceOp
+        # hash() of a ReduceOp is its op number (PREMUL_SUM's too: never an own route).
+        rk = (tensor.dtype, tensor.shape, hash(reduce_op))
+        entry = self._repeats.get(rk, _UNKNOWN)
+        if entry is _UNKNOWN:
+            if len(self._repeats) >= _MAX_KEYS:
+                self._repeats.clear()
+            route = self._route_of(tensors, tensor, reduce_op)
+            entry = self._repeats[rk] = (
+                (route, *self._known(tensors, tensor, reduce_op, route)) if route else None)
+        if entry is None:
+            return False
+        insp = self._insp
+        if insp is not None and insp.debug is not None:
+            return False
+        route, key, fp = entry
+        return self.run(tensors, tensor, reduce_op, route, (key, fp))
 
     def _known(self, tensors: list, tensor: torch.Tensor, reduce_op: Any,
                route: int) -> tuple:
@@ -67,10 +122,12 @@ class SyncOwn:
             known = self._keys[ck] = (key, Check(0, key, route=route).fingerprint)
         return known
 
-    def run(self, tensors: list, tensor: torch.Tensor, reduce_op: Any, route: int) -> bool:
+    def run(self, tensors: list, tensor: torch.Tensor, reduce_op: Any, route: int,
+            known: tuple | None = None) -> bool:
         """Run the call to its end: True; False (nothing taken) when the engine is not idle,
-        for the general path to queue it behind what is there."""
-        key, fp = self._known(tensors, tensor, reduce_op, route)
+        for the general path to queue it behind what is there. `known`: its (signature key,
+        fingerprint), if the caller has them."""
+        key, fp = known or self._known(tensors, tensor, reduce_op, route)
         parts = self._parts
         queue = parts.queue
         insp = self._insp
