@@ -136,7 +136,7 @@ class Exchange:
         if nbytes > cap:
             raise ValueError(f"Exchange.swap: a payload of {nbytes} bytes exceeds the "
                              f"{cap} every rank can receive in this round")
-        if nbytes > 0 and (payload.device.type != "cpu" or not payload.is_contiguous()):
+        if nbytes > 0 and (not payload.is_cpu or not payload.is_contiguous()):
             raise ValueError("Exchange.swap: the payload must be a contiguous CPU tensor")
         # Every slot starts 8-byte aligned, so a payload of any dtype can be viewed in place
         # whatever room an earlier round had (a room of 4100 bytes would misalign the next).

@@ -132,14 +132,15 @@ class Rounds:
         k = len(candidates)
         first = candidates[0].seq
         payload = getattr(candidates[0], "payload", None) if k == 1 else None
-        if payload is not None and _nbytes(payload) > self._cap():
+        cap = self._cap()
+        if payload is not None and _nbytes(payload) > cap:
             payload = None  # no room this round: the data goes after it
         self._last.rode = payload is not None
         if payload is not None and candidates[0].route == CARRIED:
             # A broadcast: the root's tensor rides; the others' frames carry none.
             payload = payload.contiguous() if candidates[0].key[3] == self.rank else None
         words = round_words(k, batch_fingerprint(candidates)) + [int(waited)]
-        every = self._swap(words, first, payload)
+        every = self._swap(words, first, payload, cap)
         if all(w == words for w in every):  # the usual round: every rank queued the same
             n, n_max, lo, hi, all_waited = k, k, 0, 0, waited
         else:
@@ -227,11 +228,13 @@ class Rounds:
         """
         return self._fold(self._swap(words, first_seq, payload), op, first_seq)
 
-    def _swap(self, words: list[int], first_seq: int,
-              payload: torch.Tensor | None = None) -> list[list[int]]:
-        """Every rank's words of one round, by rank (_reduce)."""
+    def _swap(self, words: list[int], first_seq: int, payload: torch.Tensor | None = None,
+              cap: int | None = None) -> list[list[int]]:
+        """Every rank's words of one round, by rank (_reduce); `cap`: this round's room
+        (_cap), if the caller has it."""
         try:
-            every, self._last.payloads = self._exchange().swap(words, payload, self._cap())
+            every, self._last.payloads = self._exchange().swap(
+                words, payload, self._cap() if cap is None else cap)
         except CollectiveMismatchError:
             raise
         except Exception as exc:

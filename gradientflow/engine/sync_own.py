@@ -100,34 +100,36 @@ class SyncOwn:
                 self._repeats.clear()
             route = self._route_of(tensors, tensor, reduce_op)
             entry = self._repeats[rk] = (
-                (route, *self._known(tensors, tensor, reduce_op, route)) if route else None)
+                (route, self._known(tensors, tensor, reduce_op, route)) if route else None)
         if entry is None:
             return False
         insp = self._insp
         if insp is not None and insp.debug is not None:
             return False
-        route, key, fp = entry
-        return self.run(tensors, tensor, reduce_op, route, (key, fp))
+        return self.run(tensors, tensor, reduce_op, entry[0], entry[1])
 
     def _known(self, tensors: list, tensor: torch.Tensor, reduce_op: Any,
                route: int) -> tuple:
-        """The call's signature key and fingerprint: a function of dtype, shape and route
-        (own routes are SUMs), as Check computes them."""
+        """The call's signature key and fingerprint, as Check computes them, and its
+        (signature, hash) in the inspector's chain: functions of dtype, shape and route (own
+        routes are SUMs)."""
         ck = (tensor.dtype, tensor.shape, route)
         known = self._keys.get(ck)
         if known is None:
             if len(self._keys) >= _MAX_KEYS:
                 self._keys.clear()
             key = signature("all_reduce", tensor, tensors, None, reduce_op)
-            known = self._keys[ck] = (key, Check(0, key, route=route).fingerprint)
+            isig = self._insp.signature("all_reduce", tensor, None, reduce_op) if (
+                self._insp is not None) else None
+            known = self._keys[ck] = (key, Check(0, key, route=route).fingerprint, isig)
         return known
 
     def run(self, tensors: list, tensor: torch.Tensor, reduce_op: Any, route: int,
             known: tuple | None = None) -> bool:
         """Run the call to its end: True; False (nothing taken) when the engine is not idle,
-        for the general path to queue it behind what is there. `known`: its (signature key,
-        fingerprint), if the caller has them."""
-        key, fp = known or self._known(tensors, tensor, reduce_op, route)
+        for the general path to queue it behind what is there. `known`: what `_known` gives
+        for it, if the caller has it."""
+        key, fp, isig = known or self._known(tensors, tensor, reduce_op, route)
         parts = self._parts
         queue = parts.queue
         insp = self._insp
@@ -142,7 +144,7 @@ class SyncOwn:
             # Both routes offer the tensor to the round, which carries it when it has room.
             chk = Check.known(seq, key, fp, True, tensor, route)
             if insp is not None:
-                insp.record(seq, "all_reduce", tensor, None, reduce_op, call)
+                insp.record_known(seq, "all_reduce", *isig, None, reduce_op, call)
         try:
             try:
                 parts.rounds.check(chk)

@@ -132,15 +132,25 @@ class Inspector:
         Called in sequence order (under the engine's lock), so the chain is the same on every
         rank that issued the same collectives.
         """
+        sig, fp = self.signature(name, tensor, root, reduce_op)
+        self.record_known(seq, name, sig, fp, root, reduce_op, work)
+
+    @staticmethod
+    def signature(name: str, tensor: torch.Tensor | None, root: Any,
+                  reduce_op: Any) -> tuple:
+        """A call's (signature, hash) as `record` chains them: a caller that repeats a call
+        may keep them and record it with `record_known`."""
         # Only ints in the hashed tuple: hash(None) is per-process before Python 3.12.
         r = -1 if root is None else root
         op = -1 if reduce_op is None else hash(reduce_op)  # a ReduceOp hashes to its op number
-        if tensor is not None:
-            sig = (tensor.dtype, tensor.shape)
-            fp = hash((name_id(name), name_id(sig[0]), sig[1], r, op))
-        else:
-            sig = None
-            fp = hash((name_id(name), r, op))
+        if tensor is None:
+            return None, hash((name_id(name), r, op))
+        sig = (tensor.dtype, tensor.shape)
+        return sig, hash((name_id(name), name_id(sig[0]), sig[1], r, op))
+
+    def record_known(self, seq: int, name: str, sig: Any, fp: int, root: Any, reduce_op: Any,
+                     work: Any) -> None:
+        """`record`, with the call's (signature, hash) from `signature`."""
         self._h = h = mix(self._h, fp)
         self._n = n = self._n + 1
         self._hist.append((seq, n, h, name, sig, root, reduce_op))
