@@ -31,12 +31,10 @@ if TYPE_CHECKING:
 
 _MAX_KEYS = 4096  # signatures cached; a program repeats a few
 _STRIDED = torch.strided
-# Whether torch's options say if a call is synchronous (torch's that do not treat every call
-# as asynchronous, and this path never applies).
+# Whether this torch's AllreduceOptions carry asyncOp: where they do not, every call counts as
+# asynchronous and `repeat` never applies.
 _SAYS_SYNC = hasattr(AllreduceOptions(), "asyncOp")
-
-
-_UNKNOWN = object()
+_UNKNOWN = object()  # a signature `repeat` has not met yet
 
 
 class _Call:
@@ -71,8 +69,8 @@ class SyncOwn:
         # The own route the general path gives a synchronous allreduce, or 0 (Issue).
         self._route_of = route_of
         self._keys: dict = {}
-        # (dtype, shape, reduce op) -> (route, signature key, fingerprint), or None where
-        # the general path takes the call (repeat).
+        # (dtype, shape, reduce op) -> (route, what _known gives), or None where the general
+        # path takes the call (repeat).
         self._repeats: dict = {}
 
     def forget(self) -> None:
