@@ -37,6 +37,7 @@ from gradientflow.engine.checks import (CARRIED, EXCHANGE, Check, inband_cap, pa
 from gradientflow.engine.exchange import Exchange
 from gradientflow.engine.fusion import FusableOp
 from gradientflow.errors import CollectiveMismatchError, EngineError
+from gradientflow.fingerprint import mix
 from gradientflow.observability import timeline as tl
 from gradientflow.observability.timeline import TIMELINE, now_us
 
@@ -141,6 +142,14 @@ class Rounds:
             payload = payload.contiguous() if candidates[0].key[3] == self.rank else None
         words = round_words(k, batch_fingerprint(candidates)) + [int(waited)]
         every = self._swap(words, first, payload, cap)
+        return self._judge(candidates, words, every, waited, t0)
+
+    def _judge(self, candidates: list, words: list[int], every: list[list[int]],
+               waited: bool, t0: float) -> int:
+        """What a round whose words every rank sent (`every`) agreed (agree); raises on a
+        mismatch. `t0`: when the round began, for the statistics."""
+        k = len(candidates)
+        first = candidates[0].seq
         if all(w == words for w in every):  # the usual round: every rank queued the same
             n, n_max, lo, hi, all_waited = k, k, 0, 0, waited
         else:
@@ -166,6 +175,38 @@ class Rounds:
         if wrong is not None:
             raise self._mismatch(candidates[:n], first + n, (lo, hi), bool(all_waited))
         return n
+
+    def own(self, chk: Check) -> None:
+        """`check` of a synchronous allreduce on a route of its own (sync_own.py; a lone Check
+        with a payload and no pairs, its caller waiting), as one function: a repeated call
+        pays for its round little more than the exchange. A round whose words differ is judged
+        as `agree` judges any (_judge), so the outcome is agree's."""
+        t0 = time.perf_counter()
+        payload = chk.payload
+        nbytes = payload.numel() * payload.element_size()
+        cap = self._cap()
+        rode = nbytes <= cap
+        self._last.rode = rode
+        words = round_words(1, mix(chk.seq, chk.fingerprint)) + [1]  # batch_fingerprint([chk])
+        try:
+            every = self._swap(words, chk.seq, payload if rode else None, cap)
+            if any(w != words for w in every):
+                self._judge([chk], words, every, True, t0)
+            else:
+                dt = time.perf_counter() - t0
+                self._stats.record_check(dt)
+                if TIMELINE.enabled:
+                    TIMELINE.complete(tl.AGREE, tl.CAT_AGREE, now_us() - dt * 1e6, dt * 1e6,
+                                      tid="engine", args={"candidates": 1, "rounds": 1})
+        except BaseException:
+            self._recent = (self._recent[1], 0)
+            self._round_no += 1
+            raise
+        self._recent = (self._recent[1], nbytes if chk.route == EXCHANGE else 0)
+        self._round_no += 1
+        chk.summed = rode
+        if rode:
+            self._add_payloads(payload)
 
     def check(self, chk: Check, waited: bool = True) -> None:
         """The round of one eager collective (and, for all-to-all, its pair round); raises

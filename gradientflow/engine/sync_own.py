@@ -145,7 +145,7 @@ class SyncOwn:
                 insp.record_known(seq, "all_reduce", *isig, None, reduce_op, call)
         try:
             try:
-                parts.rounds.check(chk)
+                parts.rounds.own(chk)
             except Exception as exc:  # noqa: BLE001 - as Issue._settle
                 if refuses_only_the_call(exc, True):
                     self._refused([seq])
