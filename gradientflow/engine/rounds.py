@@ -97,16 +97,20 @@ class Rounds:
         try:
             n = self._agree(candidates, waited)
         except BaseException:
-            self._recent = (self._recent[1], 0)
-            self._round_no += 1
+            self._advance(0)
             raise
         one = candidates[0]
         route = one.route if n == 1 and isinstance(one, Check) else 0
-        self._recent = (self._recent[1], _nbytes(one.payload) if route == EXCHANGE else 0)
         if route == CARRIED:
             self._keep_room(_nbytes(one.payload))
-        self._round_no += 1
+        self._advance(_nbytes(one.payload) if route == EXCHANGE else 0)
         return n
+
+    def _advance(self, exchanged: int) -> None:
+        """One more round in the history the room follows (_cap): `exchanged`, the bytes of
+        the exchanged allreduce it agreed (0: a round of another kind, or one that failed)."""
+        self._recent = (self._recent[1], exchanged)
+        self._round_no += 1
 
     def _keep_room(self, nbytes: int) -> None:
         """Keep room for a broadcast of `nbytes` for the next CARRY_ROUNDS rounds (the
@@ -161,20 +165,27 @@ class Rounds:
             lo, neg = self._min([h, -h], first)
             hi = -neg
             rounds = 2
-        dt = time.perf_counter() - t0
-        if isinstance(getattr(candidates[0], "check", candidates[0]), Check):
-            self._stats.record_check(dt)  # eager or solo calls' signatures
-        else:
-            self._stats.record_agreement(dt, rounds)
-        if TIMELINE.enabled:
-            TIMELINE.complete(tl.AGREE, tl.CAT_AGREE, now_us() - dt * 1e6, dt * 1e6, tid="engine",
-                              args={"candidates": k, "rounds": rounds})
+        # eager or solo calls' signatures, or a batch's agreement
+        self._record(isinstance(getattr(candidates[0], "check", candidates[0]), Check), t0, k,
+                     rounds)
         wrong = verdict(k, n, lo, hi)
         if wrong == "range":
             raise self._mismatch(candidates, first + n, None)
         if wrong is not None:
             raise self._mismatch(candidates[:n], first + n, (lo, hi), bool(all_waited))
         return n
+
+    def _record(self, check: bool, t0: float, k: int, rounds: int) -> None:
+        """A round begun at `t0`, of `k` candidates in `rounds` rounds, in the statistics
+        (`check`: an eager or solo call's signature round) and the timeline."""
+        dt = time.perf_counter() - t0
+        if check:
+            self._stats.record_check(dt)
+        else:
+            self._stats.record_agreement(dt, rounds)
+        if TIMELINE.enabled:
+            TIMELINE.complete(tl.AGREE, tl.CAT_AGREE, now_us() - dt * 1e6, dt * 1e6, tid="engine",
+                              args={"candidates": k, "rounds": rounds})
 
     def own(self, chk: Check) -> None:
         """`check` of a synchronous allreduce on a route of its own (sync_own.py; a lone Check
@@ -183,7 +194,7 @@ class Rounds:
         as `agree` judges any (_judge), so the outcome is agree's."""
         t0 = time.perf_counter()
         payload = chk.payload
-        nbytes = payload.numel() * payload.element_size()
+        nbytes = _nbytes(payload)
         cap = self._cap()
         rode = nbytes <= cap
         self._last.rode = rode
@@ -193,17 +204,11 @@ class Rounds:
             if any(w != words for w in every):
                 self._judge([chk], words, every, True, t0)
             else:
-                dt = time.perf_counter() - t0
-                self._stats.record_check(dt)
-                if TIMELINE.enabled:
-                    TIMELINE.complete(tl.AGREE, tl.CAT_AGREE, now_us() - dt * 1e6, dt * 1e6,
-                                      tid="engine", args={"candidates": 1, "rounds": 1})
+                self._record(True, t0, 1, 1)
         except BaseException:
-            self._recent = (self._recent[1], 0)
-            self._round_no += 1
+            self._advance(0)
             raise
-        self._recent = (self._recent[1], nbytes if chk.route == EXCHANGE else 0)
-        self._round_no += 1
+        self._advance(nbytes if chk.route == EXCHANGE else 0)
         chk.summed = rode
         if rode:
             self._add_payloads(payload)

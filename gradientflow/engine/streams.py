@@ -1,6 +1,6 @@
 """What the engine's threads take from the callers' CUDA streams: callers' writes before the
 transport reads them, the engine's unpack before callers read the results. (Torch's intra-op
-thread count, the other thing a thread of ours takes from the caller, is `gradientflow/threads.py`.)
+thread count, the other thing a thread of ours takes from the caller: `gradientflow/threads.py`.)
 
 A CUDA kernel is ordered only with the kernels of its own stream, and the current stream is
 per thread. The engine packs, sends and unpacks on its own thread, so without this module a
@@ -30,6 +30,7 @@ import contextlib
 from typing import Any, Iterable, Iterator
 
 import torch
+
 
 def current(device: torch.device) -> Any:
     """This thread's current CUDA stream of `device` (None on CPU)."""
