@@ -7,11 +7,7 @@ from typing import Hashable, Iterator
 import torch
 
 from gradientflow.backend.registry import backend_of
-from gradientflow.engine.checks import refuse_alike
 from gradientflow.engine.stages import Fuser, StageGen, drive, fuse
-
-__all__ = ["submit_stages", "submit_part", "flush", "allreduce_async", "monitored_barrier",
-           "waited", "refuse_alike"]
 
 
 def submit_stages(group, key: Hashable, gen: StageGen, device: torch.device | None = None,

@@ -13,9 +13,7 @@ Pure: the rounds themselves run in rounds.py.
 """
 from __future__ import annotations
 
-import contextlib
 import functools
-import threading
 import zlib
 from typing import Any, Iterator
 
@@ -42,8 +40,7 @@ class Check:
     `inband_cap`; `summed`: it did, and the peers' were added, or the root's copied:
     rounds.check)."""
 
-    __slots__ = ("seq", "key", "fingerprint", "pairs", "waited", "payload", "route", "summed",
-                 "ahead")
+    __slots__ = ("seq", "key", "fingerprint", "pairs", "waited", "payload", "route", "summed")
 
     def __init__(self, seq: int, key: tuple, pairs: Any = None, waited: bool = False,
                  payload: torch.Tensor | None = None, route: int = 0) -> None:
@@ -58,9 +55,6 @@ class Check:
         self.payload = payload
         self.route = route
         self.summed = False
-        # A carried broadcast whose root may return before the round is read (rounds.py):
-        # asynchronous, and not issued inside refuse_alike.
-        self.ahead = False
 
     @classmethod
     def known(cls, seq: int, key: tuple, fingerprint: int, waited: bool,
@@ -76,7 +70,6 @@ class Check:
         chk.payload = payload
         chk.route = route
         chk.summed = False
-        chk.ahead = False
         return chk
 
     def describe(self) -> str:
@@ -132,28 +125,6 @@ def broadcast_route(tensor: torch.Tensor, world_size: int) -> int:
     if world_size != 2 or tensor.device.type != "cpu" or tensor.layout != torch.strided:
         return 0
     return CARRIED if tensor.numel() * tensor.element_size() <= CARRY_BYTES else 0
-
-
-_ALIKE = threading.local()
-
-
-def refusing_alike() -> bool:
-    """Whether this thread is inside `refuse_alike`."""
-    return getattr(_ALIKE, "on", False)
-
-
-@contextlib.contextmanager
-def refuse_alike() -> Iterator[None]:
-    """Collectives this thread issues inside are refused on every rank at the call itself
-    when the ranks differ, asynchronous broadcasts too: their root waits for the round
-    (elsewhere it sends its tensor and goes on, and a mismatch it learns later fails the
-    group: rounds.py). What Horovod promises for every call."""
-    before = refusing_alike()
-    _ALIKE.on = True
-    try:
-        yield
-    finally:
-        _ALIKE.on = before
 
 
 def _tensors(x: Any) -> Iterator[torch.Tensor]:

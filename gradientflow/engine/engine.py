@@ -263,7 +263,6 @@ class Engine:
             self.cv.notify_all()
         timeout_s = timeout_s if timeout_s is not None else 5.0
         self._thread.join(timeout_s)
-        self.rounds.close(timeout_s)  # a broadcast's round its root did not wait for
         self.issue.close(timeout_s)
         self.messages.close(timeout_s)  # it ends once what is in flight is finished
 

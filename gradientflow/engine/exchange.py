@@ -39,7 +39,7 @@ class _Buffers:
     """One thread's send and receive frames (tensors, and writable views for struct), room
     for `nbytes` each way; `plans[frame]`: a round of that frame size (_Plan)."""
 
-    __slots__ = ("send", "recv", "send_mem", "recv_mem", "send_ptr", "plans", "lost")
+    __slots__ = ("send", "recv", "send_mem", "recv_mem", "send_ptr", "plans")
 
     def __init__(self, nbytes: int) -> None:
         self.send = torch.zeros(nbytes, dtype=torch.uint8)
@@ -48,9 +48,6 @@ class _Buffers:
         self.recv_mem = memoryview(self.recv.numpy())
         self.send_ptr = self.send.data_ptr()
         self.plans: dict = {}
-        # Set when a round on them was given up while the all-to-all may still write into
-        # them (Exchange.finish): the owning thread's next round takes new ones.
-        self.lost = False
 
 
 class _Plan:
@@ -88,21 +85,6 @@ def _keeps_self_slot(frame: int) -> bool:
     return frame <= _SELF_SLOT_MAX
 
 
-class Posted:
-    """A round whose frame was sent (Exchange.post): its all-to-all's Work (None without
-    peers), where the frames lie, and what this rank sent."""
-
-    __slots__ = ("work", "plan", "words", "nbytes", "cap")
-
-    def __init__(self, work: Any, plan: _Plan, words: list[int], nbytes: int,
-                 cap: int) -> None:
-        self.work = work
-        self.plan = plan
-        self.words = words
-        self.nbytes = nbytes
-        self.cap = cap
-
-
 class Exchange:
     """Rounds on one gloo group: `swap` sends this rank's frame to every rank and returns
     every rank's words and payload.
@@ -128,8 +110,6 @@ class Exchange:
         buffer; the thread's last plan, which payload_of reads)."""
         local = self._local
         bufs = getattr(local, "bufs", None)
-        if bufs is not None and bufs.lost:
-            bufs = None
         plan = None if bufs is None else bufs.plans.get(frame)
         if plan is None:
             n = self.world_size
@@ -148,13 +128,6 @@ class Exchange:
         `payload_of` reads a peer's payload until this thread's next swap. `cap`: this
         round's payload room (every rank must name the same; default `payload_cap`). Raises
         FrameError on a frame that cannot be read."""
-        return self.finish(self.post(words, payload, cap))
-
-    def post(self, words: list[int], payload: torch.Tensor | None = None,
-             cap: int | None = None) -> "Posted":
-        """Send this rank's frame of a round (swap's arguments) and return without waiting
-        for the others': `finish` reads them. This thread's next round must come after the
-        finish (it reuses the frames)."""
         k = len(words)
         if k > MAX_WORDS:
             raise ValueError(f"Exchange.swap: at most {MAX_WORDS} words, got {k}")
@@ -176,31 +149,17 @@ class Exchange:
             pack(mem, at, k, nbytes, *words)
             if nbytes > 0:
                 ctypes.memmove(bufs.send_ptr + at + HEADER, payload.data_ptr(), nbytes)
-        work = None
-        if plan.peers:
-            try:
-                work = self._group.alltoall_base(plan.recv, plan.send, plan.splits,
-                                                 plan.splits)
-            except BaseException:
-                bufs.lost = True
-                raise
-        return Posted(work, plan, list(words), nbytes, cap)
-
-    def finish(self, posted: "Posted") -> tuple[list[list[int]], list[int]]:
-        """Wait for a posted round (on any thread) and read every rank's words and payload
-        size (swap's result)."""
-        plan = posted.plan
         try:
-            if posted.work is not None:
-                self._wait(posted.work)
+            if plan.peers:
+                self._wait(self._group.alltoall_base(plan.recv, plan.send, plan.splits,
+                                                     plan.splits))
         except BaseException:
             # The all-to-all may still be writing into them: the next round takes new ones.
-            plan.bufs.lost = True
+            self._local.bufs = None
             raise
-        words, nbytes, cap = posted.words, posted.nbytes, posted.cap
-        every_words: list[list[int]] = [words] * self.world_size  # this rank's: as sent
+        every_words: list[list[int]] = [list(words)] * self.world_size  # this rank's: as sent
         sizes: list[int] = [nbytes] * self.world_size
-        rmem = plan.bufs.recv_mem
+        rmem = bufs.recv_mem
         for r, at in plan.peers:
             their_k, their_n = _HEAD.unpack_from(rmem, at)
             if not 0 <= their_k <= MAX_WORDS or their_n > cap:

@@ -38,8 +38,8 @@ from typing import TYPE_CHECKING, Any, Callable, Hashable
 import torch
 
 from gradientflow.engine import completion, own_routes, streams
-from gradientflow.engine.checks import (CARRIED, Check, broadcast_route, own_route,
-                                        refuses_only_the_call, refusing_alike, signature)
+from gradientflow.engine.checks import (Check, broadcast_route, own_route,
+                                        refuses_only_the_call, signature)
 from gradientflow.engine.fusion import FusableOp, solo_cut
 from gradientflow.engine.jobs import Claim, EagerOp
 from gradientflow.engine.rounds import Rounds
@@ -199,7 +199,6 @@ class Issue:
         its Work."""
         main = self._transport_for
         route = broadcast_route(tensor, self._parts.world_size) if self._own_routes else 0
-        ahead = route == CARRIED and not refusing_alike()  # and asynchronous (chk.waited)
 
         def launch(seq: int, chk: Check) -> Any:  # once the round agreed the call everywhere
             if chk.summed:  # the root's tensor came in the round (rounds.py)
@@ -207,13 +206,10 @@ class Issue:
                 return own_routes.done(self._works, chk.seq, tensors, "broadcast")
             return main(tensor.device).broadcast(tensors, opts)
 
-        def submit(seq: int, chk: Check) -> Any:
-            chk.ahead = ahead and not chk.waited
-            return self._eager(seq, "broadcast", lambda: launch(seq, chk), tensors,
-                               tensor.device, chk)
-
-        return self._issue("broadcast", submit, tensor, opts, tensor.device, outputs=tensors,
-                           payload=tensor if route else None, route=route)
+        return self._issue("broadcast", lambda seq, chk: self._eager(
+            seq, "broadcast", lambda: launch(seq, chk), tensors, tensor.device, chk), tensor,
+            opts, tensor.device, outputs=tensors, payload=tensor if route else None,
+            route=route)
 
     def collective(self, name: str, device: torch.device, call: Callable[[Any], Any],
                    outputs: Any, opts: Any = None, sig: torch.Tensor | None = None,

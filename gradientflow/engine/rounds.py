@@ -19,20 +19,10 @@ program that broadcasts the same buffers every step (DDP's) has them carried fro
 step on. The room is a function of what earlier rounds agreed, so every rank sends frames of
 one size whatever it now holds; a call that differs is refused as in any round, before its
 payload is read.
-
-The root of an asynchronous carried broadcast does not wait for its round: it sends its frame
-and returns (its tensor is the result whatever the others did), and reads the others' words
-at its next round, or when the group closes. gloo's root only sends, too; a forward that
-broadcasts DDP's buffers would otherwise hold the root until the other rank reaches it. The
-peers check the round before copying, as in any round. The root's words say it did not wait,
-so a mismatch there fails the group on every rank (the root learns it at its next call, which
-the error names with the broadcast's sequence number); a synchronous broadcast keeps its
-refusal with the group usable.
 """
 from __future__ import annotations
 
 import datetime
-import logging
 import pickle
 import threading
 import time
@@ -44,15 +34,13 @@ from torch._C._distributed_c10d import ReduceOp
 from gradientflow.engine.agreement import batch_fingerprint, read_round, round_words, verdict
 from gradientflow.engine.checks import (CARRIED, EXCHANGE, Check, inband_cap, pair_word,
                                         pairs_agree)
-from gradientflow.engine.exchange import Exchange, Posted
+from gradientflow.engine.exchange import Exchange
 from gradientflow.engine.fusion import FusableOp
-from gradientflow.engine.mismatch import eager_mismatch, pairs_mismatch
 from gradientflow.errors import CollectiveMismatchError, EngineError
 from gradientflow.fingerprint import mix
 from gradientflow.observability import timeline as tl
 from gradientflow.observability.timeline import TIMELINE, now_us
 
-_LOG = logging.getLogger(__name__)
 _SLICE = datetime.timedelta(seconds=0.2)  # how often a blocked round looks for a fault
 # How long the room of an agreed broadcast lasts, in rounds: a training step's rounds (a batch
 # or a few per step, a compressed bucket's stages) lie well inside it.
@@ -86,10 +74,6 @@ class Rounds:
         # Every rank's payload of this thread's last round (exchange.py), per thread: the
         # engine thread and a caller's thread each read their own round's.
         self._last = threading.local()
-        # A carried broadcast's round this rank (its root) sent without waiting (module doc):
-        # (the Posted round, its Check, the broadcast room before it), settled first thing in
-        # the next round on any thread (rounds never overlap: the queue's floor).
-        self._posted: tuple[Posted, Check, tuple] | None = None
 
     def agree(self, candidates: list, waited: bool = False) -> int:
         """How many of `candidates` (this rank's leading run: deferred allreduces or stage ops,
@@ -165,9 +149,9 @@ class Rounds:
         return self._judge(candidates, words, every, waited, t0)
 
     def _judge(self, candidates: list, words: list[int], every: list[list[int]],
-               waited: bool, t0: float | None) -> int:
+               waited: bool, t0: float) -> int:
         """What a round whose words every rank sent (`every`) agreed (agree); raises on a
-        mismatch. `t0`: when the round began, for the statistics (None: recorded already)."""
+        mismatch. `t0`: when the round began, for the statistics."""
         k = len(candidates)
         first = candidates[0].seq
         if all(w == words for w in every):  # the usual round: every rank queued the same
@@ -181,9 +165,9 @@ class Rounds:
             lo, neg = self._min([h, -h], first)
             hi = -neg
             rounds = 2
-        if t0 is not None:  # eager or solo calls' signatures, or a batch's agreement
-            self._record(isinstance(getattr(candidates[0], "check", candidates[0]), Check), t0,
-                         k, rounds)
+        # eager or solo calls' signatures, or a batch's agreement
+        self._record(isinstance(getattr(candidates[0], "check", candidates[0]), Check), t0, k,
+                     rounds)
         wrong = verdict(k, n, lo, hi)
         if wrong == "range":
             raise self._mismatch(candidates, first + n, None)
@@ -233,10 +217,7 @@ class Rounds:
         """The round of one eager collective (and, for all-to-all, its pair round); raises
         CollectiveMismatchError on every rank, before any data moved, if the ranks differ
         (`waited`: as in agree). Sets `chk.summed` when the call's payload travelled in the
-        round and the peers' were added to it: nothing of the call is left to send.
-        An asynchronous broadcast this rank roots is posted when it rides (module doc)."""
-        if chk.ahead and chk.key[3] == self.rank and self._post_carried(chk):
-            return
+        round and the peers' were added to it: nothing of the call is left to send."""
         self.agree([chk], waited)
         chk.summed = self._last.rode
         if chk.summed:
@@ -249,69 +230,7 @@ class Rounds:
         send, recv = chk.pairs()
         total = self._reduce([pair_word(self.rank, send, recv)], ReduceOp.SUM, chk.seq)[0]
         if not pairs_agree(total):
-            raise pairs_mismatch(self.rank, self._name, chk, send, recv,
-                                 self._views([list(map(int, send)), list(map(int, recv))]))
-
-    def _post_carried(self, chk: Check) -> bool:
-        """Send the round of an asynchronous broadcast this rank roots, its tensor in the
-        frame, and return without the others' words (settled at the next round: module doc).
-        False when this round has no room for the tensor: the call then goes as any."""
-        payload = chk.payload
-        cap = self._cap()
-        if _nbytes(payload) > cap:
-            return False
-        t0 = time.perf_counter()
-        self._settle_posted()
-        # Third word 0: not waited on, so a mismatch fails the group on every rank (agree).
-        words = round_words(1, batch_fingerprint([chk])) + [0]
-        try:
-            sent = self._exchange().post(words, payload.contiguous(), cap)
-        except Exception as exc:
-            self._advance(0)
-            raise self._round_failed(chk.seq, exc) from exc
-        self._posted = (sent, chk, self._carry)
-        # The room's history as the peers keep it when the round agrees (agree).
-        self._keep_room(_nbytes(payload))
-        self._advance(0)
-        self._record(True, t0, 1, 1)
-        self._last.rode = chk.summed = True  # the root's tensor is its result
-        return True
-
-    def _settle_posted(self) -> None:
-        """Read and judge the posted round, if any, as agree would have: a mismatch raises
-        here, in this rank's next round, and names the broadcast."""
-        posted = self._posted
-        if posted is None:
-            return
-        self._posted = None
-        sent, chk, carry = posted
-        try:
-            try:
-                every, _ = self._exchange().finish(sent)
-            except Exception as exc:
-                raise self._round_failed(chk.seq, exc) from exc
-            if any(w != sent.words for w in every):  # e.g. a peer that waited: judged
-                self._judge([chk], sent.words, every, False, None)
-        except BaseException:
-            self._carry = carry  # the peers kept no room for it
-            raise
-
-    def close(self, timeout_s: float) -> None:
-        """Settle a posted round before the group goes, waiting at most `timeout_s` for the
-        other ranks; what is found then has no call left to raise in, so it is logged."""
-        posted = self._posted
-        if posted is None:
-            return
-        try:
-            if posted[0].work is not None:
-                posted[0].work.wait(datetime.timedelta(seconds=timeout_s))
-            self._settle_posted()
-        except Exception as exc:  # noqa: BLE001 - the group is going; say what was found
-            self._posted = None
-            posted[0].plan.bufs.lost = True
-            _LOG.warning("gradientflow: rank %d: the broadcast at sequence number %d was not "
-                         "confirmed by every rank before the group closed: %s", self.rank,
-                         posted[1].seq, exc)
+            raise self._pairs_mismatch(chk, send, recv)
 
     def _add_payloads(self, tensor: torch.Tensor) -> None:
         """An in-band allreduce's result: the other ranks' tensors, from the round just agreed,
@@ -359,23 +278,18 @@ class Rounds:
               cap: int | None = None) -> list[list[int]]:
         """Every rank's words of one round, by rank (_reduce); `cap`: this round's room
         (_cap), if the caller has it."""
-        if self._posted is not None:
-            self._settle_posted()
         try:
             every, self._last.payloads = self._exchange().swap(
                 words, payload, self._cap() if cap is None else cap)
         except CollectiveMismatchError:
             raise
         except Exception as exc:
-            raise self._round_failed(first_seq, exc) from exc
+            raise EngineError(
+                f"gradientflow: rank {self.rank}: agreement round for the collectives from "
+                f"sequence number {first_seq} failed (a peer may have died or stopped "
+                f"issuing the same collectives): {exc}"
+            ) from exc
         return every
-
-    def _round_failed(self, first_seq: int, exc: BaseException) -> EngineError:
-        """The error of a round that could not be exchanged."""
-        return EngineError(
-            f"gradientflow: rank {self.rank}: agreement round for the collectives from "
-            f"sequence number {first_seq} failed (a peer may have died or stopped issuing the "
-            f"same collectives): {exc}")
 
     def _fold(self, every: list[list[int]], op: Any, first_seq: int) -> list[int]:
         """Every rank's words (_swap) reduced with `op`, column by column (_reduce)."""
@@ -437,7 +351,7 @@ class Rounds:
             # the gather): its error names every rank's call.
             return fault
         if ops and isinstance(ops[0], Check) and views is not None:
-            err = eager_mismatch(self.rank, self._name, ops[0], views, refusable)
+            err = self._eager_mismatch(ops[0], views)
         else:
             detail = f"fingerprints differ ({fps[0]} vs {fps[1]})" if fps else (
                 f"the agreed batch end {agreed} does not fall inside this rank's queued "
@@ -460,6 +374,47 @@ class Rounds:
         err.refused = len(ops) if fps is not None and refusable else None
         return err
 
+    def _eager_mismatch(self, chk: Check, views: list) -> CollectiveMismatchError:
+        """The error of an eager collective that another rank issued differently."""
+        from gradientflow.fingerprint import text_fingerprint
+
+        mine = views[self.rank]
+        other = next((r for r, v in enumerate(views) if v != mine), self.rank)
+
+        def said(r: int) -> str:
+            v = views[r]
+            text = "; ".join(s.split(" ", 1)[1] if s.startswith("#") else s for s in v)
+            if len(v) > 1:
+                text = f"async allreduces: {text}"
+            return f"{text} [fingerprint {text_fingerprint(text)}]"
+
+        return CollectiveMismatchError(
+            f"gradientflow: rank {self.rank}: collective mismatch at sequence number "
+            f"{chk.seq} on process group {self._name}: rank {self.rank} issued "
+            f"{said(self.rank)}, rank {other} issued {said(other)}. Every rank must issue the "
+            "same collectives (op, dtype, every dimension, root, reduce op) in the same "
+            "order; the call was refused on every rank before any data moved."
+            + "".join(f"\n  rank {r}: {'; '.join(v)}" for r, v in enumerate(views)))
+
+    def _pairs_mismatch(self, chk: Check, send: list, recv: list) -> CollectiveMismatchError:
+        """All-to-all sizes that do not pair up: name the pairs (gathered on the side group)."""
+        w = self.world_size
+        views = self._views([list(map(int, send)), list(map(int, recv))])
+        bad = []
+        if views is not None:
+            bad = [(i, j, views[i][0][j], views[j][1][i]) for i in range(w) for j in range(w)
+                   if views[i][0][j] != views[j][1][i]]
+        pairs = "; ".join(f"rank {i} sends {sb} bytes to rank {j}, which expects {rb}"
+                          for i, j, sb, rb in bad[:8]) or "the sizes do not pair up"
+        err = CollectiveMismatchError(
+            f"gradientflow: rank {self.rank}: collective mismatch at sequence number "
+            f"{chk.seq} on process group {self._name}: {describe_op(chk)} sizes disagree "
+            f"between ranks: {pairs}{' ...' if len(bad) > 8 else ''}. Make each rank's input "
+            "split sizes match the output split sizes of the ranks it sends to; the call was "
+            "refused on every rank before any data moved.")
+        err.refused = 1
+        return err
+
     def _gather(self, mine: list[str]) -> list:
         """Every rank's `mine`, gathered on the side group (sizes first, then the padded bytes)."""
         data = torch.frombuffer(bytearray(pickle.dumps(mine)), dtype=torch.uint8)
@@ -476,3 +431,8 @@ class Rounds:
 
 def _nbytes(tensor: torch.Tensor | None) -> int:
     return 0 if tensor is None else tensor.numel() * tensor.element_size()
+
+
+def describe_op(chk: Check) -> str:
+    """The op of a Check, as named in errors."""
+    return chk.key[0]

@@ -61,13 +61,9 @@ def _claim(op_name: str, name: Any, process_set: ProcessSet) -> tuple:
 
 @contextlib.contextmanager
 def _naming(op_name: str, name: Any) -> Iterator[None]:
-    """Errors raised at the call name the Horovod op and the tensor; a call the ranks issued
-    differently is refused at the call on every rank (backend.api.refuse_alike)."""
-    from gradientflow.backend.api import refuse_alike
-
+    """Errors raised at the call name the Horovod op and the tensor."""
     try:
-        with refuse_alike():
-            yield
+        yield
     except (CollectiveMismatchError, EngineError) as exc:
         raise _renamed(exc, _label(op_name, name)) from exc
 
