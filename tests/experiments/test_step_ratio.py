@@ -1,0 +1,52 @@
+"""experiments/imagenet/step_ratio.py: paired per-seed step-time ratios on synthetic logs."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parents[2] / "experiments" / "imagenet"
+sys.path.insert(0, str(HERE))
+import step_ratio  # noqa: E402
+
+
+def _write(folder: Path, key: str, seed: int, ms: list, forward: float) -> None:
+    """A run's log: one epoch per entry of `ms` (ms a step over 10 steps)."""
+    (folder / "logs").mkdir(parents=True, exist_ok=True)
+    rows = [{"epoch": e, "steps": 10, "train_time_s": m * 10 / 1e3,
+             "phase_s": {"forward": forward * 10 / 1e3, "backward": 0.01}}
+            for e, m in enumerate(ms)]
+    (folder / "logs" / f"{key}-seed{seed}.jsonl").write_text(
+        "".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_ratios_are_paired_by_seed_on_the_last_epoch(tmp_path, capsys):
+    # Per seed (last epoch): a/b = 1.1, 1.2, 1.0; the first epoch (warm-up) is ignored, and
+    # seed 3 has no partner. Geometric mean exp(mean(log)) of the three.
+    a, b = tmp_path / "a", tmp_path / "b"
+    for seed, (ma, mb) in enumerate([(55.0, 50.0), (60.0, 50.0), (40.0, 40.0)]):
+        _write(a, "x", seed, [500.0, ma], forward=5.0 + seed)
+        _write(b, "y", seed, [1.0, mb], forward=5.0)
+    _write(a, "x", 3, [1.0, 99.0], forward=1.0)
+    out = tmp_path / "r.md"
+    assert step_ratio.main([f"A={a}:x", f"B={b}:y", "--pairs", "A/B", "--out", str(out)]) == 0
+    r = step_ratio.compare(step_ratio.runs_of(a, "x"), step_ratio.runs_of(b, "y"))
+    assert r["seeds"] == [0, 1, 2]
+    assert r["median"] == pytest.approx(1.1)
+    logs = [math.log(1.1), math.log(1.2), 0.0]
+    assert r["geomean"] == pytest.approx(math.exp(sum(logs) / 3))
+    assert r["low"] < r["geomean"] < r["high"]
+    assert r["phases"]["forward"] == pytest.approx(1.0)  # differences 0, 1, 2 ms: median 1
+    text = out.read_text()
+    assert "| A/B | 3 |" in text and "1.100" in text and "+1.00" in text
+
+
+def test_a_pair_without_common_seeds_is_refused(tmp_path):
+    _write(tmp_path / "a", "x", 0, [10.0], forward=1.0)
+    _write(tmp_path / "b", "y", 1, [10.0], forward=1.0)
+    with pytest.raises(SystemExit):
+        step_ratio.main([f"A={tmp_path / 'a'}:x", f"B={tmp_path / 'b'}:y", "--pairs", "A/B"])
