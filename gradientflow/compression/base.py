@@ -33,6 +33,11 @@ class Compressor(abc.ABC):
     # True only for the plain dense average: the optimizer then sums in the gradients' own dtype
     # without a compressor (and without its float32-only limit).
     dense_average: ClassVar[bool] = False
+    # Whether the DDP buckets of a step are reduced together, as one op closed by the step's
+    # last bucket (one set of collectives for all, and for CSC one choice of chunks across
+    # them); False: each bucket goes as soon as it is ready, its collectives overlapping the
+    # rest of the backward, as torch's hooks do.
+    fuses_buckets: ClassVar[bool] = True
 
     @classmethod
     def applies_momentum(cls, config: CompressionConfig) -> bool:

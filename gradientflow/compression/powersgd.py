@@ -161,6 +161,10 @@ def orthonormalize_many(ps: Sequence[torch.Tensor]) -> list[torch.Tensor]:
 class PowerSGDCompressor(Compressor):
     """Send each large gradient matrix as two rank-r factors (P, then Q), with error feedback."""
 
+    # Each bucket's factors go as soon as it is ready (docs/DECISIONS.md: measured against
+    # fusing a step's buckets into one op).
+    fuses_buckets = False
+
     def __init__(self, config, world_size: int) -> None:
         super().__init__(config, world_size)
         # Parameter name -> Q (cols x r, float32), the same on every rank; the warm start.

@@ -376,7 +376,9 @@ def compression_hook(state: CompressionState, bucket) -> torch.futures.Future[to
     """
     buf = bucket.buffer()
     # Buckets queued together are fused into one compressor op by the engine (up to the fusion
-    # threshold in dense bytes); the step's last bucket closes the batch.
+    # threshold in dense bytes); the step's last bucket closes the batch, or every bucket where
+    # the compressor does not fuse them (Compressor.fuses_buckets).
+    close = bucket.is_last() or not state.compressor.fuses_buckets
     return submit_part(state.process_group, ("ddp", state._uid, bucket.index()),
                        state._part(bucket), state._fuse, device=buf.device, name=state._op_name,
-                       dense_bytes=buf.numel() * 4, close=bucket.is_last())
+                       dense_bytes=buf.numel() * 4, close=close)
