@@ -58,6 +58,29 @@ def test_a_stage_run_is_closed_by_the_call_sequence_not_the_cycle_time():
     assert [[o.seq for o in j.ops] for j in q.agreed] == [[2, 3], [4]]
 
 
+def test_an_op_marked_close_ends_its_run_whatever_queued_behind_it():
+    """Two ops each marked close, both queued before the engine looks: two runs, two rounds,
+    two batches (which ops share a batch follows the calls, not how fast the engine came)."""
+    from types import SimpleNamespace
+
+    from gradientflow.engine.jobs import AgreeBatch, StagesBatch
+    from gradientflow.engine.queue import OrderedQueue
+
+    cfg = SimpleNamespace(fusion_threshold=1000, solo_threshold=0, cycle_time_ms=3.0)
+    q = OrderedQueue(cfg, lambda msg: None, lambda: False)
+    q.push_stages(_op(0, 10, close=True))
+    q.push_stages(_op(1, 10, close=True))
+    q.push_stages(_op(2, 10, close=False))
+    for first in (0, 1):
+        job, _ = q.next_job()
+        assert isinstance(job, AgreeBatch) and [o.seq for o in job.candidates] == [first]
+        q.take_batch(1)
+        job, _ = q.next_job()
+        assert isinstance(job, StagesBatch) and [o.seq for o in job.ops] == [first]
+    job, delay = q.next_job()  # op 2's run waits for its close
+    assert job is None and delay is not None
+
+
 def _gen(values, stages, final):
     """A StageGen of `stages` stages over `values`: each stage sends the running tensor."""
     t = values.clone()

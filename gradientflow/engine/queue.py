@@ -105,8 +105,10 @@ class OrderedQueue:
 
     def _extend_run(self, op: Any) -> bool:
         """Count `op`, about to be appended to `issued`, into the leading run if it joins it;
-        whether it did."""
+        whether it did. A run ends at an op marked close: what follows starts the next."""
         if self.run_len != len(self.issued) or (self.run_len and self.run_kind is not type(op)):
+            return False
+        if self.run_closed:
             return False
         if self.run_len == 0:
             self.run_since = time.monotonic()
@@ -163,6 +165,7 @@ class OrderedQueue:
             self.run_bytes += op.nbytes
             if kind is StagesOp and op.close:
                 self.run_closed = True
+                break
         self.run_since = time.monotonic()
 
     def _should_round(self, now: float) -> tuple[bool, float | None]:

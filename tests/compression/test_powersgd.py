@@ -280,6 +280,10 @@ def ddp_buckets(rank, world):
         return hooks.compression_hook(state, bucket)
 
     ours.register_comm_hook(state, counting_hook)
+    # Each bucket is its own op, sent when ready (Compressor.fuses_buckets), not one op for the
+    # step's buckets closed by the last.
+    batches, fuse = [], state._fuse
+    state._fuse = lambda parts: (batches.append(len(parts)), fuse(parts))[1]
     for x, y in data:
         for m in (plain, ours):
             m.zero_grad()
@@ -298,6 +302,9 @@ def ddp_buckets(rank, world):
     dist.all_gather(every, flat)
     assert all(torch.equal(e, every[0]) for e in every)
     st = low.stats()
+    # (DDP may rebuild its buckets after the first step: more ops than steps, each of one.)
+    assert set(batches) == {1} and len(batches) > len(data), (
+        f"rank {rank}: a step's buckets were fused: {batches}")
     return {"steps": state.stats()["steps"], "ratio": st["average"]["ratio"],
             "buckets": len(buckets),
             "finite": bool(torch.isfinite(flat).all())}
