@@ -42,8 +42,9 @@ def runs_of(folder: Path, key: str) -> dict:
 
 
 def step_ms(record: dict) -> float:
-    """Training time per step of one epoch's record, in ms."""
-    return record["train_time_s"] / record["steps"] * 1e3
+    """Training time per step of one epoch's record, in ms (converge_report's, of that epoch
+    alone)."""
+    return converge_report.step_ms([record])
 
 
 def compare(a: dict, b: dict) -> dict | None:
@@ -71,8 +72,7 @@ def compare(a: dict, b: dict) -> dict | None:
 
 def table(rows: list) -> str:
     """The markdown table of (pair name, compare() result) rows."""
-    phases = sorted({p for _, r in rows for p in r["phases"]},
-                    key=["data", "forward", "backward", "step"].index)
+    phases = list(dict.fromkeys(p for _, r in rows for p in r["phases"]))  # train.py's order
     head = (["pair", "seeds", "ms a step (medians)", "median", "geometric mean",
              "95% interval", "per seed"] + [f"{p} Δ ms" for p in phases])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]

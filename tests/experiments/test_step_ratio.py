@@ -24,7 +24,7 @@ def _write(folder: Path, key: str, seed: int, ms: list, forward: float) -> None:
         "".join(json.dumps(r) + "\n" for r in rows))
 
 
-def test_ratios_are_paired_by_seed_on_the_last_epoch(tmp_path, capsys):
+def test_ratios_are_paired_by_seed_on_the_last_epoch(tmp_path):
     # Per seed (last epoch): a/b = 1.1, 1.2, 1.0; the first epoch (warm-up) is ignored, and
     # seed 3 has no partner. Geometric mean exp(mean(log)) of the three.
     a, b = tmp_path / "a", tmp_path / "b"
