@@ -9,6 +9,10 @@ order, then waits for all of them:
     thresholds), sent by hand on gloo with no agreement round and no per-tensor call, the solo
     tensors on a second gloo group as the solo channel sends them (a bound: the default engine
     with zero overhead);
+  - plugin floor: those messages behind the same per-tensor calls into a Python backend that
+    does nothing else (fused_floor.py; its solos leave at their call): the bound plus what
+    torch's dispatch into any Python backend costs per call, the floor for a backend written
+    in Python;
   - gradientflow fused: the same per-tensor calls on gradientflow groups, at each fusion
     threshold of the sweep, plus solo thresholds and cycle times at the largest threshold
     (the table's best is over all of them: the settings a tuned job would use),
@@ -39,12 +43,15 @@ from benchmarks.common import (
     results_dir,
     write_result,
 )
+from benchmarks import fused_floor
 from benchmarks.launch import launch
 from benchmarks.netem import Cluster, ShapeConfig
 
 MB = 10**6
 DEFAULT = "gf default"  # the variant made with no options: Config's defaults
 NO_CHANNEL = "gf default, solo channel off"
+FLOOR = fused_floor.NAME
+PLUGIN = "plugin floor"  # the hand-fused messages behind per-tensor calls (fused_floor.py)
 
 
 def gradient_shapes(model: str) -> list[tuple[int, ...]]:
@@ -101,6 +108,11 @@ def worker(rank: int, world_size: int, models: list[str], thresholds: list[int],
     # hand_fused's solo channel, as the default sends it: a bound that sent its solos on
     # `gloo` too would be slower than the engine, and no bound.
     solo_gloo = dist.new_group(backend="gloo") if cfg.solo_channel else gloo
+    # The plugin floor: the same messages behind per-tensor calls into a Python backend that
+    # does nothing else (fused_floor.py): what the per-call dispatch alone costs.
+    dist.Backend.register_backend(FLOOR, fused_floor.creator(
+        gloo, solo_gloo, cfg.fusion_threshold, cfg.solo_threshold), devices=["cpu"])
+    floor = dist.new_group(backend=FLOOR)
     out: dict = {}
     for model in models:
         grads = [torch.randn(s) for s in gradient_shapes(model)][::-1]  # backward order
@@ -158,7 +170,7 @@ def worker(rank: int, world_size: int, models: list[str], thresholds: list[int],
                 unpack(flat, m.ops)
 
         variants = {"gloo per-tensor": lambda: per_tensor(gloo), "gloo 25MB buckets": ddp_buckets,
-                    "gloo hand-fused": hand_fused}
+                    "gloo hand-fused": hand_fused, PLUGIN: lambda: per_tensor(floor)}
         for name, g in gf.items():
             variants[name] = lambda g=g: per_tensor(g)
         engines = {name: backend_of(g).engine for name, g in gf.items()}
@@ -322,12 +334,15 @@ def _row(tier: str, n: int, model: str, r: dict) -> dict:
             "buckets / fused": ms["gloo 25MB buckets"] / fused[best],
             "gloo hand-fused ms": ms["gloo hand-fused"],
             "buckets / hand-fused": ms["gloo 25MB buckets"] / ms["gloo hand-fused"],
+            "plugin floor ms": ms[PLUGIN],
+            "buckets / plugin floor": ms["gloo 25MB buckets"] / ms[PLUGIN],
             "rounds": n_rounds, "round ms": round_ms, "messages": messages,
             "default ms": ms[DEFAULT], "buckets / default": ms["gloo 25MB buckets"] / ms[DEFAULT],
             "paired buckets / best fused (95% CI)": paired(best),
             "paired buckets / default (95% CI)": paired(DEFAULT),
             "paired buckets / default, solo channel off (95% CI)": paired(NO_CHANNEL),
             "paired buckets / hand-fused (95% CI)": paired("gloo hand-fused"),
+            "paired buckets / plugin floor (95% CI)": paired(PLUGIN),
             **{k.replace("gf fused ", "gf "): v for k, v in fused.items()}}
 
 

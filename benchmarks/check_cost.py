@@ -28,7 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import (fmt, machine_line, markdown_table, results_dir, time_calls,
+from benchmarks.common import (fmt, markdown_table, results_dir, time_calls, timed_header,
                                write_result)
 from benchmarks.launch import launch
 
@@ -156,10 +156,16 @@ def main() -> None:
              "buckets / default (median)": statistics.median(f["buckets / default"]
                                                             for f in fused),
              "spread": _spread([f["buckets / default"] for f in fused]),
-             "goal": ">= 1.35"}] if fused else []
+             "goal": ">= 1.35",
+             # The bounds beside it, from the same launches (bench_fusion's module doc).
+             "buckets / plugin floor (median)": statistics.median(
+                 f["buckets / plugin floor"] for f in fused),
+             "plugin floor spread": _spread([f["buckets / plugin floor"] for f in fused]),
+             "buckets / hand-fused (median)": statistics.median(
+                 f["buckets / hand-fused"] for f in fused)}
+            ] if fused else []
     md = (f"## The always-on check's cost: gradientflow against gloo, side by side\n\n"
-          f"{machine_line()}\nStarted {started}; 1-minute load averages at each launch: "
-          f"{', '.join(f'{x:.1f}' for x in loads)}.\n\n"
+          f"{timed_header(started, loads)}\n\n"
           f"Synchronous `all_reduce`, 2 ranks on loopback, a gloo group and a gradientflow "
           f"group in the same processes, timed alternately ({args.reps} reps each, per-launch "
           f"medians; median and spread over {args.runs} launches):\n\n"

@@ -200,6 +200,12 @@ def machine_line(info: dict | None = None) -> str:
             f"{'/'.join(str(x) for x in m.get('loadavg', [])) or '?'} (1/5/15 min) when written.")
 
 
+def timed_header(started: str, loads: Sequence[float]) -> str:
+    """The machine, when a timed run started and the 1-minute load at each of its launches."""
+    return (f"{machine_line()}\nStarted {started}; 1-minute load averages at each launch: "
+            f"{', '.join(f'{x:.1f}' for x in loads)}.")
+
+
 def write_result(out_dir: str | os.PathLike, name: str, data: dict, markdown: str) -> Path:
     """Write DIR/<name>.json (with machine info added) and DIR/<name>.md; return the JSON path."""
     out = Path(out_dir)

@@ -29,7 +29,7 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.check_cost import locked
-from benchmarks.common import fmt, machine_line, markdown_table, results_dir, write_result
+from benchmarks.common import fmt, markdown_table, results_dir, timed_header, write_result
 from benchmarks.launch import launch
 
 SIZES = (1 << 20,)
@@ -184,8 +184,7 @@ def main() -> None:
                          " / ".join(fmt(med(v, "cpu_ms")) for v in (
                              "gloo", "floor", "plugin floor", "checked floor", "gradientflow"))})
     md = (f"## A synchronous exchanged allreduce: gloo, the floor of a carried exchange, and "
-          f"the engine\n\n{machine_line()}\nStarted {started}; 1-minute load averages at each "
-          f"launch: {', '.join(f'{x:.1f}' for x in loads)}.\n\n2 ranks on loopback, the five "
+          f"the engine\n\n{timed_header(started, loads)}\n\n2 ranks on loopback, the five "
           f"timed in turn in the same processes ({args.reps} reps each, per-launch medians; "
           f"median and spread over {args.runs} launches). Floor: the tensor copied behind a "
           f"{HEADER}-byte header, one all-to-all, the peer's payload added, on a gloo group "

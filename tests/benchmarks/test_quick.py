@@ -10,6 +10,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -58,6 +59,26 @@ def test_launch_collects_results_on_loopback():
     res = launch("benchmarks.launch:selftest_worker", 2, timeout_s=60)
     assert res.ok, res.error
     assert [r["sum"] for r in res.results] == [1.0, 1.0]
+
+
+def test_fused_floor_sums_like_an_allreduce():
+    from gradientflow.backend.backend import IS_PROCESS_GROUP
+
+    if IS_PROCESS_GROUP:
+        pytest.skip("this torch cannot subclass its Backend in Python (the floor needs 2.14)")
+    res = launch("benchmarks.fused_floor:selftest_worker", 2, timeout_s=60)
+    assert res.ok, res.error
+    assert [r["ok"] for r in res.results] == [True, True]
+
+
+def test_thread_cpu_counts_this_threads_work():
+    from benchmarks.list_cpu import _thread_cpu
+
+    before, t0 = _thread_cpu(), time.thread_time()
+    while time.thread_time() - t0 < 0.3:  # 0.3 s of CPU on this thread
+        pass
+    grown = sum(_thread_cpu().values()) - sum(before.values())
+    assert grown >= 0.25  # /proc counts in clock ticks (10 ms here)
 
 
 def test_launch_names_the_failing_rank():
