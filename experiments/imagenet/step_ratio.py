@@ -4,8 +4,8 @@ Each run's time per training step is its last epoch's `train_time_s / steps` (th
 epochs hold the warm-up). Runs of the same seed were made side by side (run_experiment
 interleaves the settings seed by seed), so the ratio is taken per seed and summarised by its
 median, its geometric mean and the 95% Student t interval of the mean log ratio; the phases
-train.py times (data, forward, backward, optimizer step) are compared the same way, as the
-median per-seed difference in ms a step.
+train.py times (data, forward, backward, optimizer step) and a rank's CPU time are compared
+the same way, as the median per-seed difference in ms a step.
 
     python experiments/imagenet/step_ratio.py new=DIR:gf-powersgd-4 old=DIR2:gf-powersgd-4 \\
         hook=DIR:powersgd-4 --pairs new/old old/hook new/hook --out DIR/results.md
@@ -30,15 +30,28 @@ import run_experiment as rx  # noqa: E402
 
 
 def runs_of(folder: Path, key: str) -> dict:
-    """{seed: last epoch's record} of one setting's runs in a run_experiment folder."""
+    """{seed: last epoch's record} of one setting's runs in a run_experiment folder, with
+    `cpu_ms` (cpu_ms_per_step) added where the log has it."""
     logs = folder / "logs"
     out = {}
     for path in sorted(logs.glob(f"{key}-seed*.jsonl")):
         seed = path.name[len(key) + len("-seed"):-len(".jsonl")]
         rows = [r for r in rx.read_log(path) if "train_time_s" in r]
         if seed.isdigit() and rows:
-            out[int(seed)] = rows[-1]
+            cpu = cpu_ms_per_step(rows[-2], rows[-1]) if len(rows) > 1 else None
+            out[int(seed)] = {**rows[-1], **({"cpu_ms": cpu} if cpu is not None else {})}
     return out
+
+
+def cpu_ms_per_step(prev: dict, last: dict) -> float | None:
+    """A rank's CPU per step in the last epoch, in ms, the mean over ranks: train.py logs each
+    rank's CPU seconds so far after every epoch (`rank_cpu_s`), so the last epoch's is the
+    difference to the one before; its evaluation is included (the same for every setting of a
+    stage). None where either record lacks it."""
+    a, b = prev.get("rank_cpu_s"), last.get("rank_cpu_s")
+    if not a or not b or len(a) != len(b):
+        return None
+    return statistics.mean(y - x for x, y in zip(a, b)) / last["steps"] * 1e3
 
 
 def step_ms(record: dict) -> float:
@@ -49,8 +62,9 @@ def step_ms(record: dict) -> float:
 
 def compare(a: dict, b: dict) -> dict | None:
     """a's step time over b's for the seeds both have: per-seed ratios, their median,
-    geometric mean and 95% interval, and the median per-seed difference of each phase (ms a
-    step). None with fewer than two seeds in common."""
+    geometric mean and 95% interval, and the median per-seed difference of each phase and of a
+    rank's CPU (ms a step; `cpu_delta` None where the logs lack it). None with fewer than two
+    seeds in common."""
     seeds = sorted(set(a) & set(b))
     if len(seeds) < 2:
         return None
@@ -63,18 +77,22 @@ def compare(a: dict, b: dict) -> dict | None:
                  * 1e3 for s in seeds if name in b[s].get("phase_s", {})]
         if diffs:
             phases[name] = statistics.median(diffs)
+    cpu = [a[s]["cpu_ms"] - b[s]["cpu_ms"] for s in seeds
+           if "cpu_ms" in a[s] and "cpu_ms" in b[s]]
     return {"seeds": seeds, "ratios": ratios, "median": statistics.median(ratios.values()),
             "geomean": math.exp(ci["mean"]), "low": math.exp(ci["low"]),
             "high": math.exp(ci["high"]),
             "a_ms": statistics.median(step_ms(a[s]) for s in seeds),
-            "b_ms": statistics.median(step_ms(b[s]) for s in seeds), "phases": phases}
+            "b_ms": statistics.median(step_ms(b[s]) for s in seeds), "phases": phases,
+            "cpu_delta": statistics.median(cpu) if cpu else None}
 
 
 def table(rows: list) -> str:
     """The markdown table of (pair name, compare() result) rows."""
     phases = list(dict.fromkeys(p for _, r in rows for p in r["phases"]))  # train.py's order
     head = (["pair", "seeds", "ms a step (medians)", "median", "geometric mean",
-             "95% interval", "per seed"] + [f"{p} Δ ms" for p in phases])
+             "95% interval", "per seed"] + [f"{p} Δ ms" for p in phases]
+            + ["CPU Δ ms a step, per rank"])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, r in rows:
         cells = [name, str(len(r["seeds"])), f"{r['a_ms']:.1f} / {r['b_ms']:.1f}",
@@ -82,6 +100,7 @@ def table(rows: list) -> str:
                  f"{r['low']:.3f}-{r['high']:.3f}",
                  f"{min(r['ratios'].values()):.2f}-{max(r['ratios'].values()):.2f}"]
         cells += [f"{r['phases'][p]:+.2f}" if p in r["phases"] else "-" for p in phases]
+        cells.append("-" if r["cpu_delta"] is None else f"{r['cpu_delta']:+.2f}")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -115,7 +134,9 @@ def main(argv: list | None = None) -> int:
     text = (f"## {args.title}\n\nTime per training step of the last epoch, paired by seed "
             "(the settings of a seed ran side by side); the ratio's geometric mean and 95% "
             "Student t interval are of the per-seed log ratios; a phase's Δ is the median "
-            "per-seed difference, first minus second, in ms a step.\n\n" + table(rows)
+            "per-seed difference, first minus second, in ms a step; CPU Δ: the same of a "
+            "rank's CPU time a step (the mean over ranks; the epoch's evaluation included, "
+            "alike for both).\n\n" + table(rows)
             + "\n\nCommand: `python experiments/imagenet/step_ratio.py "
             + shlex.join(sys.argv[1:] if argv is None else argv) + "`\n")
     print(text)
