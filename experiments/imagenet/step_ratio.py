@@ -39,8 +39,19 @@ def runs_of(folder: Path, key: str) -> dict:
         rows = [r for r in rx.read_log(path) if "train_time_s" in r]
         if seed.isdigit() and rows:
             cpu = cpu_ms_per_step(rows[-2], rows[-1]) if len(rows) > 1 else None
-            out[int(seed)] = {**rows[-1], **({"cpu_ms": cpu} if cpu is not None else {})}
+            threads = thread_ms_per_step(rows[-2], rows[-1]) if len(rows) > 1 else {}
+            out[int(seed)] = {**rows[-1], **({"cpu_ms": cpu} if cpu is not None else {}),
+                              **({"thread_ms": threads} if threads else {})}
     return out
+
+
+def thread_ms_per_step(prev: dict, last: dict) -> dict:
+    """The logging rank's CPU per step in the last epoch by kind of thread (train.py's
+    `thread_cpu_s`, cumulative), in ms; {} where either record lacks it."""
+    a, b = prev.get("thread_cpu_s"), last.get("thread_cpu_s")
+    if not a or not b:
+        return {}
+    return {k: (v - a.get(k, 0.0)) / last["steps"] * 1e3 for k, v in b.items()}
 
 
 def cpu_ms_per_step(prev: dict, last: dict) -> float | None:
@@ -79,12 +90,18 @@ def compare(a: dict, b: dict) -> dict | None:
             phases[name] = statistics.median(diffs)
     cpu = [a[s]["cpu_ms"] - b[s]["cpu_ms"] for s in seeds
            if "cpu_ms" in a[s] and "cpu_ms" in b[s]]
+    both = [s for s in seeds if "thread_ms" in a[s] and "thread_ms" in b[s]]
+    kinds = sorted({k for s in both for k in (*a[s]["thread_ms"], *b[s]["thread_ms"])})
+    threads = {k: tuple(statistics.median(x) for x in zip(*[
+        (a[s]["thread_ms"].get(k, 0.0), b[s]["thread_ms"].get(k, 0.0),
+         a[s]["thread_ms"].get(k, 0.0) - b[s]["thread_ms"].get(k, 0.0)) for s in both]))
+        for k in kinds}
     return {"seeds": seeds, "ratios": ratios, "median": statistics.median(ratios.values()),
             "geomean": math.exp(ci["mean"]), "low": math.exp(ci["low"]),
             "high": math.exp(ci["high"]),
             "a_ms": statistics.median(step_ms(a[s]) for s in seeds),
             "b_ms": statistics.median(step_ms(b[s]) for s in seeds), "phases": phases,
-            "cpu_delta": statistics.median(cpu) if cpu else None}
+            "cpu_delta": statistics.median(cpu) if cpu else None, "threads": threads}
 
 
 def table(rows: list) -> str:
@@ -103,6 +120,19 @@ def table(rows: list) -> str:
         cells.append("-" if r["cpu_delta"] is None else f"{r['cpu_delta']:+.2f}")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def thread_table(rows: list) -> str:
+    """The markdown table of each pair's CPU a step by kind of thread ('' where no log has
+    it): medians over seeds of each side and of the per-seed difference."""
+    lines = []
+    for name, r in rows:
+        for kind, (a_ms, b_ms, delta) in r.get("threads", {}).items():
+            lines.append(f"| {name} | {kind} | {a_ms:.2f} | {b_ms:.2f} | {delta:+.2f} |")
+    if not lines:
+        return ""
+    return "\n".join(["| pair | thread | ms a step, first | second | Δ (per seed) |",
+                      "|---|---|---|---|---|", *lines])
 
 
 def parse_run(text: str) -> tuple[str, Path, str]:
@@ -137,6 +167,9 @@ def main(argv: list | None = None) -> int:
             "per-seed difference, first minus second, in ms a step; CPU Δ: the same of a "
             "rank's CPU time a step (the mean over ranks; the epoch's evaluation included, "
             "alike for both).\n\n" + table(rows)
+            + (f"\n\nThe logging rank's CPU a step by kind of thread (train.py's "
+               f"`thread_cpu_s`; Python's threads by name, gloo's by the OS's):\n\n"
+               f"{thread_table(rows)}" if thread_table(rows) else "")
             + "\n\nCommand: `python experiments/imagenet/step_ratio.py "
             + shlex.join(sys.argv[1:] if argv is None else argv) + "`\n")
     print(text)

@@ -53,6 +53,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.debugging_hooks import noop_hoo
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from models import ARCHS, SHAPED  # noqa: E402  (models.py sits beside this script)
 import protocol  # noqa: E402  (the validation split and the report seeds)
+import provenance  # noqa: E402  (CPU by thread, for the logs)
 
 PROG = "train.py"
 # The four IDX files torchvision's FashionMNIST reads from ROOT/FashionMNIST/raw/, uncompressed.
@@ -1368,6 +1369,8 @@ def main(argv=None) -> int:
                 record.update({k.replace("val_", "test_"): v for k, v in
                                evaluate(cfg, ddp, criterion, test_set, device).items()})
             record["rank_cpu_s"] = rank_cpu_seconds(cfg)
+            # Where the logging rank's CPU went, by kind of thread: ours, gloo's, the caller's.
+            record["thread_cpu_s"] = provenance.thread_cpu_seconds()
             record["wire_bytes_per_step"] = record["wire_bytes"] / record["steps"]
             record["dense_bytes_per_step"] = record["dense_bytes"] / record["steps"]
             best_acc1 = max(best_acc1, record["val_top1"])

@@ -164,6 +164,34 @@ def test_every_run_records_when_where_which_commit_and_each_ranks_cpu(tmp_path):
     assert len(meta["rank_cpu_s"]) == 1 and meta["cpu_s"] == pytest.approx(
         sum(meta["rank_cpu_s"]), abs=0.1) and meta["cpu_s"] > 0
     assert len(meta["loadavg_before"]) == 3 and len(meta["loadavg_after"]) == 3
+    last = [r for r in rx.read_log(tmp_path / "out" / "logs" / "dense-seed0.jsonl")
+            if "thread_cpu_s" in r][-1]
+    assert last["thread_cpu_s"]["MainThread"] > 0  # where the rank's CPU went, by thread
+
+
+def test_cpu_by_thread_names_python_threads_and_folds_their_numbers():
+    import threading
+    import time
+
+    import provenance
+
+    spun, done = threading.Event(), threading.Event()
+
+    def spin() -> None:
+        t0 = time.thread_time()
+        while time.thread_time() - t0 < 0.3:  # 0.3 s of CPU on this thread
+            pass
+        spun.set()
+        done.wait(10)  # alive (and so listed) until read
+
+    th = threading.Thread(target=spin, name="12-engine")
+    th.start()
+    try:
+        assert spun.wait(10)
+        assert provenance.thread_cpu_seconds().get("N-engine", 0.0) >= 0.25  # 10 ms ticks
+    finally:
+        done.set()
+        th.join(10)
 
 
 def test_a_run_that_read_the_test_set_once_is_summarised_by_it():

@@ -66,3 +66,25 @@ def test_a_pair_without_common_seeds_is_refused(tmp_path):
     _write(tmp_path / "b", "y", 1, [10.0], forward=1.0)
     with pytest.raises(SystemExit):
         step_ratio.main([f"A={tmp_path / 'a'}:x", f"B={tmp_path / 'b'}:y", "--pairs", "A/B"])
+
+
+def test_cpu_by_thread_is_paired_by_seed(tmp_path):
+    # The engine's thread 2, 3, 4 ms a step more than nothing; the caller's 1 ms less at each
+    # seed; gloo's only on one side.
+    for seed in range(3):
+        for folder, key, cpu in ((tmp_path / "a", "x", {"MainThread": 9.0, "N-engine": 2.0 + seed,
+                                                         "gloo_tcp_loop": 1.0}),
+                                 (tmp_path / "b", "y", {"MainThread": 10.0})):
+            _write(folder, key, seed, [9.0, 10.0], forward=1.0)
+            log = folder / "logs" / f"{key}-seed{seed}.jsonl"
+            rows = [json.loads(x) for x in log.read_text().splitlines()]
+            for e, r in enumerate(rows):  # cumulative seconds over 10 steps an epoch
+                r["thread_cpu_s"] = {k: (e + 1) * v * 10 / 1e3 for k, v in cpu.items()}
+            log.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    r = step_ratio.compare(step_ratio.runs_of(tmp_path / "a", "x"),
+                           step_ratio.runs_of(tmp_path / "b", "y"))
+    assert r["threads"]["N-engine"] == pytest.approx((3.0, 0.0, 3.0))
+    assert r["threads"]["MainThread"] == pytest.approx((9.0, 10.0, -1.0))
+    assert r["threads"]["gloo_tcp_loop"] == pytest.approx((1.0, 0.0, 1.0))
+    text = step_ratio.thread_table([("A/B", r)])
+    assert "| A/B | N-engine | 3.00 | 0.00 | +3.00 |" in text
