@@ -9,8 +9,8 @@ the second gloo group (as the engine's solo channel does, so its transport overl
 that follow), and only appends any other tensor; the first `wait()` of a list packs those as
 the hand-fused bound does (the same cut), sends them on the first group, waits for
 everything, and unpacks. It has no check, no engine thread, no cycle time, and knows that the
-whole list is issued before the first wait: the least a fusing Python backend can cost on
-this list, not a usable backend.
+whole list is issued before the first wait: it does less than any usable fusing backend in
+Python would, so its time is a floor for one on this list; it is not a usable backend.
 
     dist.Backend.register_backend(NAME, creator(gloo, solo_gloo, fusion, solo), devices=["cpu"])
 """

@@ -124,11 +124,13 @@ def table(rows: list) -> str:
 
 def thread_table(rows: list) -> str:
     """The markdown table of each pair's CPU a step by kind of thread ('' where no log has
-    it): medians over seeds of each side and of the per-seed difference."""
+    it): medians over seeds of each side and of the per-seed difference; a kind idle on both
+    sides is left out."""
     lines = []
     for name, r in rows:
         for kind, (a_ms, b_ms, delta) in r.get("threads", {}).items():
-            lines.append(f"| {name} | {kind} | {a_ms:.2f} | {b_ms:.2f} | {delta:+.2f} |")
+            if a_ms or b_ms or delta:
+                lines.append(f"| {name} | {kind} | {a_ms:.2f} | {b_ms:.2f} | {delta:+.2f} |")
     if not lines:
         return ""
     return "\n".join(["| pair | thread | ms a step, first | second | Δ (per seed) |",

@@ -86,5 +86,6 @@ def test_cpu_by_thread_is_paired_by_seed(tmp_path):
     assert r["threads"]["N-engine"] == pytest.approx((3.0, 0.0, 3.0))
     assert r["threads"]["MainThread"] == pytest.approx((9.0, 10.0, -1.0))
     assert r["threads"]["gloo_tcp_loop"] == pytest.approx((1.0, 0.0, 1.0))
+    r["threads"]["tqdm_monitor"] = (0.0, 0.0, 0.0)  # idle on both sides: left out
     text = step_ratio.thread_table([("A/B", r)])
-    assert "| A/B | N-engine | 3.00 | 0.00 | +3.00 |" in text
+    assert "| A/B | N-engine | 3.00 | 0.00 | +3.00 |" in text and "tqdm" not in text
