@@ -47,6 +47,7 @@ from benchmarks.common import (
     median,
     p95,
     results_dir,
+    thread_cpu_seconds,
     write_result,
 )
 
@@ -364,30 +365,11 @@ def worker(rank: int, world_size: int, model: str, batch: int, image: int, varia
 
 
 def _thread_cpu() -> dict[str, float]:
-    """CPU seconds of this process's threads so far, by name: Python's name for the threads
-    Python made (a group's number left out: 'engine', 'reaper'), the kernel's for the others
-    (gloo's); threads of one name are summed. Read from /proc (Linux); {} elsewhere."""
+    """CPU seconds of this process's threads so far, by name (common.thread_cpu_seconds), a
+    group's number left out of Python's names ('engine', 'reaper')."""
     import re
-    import threading
 
-    names = {t.native_id: re.sub(r"^\d+-", "", t.name) for t in threading.enumerate()}
-    tick = os.sysconf("SC_CLK_TCK")
-    out: dict[str, float] = {}
-    try:
-        tids = os.listdir("/proc/self/task")
-    except OSError:
-        return out
-    for tid in tids:
-        try:
-            with open(f"/proc/self/task/{tid}/stat") as fh:
-                fields = fh.read().rsplit(")", 1)[1].split()
-            with open(f"/proc/self/task/{tid}/comm") as fh:
-                comm = fh.read().strip()
-        except OSError:
-            continue  # the thread has ended
-        name = names.get(int(tid), comm)
-        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
-    return out
+    return thread_cpu_seconds(lambda name: re.sub(r"^\d+-", "", name))
 
 
 # gradientflow.stats() counters reported per step for the gradientflow variants: collectives

@@ -200,6 +200,30 @@ def machine_line(info: dict | None = None) -> str:
             f"{'/'.join(str(x) for x in m.get('loadavg', [])) or '?'} (1/5/15 min) when written.")
 
 
+def thread_cpu_seconds(python_name: Callable[[str], str] = lambda name: name) -> dict:
+    """CPU seconds (user + system) so far of this process's threads, summed by name: a thread
+    Python started by `python_name(its Python name)`, any other (gloo's, torch's) by the
+    kernel's name for it; {} where /proc does not say (not Linux). A thread that ended is not
+    counted."""
+    names = {t.native_id: python_name(t.name) for t in threading.enumerate()}
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict = {}
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as fh:  # "tid (comm) state ... "
+                comm, _, rest = fh.read().partition(" (")[2].rpartition(") ")
+        except OSError:  # the thread ended meanwhile
+            continue
+        fields = rest.split()  # from the state on: utime and stime are the 12th and 13th
+        name = names.get(int(tid), comm)
+        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
 def timed_header(started: str, loads: Sequence[float]) -> str:
     """The machine, when a timed run started and the 1-minute load at each of its launches."""
     return (f"{machine_line()}\nStarted {started}; 1-minute load averages at each launch: "

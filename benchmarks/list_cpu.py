@@ -22,26 +22,17 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.check_cost import locked
-from benchmarks.common import markdown_table, results_dir, timed_header, write_result
+from benchmarks.common import (markdown_table, results_dir, thread_cpu_seconds, timed_header,
+                               write_result)
 from benchmarks.launch import launch
 
 VARIANTS = ("gf default", "plugin floor")
 
 
-def _thread_cpu() -> collections.Counter:
-    """CPU seconds so far of this process's threads, summed by thread name."""
-    tick = os.sysconf("SC_CLK_TCK")
-    out: collections.Counter = collections.Counter()
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{tid}/comm") as fh:
-                name = fh.read().strip()
-            with open(f"/proc/self/task/{tid}/stat") as fh:
-                fields = fh.read().rsplit(")", 1)[1].split()
-        except OSError:  # the thread ended meanwhile
-            continue
-        out[name] += (int(fields[11]) + int(fields[12])) / tick  # utime + stime
-    return out
+def _thread_cpu() -> dict:
+    """CPU seconds so far of this process's threads by kind: Python's threads (the caller's
+    included) as one, `python`, the others (gloo's) by the kernel's names for them."""
+    return thread_cpu_seconds(lambda name: "python")
 
 
 def worker(rank: int, world_size: int, lists: int) -> dict:

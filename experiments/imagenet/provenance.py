@@ -6,11 +6,10 @@ logs can say whether they came from one invocation of one commit on one machine.
 from __future__ import annotations
 
 import datetime
-import os
 import re
 import socket
 import subprocess
-import threading
+import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -48,23 +47,15 @@ def run_fields(log: list) -> dict:
 
 def thread_cpu_seconds() -> dict:
     """This process's CPU time so far (user + system) by kind of thread, in seconds: Python's
-    threads by their names with digits folded to "N" (the engines of several groups, "0-engine"
-    and "1-engine", are one kind), the others (gloo's) by the name the OS has for them; {} where
+    threads by their names, the others (gloo's) by the name the OS has for them, digits folded
+    to "N" (the engines of several groups, "0-engine" and "1-engine", are one kind); {} where
     /proc does not say. A thread that ended is not counted."""
-    names = {t.native_id: t.name for t in threading.enumerate()}
-    tick = os.sysconf("SC_CLK_TCK")
+    if str(REPO) not in sys.path:  # train.py runs with its own folder first on the path
+        sys.path.insert(0, str(REPO))
+    from benchmarks.common import thread_cpu_seconds as by_name
+
     out: dict = {}
-    try:
-        tids = os.listdir("/proc/self/task")
-    except OSError:
-        return out
-    for tid in tids:
-        try:
-            with open(f"/proc/self/task/{tid}/stat") as fh:
-                comm, _, rest = fh.read().partition(" (")[2].rpartition(") ")
-        except OSError:  # it ended meanwhile
-            continue
-        fields = rest.split()
-        name = re.sub(r"\d+", "N", names.get(int(tid), comm))
-        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    for name, sec in by_name().items():
+        kind = re.sub(r"\d+", "N", name)
+        out[kind] = out.get(kind, 0.0) + sec
     return {k: round(v, 2) for k, v in sorted(out.items())}
