@@ -94,6 +94,37 @@ def test_eager_op_refused_completes_its_future_and_sends_nothing():
         fut.wait()  # settled by the completion pool with the round's error
 
 
+def test_no_batch_round_passes_an_eager_op_waiting_behind_a_blocked_message():
+    """Rounds pair across ranks in the order they run: an eager op's round runs at its launch,
+    so while it waits behind a message that has no free segment on this rank (another rank's
+    may have one), the next batch's round must not start (a 4-rank soak met exactly this: the
+    ranks with a free segment ran the broadcast's round, the others the next batch's)."""
+    segments = {"free": False}
+    queue = OrderedQueue(Config.resolve({}, environ={}),
+                         lambda msg: (0, torch.empty(0)) if segments["free"] else None,
+                         lambda: True)
+    for seq in (0, 1):  # two ops: one packed message, which needs a segment
+        t = torch.ones(4)
+        queue.push_fused(FusableOp(seq, t, ("cpu", t.dtype, 0), 0), waited=True)
+    job, _ = queue.next_job()
+    assert isinstance(job, AgreeBatch)
+    queue.take_batch(2)  # the message of ops 0-1, now waiting for a segment
+    queue.issued.append(EagerOp(2, "broadcast", lambda: None, [], torch.futures.Future(),
+                                check=SimpleNamespace(waited=False)))
+    queue.push_fused(FusableOp(3, t.clone(), ("cpu", t.dtype, 0), 0), waited=True)
+    job, delay = queue.next_job()
+    assert job is None and delay is None, job  # op 3's round waits for op 2's
+    assert [type(x).__name__ for x in queue.agreed] == ["Message", "EagerOp"]
+    segments["free"] = True
+    kinds = []
+    for _ in range(3):
+        job, _ = queue.next_job()
+        kinds.append(type(job).__name__)
+        if isinstance(job, AgreeBatch):
+            break
+    assert kinds == ["SendMessage", "EagerOp", "AgreeBatch"], kinds
+
+
 class _Transport:
     """An allreduce of a world of two equal ranks (x2), remembering what it was handed."""
 

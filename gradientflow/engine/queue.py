@@ -16,8 +16,9 @@ batch, and so which chunks CSC selects across them, does not depend on timing.
 
 `next_job` is the engine thread's whole scheduling policy: launch the head of `agreed` if it
 can go, otherwise order the head of `issued`, otherwise start a round when a local reason says
-so (`_should_round`). Every decision here is local; what pairs across ranks is decided by the
-round (rounds.py) and the pure cut (fusion.plan_messages).
+so (`_should_round`) and no eager op's round is still to run (rounds pair in sequence order).
+Every decision here is local; what pairs across ranks is decided by the round (rounds.py) and
+the pure cut (fusion.plan_messages).
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ from typing import Any, Callable
 
 from gradientflow.engine.agreement import MAX_BATCH
 from gradientflow.engine.fusion import FusableOp, Message, plan_messages
-from gradientflow.engine.jobs import AgreeBatch, Prepare, SendMessage, StagesBatch
+from gradientflow.engine.jobs import AgreeBatch, EagerOp, Prepare, SendMessage, StagesBatch
 from gradientflow.engine.stages import StagesOp, plan_batches
 
 MAX_WAIT_CYCLES = 5  # longest a partial batch waits for a quiet caller, in cycle times
@@ -211,7 +212,8 @@ class OrderedQueue:
             if acquired is not None:
                 agreed.popleft()
                 return SendMessage(head, *acquired), None
-            # Blocked on a segment: a release wakes us. Rounds may still run meanwhile.
+            # Blocked on a segment: a release wakes us. A batch's round may run meanwhile,
+            # unless an eager op's round waits behind the message (below).
         issued = self.issued
         while issued and not isinstance(issued[0], _RUN_KINDS):
             agreed.append(issued.popleft())
@@ -222,6 +224,12 @@ class OrderedQueue:
             # Before any round: a round waits for the slowest rank, this uses that time.
             return Prepare(self.to_prepare.popleft()), None
         if not issued:
+            return None, None
+        if any(type(item) is EagerOp and item.check is not None for item in agreed):
+            # An eager op behind a message that waits for a segment has not had its round (it
+            # runs at its launch). Rounds pair across ranks in the order they run, so no later
+            # batch's round may pass it: a rank whose segment was free would run that round
+            # first, and the ranks would meet different rounds.
             return None, None
         go, delay = self._should_round(time.monotonic())
         if go:
