@@ -10,7 +10,8 @@ rows x cols, with the residual added) whose factors are worth it::
     Q_i = M^T P
     stage 2: SUM-allreduce [every Q_i / n]          -> Q = the average of the Q_i
     out = P Q^T                        (= P P^T times the average of the M: exact at full rank)
-    residual = M - P Q_i^T             (what this rank's own factors did not carry)
+    residual = M - out                 (what the applied average did not carry: the paper's
+                                        error feedback and torch's hook's, a subtraction)
     Q is kept for the next step (the warm start: one power iteration a step)
 
 The residuals sum over ranks to the sum of the M minus n times the output, so no gradient mass
@@ -265,21 +266,19 @@ class PowerSGDCompressor(Compressor):
             for m, mat, p, out in zip(plan.matrices, mats, ps, stage2.split(plan.q_sizes)):
                 torch.matmul(mat.t(), p, out=out.view(m.cols, m.rank))
             stage2 = stage2.mul_(1.0 / n).to(wire)
-            local_q = stage2.clone() if ef else None
             reduced2 = yield from self._stage(stage2, final=final)
             finite.append(torch.isfinite(reduced2).all())
-            sents = local_q.split(plan.q_sizes) if ef else [None] * len(mats)
             # One copy of the reduced Qs: kept for the next step, not views of the engine's
             # buffer.
             kept = reduced2.float() if reduced2.dtype != torch.float32 else reduced2.clone()
-            for m, mat, p, q_avg, sent in zip(plan.matrices, mats, ps, kept.split(plan.q_sizes),
-                                              sents):
+            for m, mat, p, q_avg in zip(plan.matrices, mats, ps, kept.split(plan.q_sizes)):
                 q_avg = q_avg.view(m.cols, m.rank)
+                out = flat[m.start:m.end].view(m.rows, m.cols)
                 # The average straight into the buffer: without error feedback `mat` is a view
                 # of it too, but read no more (its Q_i has been sent).
-                torch.matmul(p, q_avg.t(), out=flat[m.start:m.end].view(m.rows, m.cols))
-                if ef:  # what this rank's own Q_i (as sent) did not carry, in place
-                    mat.addmm_(p, sent.float().view(m.cols, m.rank).t(), alpha=-n)
+                torch.matmul(p, q_avg.t(), out=out)
+                if ef:  # what the average did not carry, in place: one pass, no second product
+                    mat.sub_(out)
                 self._q_next[m.name] = q_avg
 
         # --- the dense part's average in place, the residual committed ----------------------------
