@@ -39,6 +39,7 @@ import time
 from pathlib import Path
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)  # run as a script: the restart scenario is imported from experiments/
 
 
 def _free_port() -> int:
