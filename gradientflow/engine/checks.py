@@ -127,18 +127,6 @@ def broadcast_route(tensor: torch.Tensor, world_size: int) -> int:
     return CARRIED if tensor.numel() * tensor.element_size() <= CARRY_BYTES else 0
 
 
-def packing(tensors: list) -> tuple[list[int], int]:
-    """Where each of a run of carried broadcasts' tensors lies in the round's payload, in
-    bytes, and the payload's size: back to back, each from an 8-byte boundary, so that each
-    can be read in place as its dtype (rounds.Rounds.carry)."""
-    offsets, end = [], 0
-    for t in tensors:
-        at = (end + 7) // 8 * 8
-        offsets.append(at)
-        end = at + t.numel() * t.element_size()
-    return offsets, end
-
-
 def _tensors(x: Any) -> Iterator[torch.Tensor]:
     if isinstance(x, torch.Tensor):
         yield x

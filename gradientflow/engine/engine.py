@@ -153,27 +153,10 @@ class Engine:
         return self.fused.future_of(op, for_user)
 
     def want(self, seq: int) -> None:
-        """Somebody waits on op `seq`: close its batch soon (a local hint; results never change).
-
-        A run of carried broadcasts at the head of the queue (queue.OrderedQueue.take_carried)
-        is run right here, holding the floor as a caller's eager call does: no hand-off to the
-        engine thread and back."""
-        queue = self.queue
+        """Somebody waits on op `seq`: close its batch soon (a local hint; results never change)."""
         with self.cv:
-            if seq > queue.wanted_upto:
-                queue.wanted_upto = seq
-                self.cv.notify_all()
-            job = queue.take_carried(seq)
-            if job is None:
-                return
-            queue.floor = True
-        try:
-            job.run(self._parts)
-        except BaseException:  # noqa: BLE001 - the group failed; its ops' futures say why
-            pass
-        finally:
-            with self.cv:
-                queue.floor = False
+            if seq > self.queue.wanted_upto:
+                self.queue.wanted_upto = seq
                 self.cv.notify_all()
 
     def flush(self) -> None:

@@ -183,10 +183,3 @@ class Exchange:
             view = plan.views[key] = plan.recv[start:start + nbytes].view(like.dtype).view(
                 like.shape)
         return view
-
-    def payload_bytes(self, r: int, nbytes: int) -> torch.Tensor:
-        """The first `nbytes` of peer `r`'s payload of this thread's last swap, as bytes (a
-        view of the receive buffer, valid until this thread's next swap; 8-byte aligned)."""
-        plan = self._local.plan
-        start = dict(plan.peers)[r] + HEADER
-        return plan.recv[start:start + nbytes]

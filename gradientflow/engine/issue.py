@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, Callable, Hashable
 import torch
 
 from gradientflow.engine import completion, own_routes, streams
-from gradientflow.engine.checks import (CARRIED, Check, broadcast_route, own_route,
+from gradientflow.engine.checks import (Check, broadcast_route, own_route,
                                         refuses_only_the_call, signature)
 from gradientflow.engine.fusion import FusableOp, solo_cut
 from gradientflow.engine.jobs import Claim, EagerOp
@@ -199,8 +199,6 @@ class Issue:
         its Work."""
         main = self._transport_for
         route = broadcast_route(tensor, self._parts.world_size) if self._own_routes else 0
-        # An asynchronous one shares its round with those issued right after it (CarriedRun).
-        carry = route == CARRIED and getattr(opts, "asyncOp", True)
 
         def launch(seq: int, chk: Check) -> Any:  # once the round agreed the call everywhere
             if chk.summed:  # the root's tensor came in the round (rounds.py)
@@ -209,9 +207,9 @@ class Issue:
             return main(tensor.device).broadcast(tensors, opts)
 
         return self._issue("broadcast", lambda seq, chk: self._eager(
-            seq, "broadcast", lambda: launch(seq, chk), tensors, tensor.device, chk,
-            carry=carry), tensor, opts, tensor.device, outputs=tensors,
-            payload=tensor if route else None, route=route)
+            seq, "broadcast", lambda: launch(seq, chk), tensors, tensor.device, chk), tensor,
+            opts, tensor.device, outputs=tensors, payload=tensor if route else None,
+            route=route)
 
     def collective(self, name: str, device: torch.device, call: Callable[[Any], Any],
                    outputs: Any, opts: Any = None, sig: torch.Tensor | None = None,
@@ -420,7 +418,7 @@ class Issue:
 
     def _eager(self, seq: int, name: str, launch: Callable[[], Any], outputs: Any,
                device: torch.device | None = None, chk: Check | None = None,
-               refusable: bool = True, carry: bool = False) -> Any:
+               refusable: bool = True) -> Any:
         """Run a collective in sequence order (lock held); returns a Work, or a Claim.
 
         When nothing is queued or running, the call goes right here on the caller's thread
@@ -428,12 +426,10 @@ class Issue:
         launch run once the lock is released (_run_claim). This is what keeps synchronous
         collectives close to plain gloo. Otherwise it queues behind what was issued before it,
         and the engine thread runs its round just before sending it.
-        `device`: where its tensors live (CUDA: ordered with this thread's stream); `carry`:
-        queued whatever the engine does (EagerOp.carry).
+        `device`: where its tensors live (CUDA: ordered with this thread's stream).
         """
         queue = self._queue
-        if (not queue.issued and not queue.agreed and not queue.busy and not queue.floor
-                and not carry):
+        if not queue.issued and not queue.agreed and not queue.busy and not queue.floor:
             self._stats.record_eager(True)
             if chk is None:
                 return launch()
@@ -443,7 +439,7 @@ class Issue:
         dev = device if device is not None else torch.device("cpu")
         fut = completion.new_source(streams.future_devices(dev))
         queue.issued.append(EagerOp(seq, name, launch, outputs, fut, dev, streams.mark(dev),
-                                    chk, refusable, time.monotonic() if carry else 0.0))
+                                    chk, refusable))
         self._stats.record_eager(False)
         self._cv.notify_all()
         return FutureWork(fut, self._works, seq, name)

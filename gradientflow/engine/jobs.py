@@ -7,7 +7,6 @@ The ordered queue (queue.py) holds issued ops and hands the engine thread one jo
 - `SendMessage`: pack a fused message into its segment (or take a solo tensor in place) and
   hand it to the transport (messages.py);
 - `EagerOp`: a collective sent as issued, in sequence order;
-- `CarriedRun`: asynchronous broadcasts issued back to back, in one round;
 - `Prepare`: a queued stage op's local work (a compressed bucket's norms), ahead of its batch;
 - `StagesBatch`: an agreed batch of multi-collective ops (compressed buckets), fused: their
   stages back to back, the last one left in flight while the engine goes on.
@@ -159,10 +158,6 @@ class EagerOp:
     ready: Any = None  # CUDA: streams.mark() of the submitting thread's stream
     check: Any = None  # its Check, agreed in a round before anything is sent
     refusable: bool = True  # False: a mismatch fails the group (part of it was sent)
-    # An asynchronous broadcast carried in its round (checks.CARRIED): when it was issued
-    # (time.monotonic), for the queue to gather it with the ones issued right after it into
-    # one round (CarriedRun); 0.0: not one.
-    carry: float = 0.0
 
     def run(self, parts: JobParts) -> None:
         if self.check is not None and not self._checked(parts):
@@ -213,57 +208,6 @@ class EagerOp:
         # Every transport Work has a future (backend/adapter.py gives one to gloo's that lack it).
         work.get_future().then(
             lambda f, op=self: completion.follow(f, op.fut, op.outputs, parts.fail))
-
-
-@dataclass
-class CarriedRun:
-    """Asynchronous broadcasts from one root issued back to back (queue.py gathers them), in
-    one round: the root's tensors carried in it together (rounds.Rounds.carry). DDP
-    broadcasts its buffers before every forward as one call per dtype, two in flight; one
-    round each would pay two exchanges in a row where gloo overlaps them."""
-
-    ops: list[EagerOp]
-    # Run by a caller that waits on one of them (Engine.want), not the engine thread: their
-    # futures are settled on its thread, with no hand-off to the engine or the pool.
-    inline: bool = False
-
-    def run(self, parts: JobParts) -> None:
-        ops = self.ops
-        with parts.cv:
-            parts.checking.update(op.seq for op in ops)
-            wanted = parts.queue.wanted_upto
-            waited = all(op.check.waited or wanted >= op.seq for op in ops)
-        try:
-            while ops:
-                try:
-                    n = parts.rounds.carry([op.check for op in ops], waited)
-                except Exception as err:  # noqa: BLE001 - anything but a refusal fails the group
-                    if not refuses_only_the_call(err, True):
-                        raise
-                    refused = ops[:err.refused]
-                    parts.refuse(0, err, [op.seq for op in refused])
-                    completion.complete_all([(op.fut, None, err) for op in refused])
-                    n = len(refused)
-                else:
-                    for op in ops[:n]:
-                        if not op.check.summed:
-                            op._launch(parts)  # no room in the round: the transport's
-                            continue
-                        op.launch()  # counts it; complete already (own_routes.done)
-                        if self.inline:
-                            completion.settle(op.fut, op.outputs)
-                        else:
-                            completion.complete(op.fut, op.outputs)
-                with parts.cv:
-                    parts.checking.difference_update(op.seq for op in ops[:n])
-                ops = ops[n:]
-        except BaseException as exc:
-            err = parts.fail(exc)
-            completion.complete_all([(op.fut, None, err) for op in ops])
-            raise
-        finally:
-            with parts.cv:
-                parts.checking.difference_update(op.seq for op in self.ops)
 
 
 @dataclass

@@ -27,10 +27,8 @@ import time
 from typing import Any, Callable
 
 from gradientflow.engine.agreement import MAX_BATCH
-from gradientflow.engine.checks import CARRY_BYTES, packing
 from gradientflow.engine.fusion import FusableOp, Message, plan_messages
-from gradientflow.engine.jobs import (AgreeBatch, CarriedRun, EagerOp, Prepare, SendMessage,
-                                      StagesBatch)
+from gradientflow.engine.jobs import AgreeBatch, EagerOp, Prepare, SendMessage, StagesBatch
 from gradientflow.engine.stages import StagesOp, plan_batches
 
 MAX_WAIT_CYCLES = 5  # longest a partial batch waits for a quiet caller, in cycle times
@@ -39,11 +37,6 @@ BUSY_QUIET_CYCLES = 5  # how long a caller must be quiet while the transport is 
 # after this long anyway, so it cannot wait for ever.
 STAGES_STALL_S = 5.0
 _RUN_KINDS = (FusableOp, StagesOp)
-# How long an asynchronous carried broadcast waits, unless somebody waits on it first, for
-# the ones issued right after it to share its round (jobs.CarriedRun): DDP issues its two
-# buffer broadcasts microseconds apart and then waits on the first.
-CARRY_LINGER_S = 0.002
-MAX_CARRIED = 16  # broadcasts one round carries at most
 
 
 class OrderedQueue:
@@ -210,8 +203,6 @@ class OrderedQueue:
         agreed = self.agreed
         if agreed:
             head = agreed[0]
-            if type(head) is EagerOp and head.carry:
-                return self._carried(False)
             if not isinstance(head, Message):
                 return agreed.popleft(), None
             if head.solo:
@@ -224,10 +215,10 @@ class OrderedQueue:
             # Blocked on a segment: a release wakes us. A batch's round may run meanwhile,
             # unless an eager op's round waits behind the message (below).
         issued = self.issued
-        self._order_eager()
+        while issued and not isinstance(issued[0], _RUN_KINDS):
+            agreed.append(issued.popleft())
+            self._recount_run()
         if agreed and not isinstance(agreed[0], Message):
-            if type(agreed[0]) is EagerOp and agreed[0].carry:
-                return self._carried(False)
             return agreed.popleft(), None
         if self.to_prepare:
             # Before any round: a round waits for the slowest rank, this uses that time.
@@ -246,49 +237,3 @@ class OrderedQueue:
             # (A stage run's round needs no more: it is cut by plan_batches after agreement.)
             return AgreeBatch([issued[i] for i in range(min(self.run_len, MAX_BATCH))]), None
         return None, delay
-
-    def take_carried(self, seq: int) -> CarriedRun | None:
-        """The run of carried broadcasts at the head of the queue, for a caller that waits on
-        op `seq` to run itself (Engine.want), or None: none leads the queue, or the engine
-        thread is running a job or a caller holds the floor."""
-        if self.busy or self.floor:
-            return None
-        self._order_eager()
-        agreed = self.agreed
-        if not agreed:
-            return None
-        head = agreed[0]
-        if type(head) is not EagerOp or not head.carry or head.seq > seq:
-            return None
-        return self._carried(True)[0]
-
-    def _order_eager(self) -> None:
-        """Move the eager ops at the head of `issued` to `agreed`: what is before them is
-        ordered (they need no batch round; each has its own)."""
-        issued, agreed = self.issued, self.agreed
-        while issued and not isinstance(issued[0], _RUN_KINDS):
-            agreed.append(issued.popleft())
-            self._recount_run()
-
-    def _carried(self, now_: bool) -> tuple[CarriedRun | None, float | None]:
-        """The run of carried broadcasts from one root at the head of `agreed` as one job, once
-        it may go (`now_`, somebody waits on it, something else follows it, it is full, or its
-        first op lingered CARRY_LINGER_S); else (None, how long to wait)."""
-        self._order_eager()
-        issued, agreed = self.issued, self.agreed
-        root = agreed[0].check.key[3]
-        run: list = []
-        closed = bool(issued)
-        for item in agreed:
-            if (type(item) is not EagerOp or not item.carry or item.check.key[3] != root
-                    or len(run) == MAX_CARRIED
-                    or packing([op.check.payload for op in run + [item]])[1] > CARRY_BYTES):
-                closed = True
-                break
-            run.append(item)
-        left = run[0].carry + CARRY_LINGER_S - time.monotonic()
-        if not (now_ or closed or left <= 0 or self.wanted_upto >= run[0].seq):
-            return None, left
-        for _ in run:
-            agreed.popleft()
-        return CarriedRun(run, inline=now_), None

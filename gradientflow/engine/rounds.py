@@ -32,8 +32,8 @@ import torch
 from torch._C._distributed_c10d import ReduceOp
 
 from gradientflow.engine.agreement import batch_fingerprint, read_round, round_words, verdict
-from gradientflow.engine.checks import (CARRIED, EXCHANGE, Check, inband_cap, packing,
-                                        pair_word, pairs_agree)
+from gradientflow.engine.checks import (CARRIED, EXCHANGE, Check, inband_cap, pair_word,
+                                        pairs_agree)
 from gradientflow.engine.exchange import Exchange
 from gradientflow.engine.fusion import FusableOp
 from gradientflow.errors import CollectiveMismatchError, EngineError
@@ -219,11 +219,11 @@ class Rounds:
         (`waited`: as in agree). Sets `chk.summed` when the call's payload travelled in the
         round and the peers' were added to it: nothing of the call is left to send."""
         self.agree([chk], waited)
-        if chk.route == CARRIED:
-            chk.summed = self._root_came([chk], [0], chk.key[3])
-        else:
-            chk.summed = self._last.rode
-            if chk.summed:
+        chk.summed = self._last.rode
+        if chk.summed:
+            if chk.route == CARRIED:
+                self._copy_root(chk.payload, chk.key[3])
+            else:
                 self._add_payloads(chk.payload)
         if chk.pairs is None:
             return
@@ -231,56 +231,6 @@ class Rounds:
         total = self._reduce([pair_word(self.rank, send, recv)], ReduceOp.SUM, chk.seq)[0]
         if not pairs_agree(total):
             raise self._pairs_mismatch(chk, send, recv)
-
-    def carry(self, checks: list, waited: bool = False) -> int:
-        """The round of a run of carried broadcasts from one root (queue.py gathers them):
-        one exchange for the run where the round has room for its bytes (the root's tensors
-        back to back, checks.packing). Returns how many of them every rank agreed: a rank
-        that gathered fewer ran its round sooner, and the rest go in a round of their own.
-        Sets `summed` on the agreed ones when their tensors came in the round."""
-        if len(checks) == 1:
-            self.check(checks[0], waited)
-            return 1
-        t0 = time.perf_counter()
-        first = checks[0]
-        root = first.key[3]
-        offsets, total = packing([c.payload for c in checks])
-        cap = self._cap()
-        payload = None
-        if root == self.rank and total <= cap:
-            payload = torch.empty(total, dtype=torch.uint8)
-            for c, at in zip(checks, offsets):
-                t = c.payload.contiguous().reshape(-1).view(torch.uint8)
-                payload[at:at + t.numel()].copy_(t)
-        words = round_words(len(checks), batch_fingerprint(checks)) + [int(waited)]
-        try:
-            every = self._swap(words, first.seq, payload, cap)
-            n = self._judge(checks, words, every, waited, t0)
-        except BaseException:
-            self._advance(0)
-            raise
-        agreed = checks[:n]
-        self._keep_room(offsets[n - 1] + _nbytes(agreed[-1].payload))  # alike on every rank
-        self._advance(0)
-        if self._root_came(agreed, offsets, root):
-            for c in agreed:
-                c.summed = True
-        return n
-
-    def _root_came(self, agreed: list, offsets: list[int], root: int) -> bool:
-        """Whether the carried broadcasts `agreed` came in this thread's last round, copied
-        into place if so. The size the root announced says it, read alike on every rank: a
-        root sends its whole run or nothing, and the agreed ones lead it (a rank that
-        gathered more or fewer of them decides nothing here)."""
-        need = offsets[-1] + _nbytes(agreed[-1].payload)
-        if self._last.payloads[root] < need:
-            return False
-        if root != self.rank:
-            got = self._exchange().payload_bytes(root, need)
-            for c, at in zip(agreed, offsets):
-                t = c.payload
-                t.copy_(got[at:at + _nbytes(t)].view(t.dtype).view(t.shape))
-        return True
 
     def _add_payloads(self, tensor: torch.Tensor) -> None:
         """An in-band allreduce's result: the other ranks' tensors, from the round just agreed,
@@ -294,6 +244,18 @@ class Rounds:
                         f"gradientflow: rank {self.rank}: rank {r} sent {size} payload bytes "
                         f"in the round of an allreduce of {nbytes} bytes")
                 tensor.add_(ex.payload_of(r, tensor))
+
+    def _copy_root(self, tensor: torch.Tensor, root: int) -> None:
+        """A carried broadcast's result: the root's tensor, from the round just agreed."""
+        if root == self.rank:
+            return
+        nbytes = tensor.numel() * tensor.element_size()
+        size = self._last.payloads[root]
+        if size != nbytes:  # the round agreed dtype, shape and root: a frame not ours
+            raise EngineError(
+                f"gradientflow: rank {self.rank}: rank {root} sent {size} payload bytes in "
+                f"the round of a broadcast of {nbytes} bytes from it")
+        tensor.copy_(self._exchange().payload_of(root, tensor))
 
     def _min(self, words: list[int], first_seq: int) -> tuple[int, int]:
         """MIN-allreduce two int64 words on the agreement group (blocking)."""
