@@ -89,6 +89,15 @@ SETTINGS = {
     # step and FP32 wire, its factors fused and agreed like every other batch.
     "gf-powersgd-4": ("GradientFlow PowerSGD rank 4",
                       ["--compression", "gf-powersgd", "--powersgd-rank", "4"]),
+    # Both in one bucket, and torch's hook on the gradientflow backend (its allreduces checked
+    # and routed like any program's): which part of a difference is the method's, which the
+    # backend's. (On gradientflow torch's hook with several buckets is refused as a mismatch.)
+    "powersgd-4-1b-gf": ("DDP + PowerSGD rank 4, one bucket, on gradientflow",
+                         ["--compression", "powersgd", "--powersgd-rank", "4",
+                          "--bucket-cap-mb", "1024"]),
+    "gf-powersgd-4-1b": ("GradientFlow PowerSGD rank 4, one bucket",
+                         ["--compression", "gf-powersgd", "--powersgd-rank", "4",
+                          "--bucket-cap-mb", "1024"]),
     # Horovod 0.28.1 (make horovod): its DistributedOptimizer, no DDP, Gloo between the ranks.
     "horovod": ("Horovod 0.28.1", ["--horovod", "--compression", "none"]),
     "horovod-fp16": ("Horovod 0.28.1 + Compression.fp16", ["--horovod", "--compression", "fp16"]),
