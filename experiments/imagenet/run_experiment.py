@@ -98,6 +98,15 @@ SETTINGS = {
     "gf-powersgd-4-1b": ("GradientFlow PowerSGD rank 4, one bucket",
                          ["--compression", "gf-powersgd", "--powersgd-rank", "4",
                           "--bucket-cap-mb", "1024"]),
+    # DDP on gloo, only the compressed traffic on a gradientflow group of its own
+    # (hooks.register's process_group): DDP's buffer broadcast before each forward is then
+    # gloo's, which a root only sends, where a checked round makes it wait for the other rank.
+    "gf-powersgd-4-side": ("GradientFlow PowerSGD rank 4, DDP on gloo",
+                           ["--compression", "gf-powersgd", "--powersgd-rank", "4",
+                            "--compression-group", "gradientflow"]),
+    "csc-default-side": ("GradientFlow CSC 1% default, DDP on gloo",
+                         ["--compression", "csc", "--density", "0.01",
+                          "--compression-group", "gradientflow"]),
     # Horovod 0.28.1 (make horovod): its DistributedOptimizer, no DDP, Gloo between the ranks.
     "horovod": ("Horovod 0.28.1", ["--horovod", "--compression", "none"]),
     "horovod-fp16": ("Horovod 0.28.1 + Compression.fp16", ["--horovod", "--compression", "fp16"]),
@@ -120,7 +129,8 @@ SETTINGS = {
 LIMIT = "nocomm"
 # Settings that always run on one transport (the others take --dist-backend).
 TRANSPORT = {"ddp-gloo": "gloo", "torch-fp16": "gloo", "powersgd-2": "gloo", "powersgd-4": "gloo",
-             "powersgd-4-1b": "gloo", "horovod": "gloo", "horovod-fp16": "gloo"}
+             "powersgd-4-1b": "gloo", "horovod": "gloo", "horovod-fp16": "gloo",
+             "gf-powersgd-4-side": "gloo", "csc-default-side": "gloo"}
 # Settings whose ranks run in the Horovod environment, started as horovodrun would.
 HOROVOD = ("horovod", "horovod-fp16")
 # The peers of the Fashion-MNIST comparison (compare.py), in table order; GradientFlow's CSC

@@ -160,6 +160,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--powersgd-start-iter", default=None, type=int,
                    help="PowerSGD: steps of plain allreduce before compression starts (default: "
                    "10%% of the run's steps, at least 2, as torch's PowerSGDState recommends)")
+    p.add_argument("--compression-group", default="ddp", choices=["ddp", "gradientflow"],
+                   help="where gradientflow's compressed traffic goes: DDP's own process group "
+                   "(ddp, the default) or a gradientflow group of its own (gradientflow): DDP "
+                   "then keeps --dist-backend (gloo) for everything else, its buffer broadcast "
+                   "before each forward included")
     p.add_argument("--horovod", action="store_true",
                    help="average gradients with Horovod's DistributedOptimizer instead of DDP, as "
                    "Horovod's users do (horovod must be importable: make horovod builds it into "
@@ -347,6 +352,7 @@ class Config:
     horovod: bool
     fsdp: bool
     backend_options: dict | None  # gradientflow options for init_process_group's pg_options
+    compression_group: str  # "ddp" or "gradientflow" (--compression-group)
     bucket_cap_mb: float
     # output
     resume: str
@@ -451,6 +457,12 @@ def resolve(args: argparse.Namespace, env=os.environ) -> Config:
         raise ConfigError(f"--fsdp runs with --compression none, fp16 or csc (not "
                           f"{args.compression}{' and --horovod' if args.horovod else ''}) and "
                           "--no-checkpoint (this script saves DDP checkpoints only)")
+    if args.compression_group != "ddp" and (args.horovod or args.fsdp or args.compression not in
+                                             ("fp16", "csc", "gf-powersgd")):
+        raise ConfigError("--compression-group gradientflow puts gradientflow's compressed "
+                          "traffic (--compression fp16, csc or gf-powersgd, with DDP) on a group "
+                          f"of its own; got --compression {args.compression}"
+                          f"{' --horovod' if args.horovod else ''}{' --fsdp' if args.fsdp else ''}")
     if args.horovod and args.compression not in ("none", "fp16"):
         raise ConfigError(f"--horovod takes --compression none or fp16 (Horovod's own "
                           f"compressors), got {args.compression}")
@@ -567,6 +579,7 @@ def resolve(args: argparse.Namespace, env=os.environ) -> Config:
         horovod=args.horovod,
         fsdp=args.fsdp,
         backend_options=backend_options,
+        compression_group=args.compression_group,
         bucket_cap_mb=args.bucket_cap_mb,
         resume=resume,
         evaluate=args.evaluate,
@@ -1033,13 +1046,17 @@ def nic_tx_bytes() -> int | None:
 class GradientFlowHook:
     """gradientflow.hooks.register's state, seen through the same four calls as DenseAllreduce."""
 
-    def __init__(self, ddp_model: TimedDDP, config, grad_scaler, optimizer):
+    def __init__(self, ddp_model: TimedDDP, config, grad_scaler, optimizer,
+                 own_group: bool = False):
         import gradientflow.autotune
         import gradientflow.hooks
 
         self.ddp = ddp_model
+        # own_group: the compressed traffic on a gradientflow group of its own; DDP keeps its
+        # group (gloo) for the rest, so its buffer broadcast is gloo's, not a checked round.
+        group = dist.new_group(backend="gradientflow") if own_group else None
         self.state = gradientflow.hooks.register(
-            ddp_model, config, optimizer=optimizer,  # its rates (and momentum, under MC)
+            ddp_model, config, group, optimizer=optimizer,  # its rates (and momentum, under MC)
             grad_scaler=grad_scaler if grad_scaler.is_enabled() else None)
         # Runs are compared seed for seed: every compressed step uses the numba kernels (until
         # they are loaded the dispatch would run the torch reference, whose norms may differ in
@@ -1419,7 +1436,8 @@ def build_ddp(cfg: Config, model: nn.Module, device, optimizer, scaler, n_train:
         config = dataclasses.replace(config, start_step=start)
     return ddp, (DenseAllreduce(ddp) if cfg.compression == "none"
                  else NoCommunication(ddp) if cfg.compression == "noop"
-                 else GradientFlowHook(ddp, config, scaler, optimizer))
+                 else GradientFlowHook(ddp, config, scaler, optimizer,
+                                       cfg.compression_group == "gradientflow"))
 
 
 if __name__ == "__main__":

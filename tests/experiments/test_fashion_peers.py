@@ -84,6 +84,8 @@ def test_missing_fashion_files_say_what_to_do(tmp_path):
     (["--dummy", "--compression", "powersgd", "--powersgd-start-iter", "1"], "--powersgd"),
     (["--dummy", "--fsdp", "--compression", "powersgd", "--no-checkpoint"], "--fsdp runs with"),
     (["--dummy", "--fsdp", "--compression", "csc"], "--no-checkpoint"),
+    (["--dummy", "--compression", "powersgd", "--compression-group", "gradientflow"],
+     "--compression-group gradientflow puts"),
 ])
 def test_peer_flags_are_checked_before_init(argv, words, capsys):
     assert train.main(argv) == 2 and words in capsys.readouterr().err
