@@ -91,7 +91,7 @@ SETTINGS = {
                       ["--compression", "gf-powersgd", "--powersgd-rank", "4"]),
     # Both in one bucket, and torch's hook on the gradientflow backend (its allreduces checked
     # and routed like any program's): which part of a difference is the method's, which the
-    # backend's. (On gradientflow torch's hook with several buckets is refused as a mismatch.)
+    # backend's. One bucket: the layout in which torch's hook also runs on gloo.
     "powersgd-4-1b-gf": ("DDP + PowerSGD rank 4, one bucket, on gradientflow",
                          ["--compression", "powersgd", "--powersgd-rank", "4",
                           "--bucket-cap-mb", "1024"]),
