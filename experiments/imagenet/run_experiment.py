@@ -58,6 +58,11 @@ CSC = [
     "--warmup-period",
     "3",
 ]
+# PowerSGD rank 4, torch's hook and the engine's, and the DDP variants they are timed in.
+TORCH_PSGD4 = ["--compression", "powersgd", "--powersgd-rank", "4"]
+GF_PSGD4 = ["--compression", "gf-powersgd", "--powersgd-rank", "4"]
+ONE_BUCKET = ["--bucket-cap-mb", "1024"]
+OWN_GROUP = ["--compression-group", "gradientflow"]  # DDP on gloo, compression on its own group
 SETTINGS = {
     "dense": ("dense FP32", ["--compression", "none"]),
     "fp16": ("FP16", ["--compression", "fp16", "--wire-dtype", "fp16"]),
@@ -79,34 +84,25 @@ SETTINGS = {
     # steps), error feedback and warm start on.
     "torch-fp16": ("DDP + torch fp16_compress_hook", ["--compression", "torch-fp16"]),
     "powersgd-2": ("DDP + PowerSGD rank 2", ["--compression", "powersgd", "--powersgd-rank", "2"]),
-    "powersgd-4": ("DDP + PowerSGD rank 4", ["--compression", "powersgd", "--powersgd-rank", "4"]),
+    "powersgd-4": ("DDP + PowerSGD rank 4", TORCH_PSGD4),
     # The same in one DDP bucket: torch's hook on gloo aborts the job when a model has several
     # ("Received data size doesn't match": its buckets' allreduces overtake each other).
-    "powersgd-4-1b": ("DDP + PowerSGD rank 4, one bucket",
-                      ["--compression", "powersgd", "--powersgd-rank", "4",
-                       "--bucket-cap-mb", "1024"]),
+    "powersgd-4-1b": ("DDP + PowerSGD rank 4, one bucket", TORCH_PSGD4 + ONE_BUCKET),
     # The same method on GradientFlow's engine (compression/powersgd.py): the same rank, start
     # step and FP32 wire, its factors fused and agreed like every other batch.
-    "gf-powersgd-4": ("GradientFlow PowerSGD rank 4",
-                      ["--compression", "gf-powersgd", "--powersgd-rank", "4"]),
+    "gf-powersgd-4": ("GradientFlow PowerSGD rank 4", GF_PSGD4),
     # Both in one bucket, and torch's hook on the gradientflow backend (its allreduces checked
     # and routed like any program's): which part of a difference is the method's, which the
     # backend's. One bucket: the layout in which torch's hook also runs on gloo.
     "powersgd-4-1b-gf": ("DDP + PowerSGD rank 4, one bucket, on gradientflow",
-                         ["--compression", "powersgd", "--powersgd-rank", "4",
-                          "--bucket-cap-mb", "1024"]),
-    "gf-powersgd-4-1b": ("GradientFlow PowerSGD rank 4, one bucket",
-                         ["--compression", "gf-powersgd", "--powersgd-rank", "4",
-                          "--bucket-cap-mb", "1024"]),
+                         TORCH_PSGD4 + ONE_BUCKET),
+    "gf-powersgd-4-1b": ("GradientFlow PowerSGD rank 4, one bucket", GF_PSGD4 + ONE_BUCKET),
     # DDP on gloo, only the compressed traffic on a gradientflow group of its own
     # (hooks.register's process_group): DDP's buffer broadcast before each forward is then
     # gloo's, which a root only sends, where a checked round makes it wait for the other rank.
-    "gf-powersgd-4-side": ("GradientFlow PowerSGD rank 4, DDP on gloo",
-                           ["--compression", "gf-powersgd", "--powersgd-rank", "4",
-                            "--compression-group", "gradientflow"]),
+    "gf-powersgd-4-side": ("GradientFlow PowerSGD rank 4, DDP on gloo", GF_PSGD4 + OWN_GROUP),
     "csc-default-side": ("GradientFlow CSC 1% default, DDP on gloo",
-                         ["--compression", "csc", "--density", "0.01",
-                          "--compression-group", "gradientflow"]),
+                         ["--compression", "csc", "--density", "0.01"] + OWN_GROUP),
     # Horovod 0.28.1 (make horovod): its DistributedOptimizer, no DDP, Gloo between the ranks.
     "horovod": ("Horovod 0.28.1", ["--horovod", "--compression", "none"]),
     "horovod-fp16": ("Horovod 0.28.1 + Compression.fp16", ["--horovod", "--compression", "fp16"]),
