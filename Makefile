@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 # torch would download a multi-GB build.
 TORCH_PINS := torch==2.14.1 torchvision==0.29.1
 
-.PHONY: install test test-oldest lint demo horovod compare converge lm bench experiment sweep simulate bench-algorithms bench-pipeline step-anatomy gpu-check bench-autotune test-ray clean
+.PHONY: install test test-oldest lint demo horovod compare converge lm readme bench experiment sweep simulate bench-algorithms bench-pipeline step-anatomy gpu-check bench-autotune test-ray clean
 
 install: $(STAMP)
 
@@ -79,6 +79,11 @@ $(VENV)-horovod/.installed: experiments/imagenet/build_horovod.sh | install
 compare: install
 	-$(MAKE) horovod  # a failed build leaves Horovod's rows saying why, not the run undone
 	$(PY) experiments/imagenet/compare.py
+
+# The README's first screen, rendered from the committed results of compare, converge and lm
+# (experiments/imagenet/first_screen.py; tests/experiments/test_readme_numbers.py checks it).
+readme: install
+	$(PY) experiments/imagenet/first_screen.py --write
 
 # Accuracy at convergence on report seeds 10-14 that no choice saw (experiments/imagenet/
 # converge.py): both models, DDP, the CSC default with and without momentum correction, torch's

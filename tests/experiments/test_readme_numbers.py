@@ -1,43 +1,22 @@
-"""The README's results table (its first screen) holds only numbers that its cited results file
-holds: each number of a row is in that file's section for the row's model and recipe (at the
-README's rounding, with its sign), and each "Nx fewer bytes" is DDP's wire bytes over the CSC
-default's in that section. A number copied by hand that no run produced fails here."""
+"""The README's first screen is what `experiments/imagenet/first_screen.py` renders from the
+committed results it cites, and each number of its tables (bar the ratios, computed from them)
+is in the results file the paragraph before the table cites (at the README's rounding, with its
+sign). A number copied or changed by hand, or a results file rerun without `--write`, fails here.
+The digits paragraph below the block holds only numbers of the results folders it cites."""
 
 from __future__ import annotations
 
 import re
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "experiments" / "imagenet"))
+import first_screen  # noqa: E402
+
 # A number, signed only where the sign does not follow a digit (a range "96.11-96.67" is two
 # unsigned numbers).
 NUMBER = re.compile(r"(?<![\d.])([+-]?)(\d+(?:\.\d+)?)")
-DDP_ROW, OURS_ROW = "DDP gloo dense FP32", "GradientFlow CSC 1% default"
-
-
-def first_table(text: str) -> tuple[str, list[list[str]]]:
-    """(the path the paragraph before the README's first table cites, the table's rows as
-    cells)."""
-    lines = text.splitlines()
-    start = next(i for i, line in enumerate(lines) if line.startswith("|"))
-    before = "\n".join(lines[max(0, start - 8):start])
-    cited = re.findall(r"`([^`]+results[^`]*\.md)`", before)[-1]
-    rows = []
-    for line in lines[start:]:
-        if not line.startswith("|"):
-            break
-        rows.append([c.strip() for c in line.strip().strip("|").split("|")])
-    return cited, rows
-
-
-def section(results: str, label: str) -> str:
-    """The cited file's section for a README row: its model and recipe."""
-    model = re.split(r"[ ,(]", label, maxsplit=1)[0]
-    recipe = "schedule" if "cosine" in label else "plain"
-    parts = re.split(r"^## ", results, flags=re.M)
-    found = [p for p in parts if p.startswith(f"{model}, {recipe} recipe")]
-    assert len(found) == 1, f"no section '## {model}, {recipe} recipe' for row {label!r}"
-    return found[0]
 
 
 def numbers(text: str) -> list[tuple[str, float, int, str]]:
@@ -46,57 +25,68 @@ def numbers(text: str) -> list[tuple[str, float, int, str]]:
              text[m.end():m.end() + 1]) for m in NUMBER.finditer(text)]
 
 
-def wire_mb(sec: str, row_label: str) -> float:
-    """The 'wire MB/step' cell of a setting's row in a section's table."""
-    table = [line for line in sec.splitlines() if line.startswith("|")]
-    head = [c.strip() for c in table[0].strip("|").split("|")]
-    col = head.index("wire MB/step")
-    row = next(line for line in table if line.startswith(f"| {row_label} |"))
-    return float(row.strip("|").split("|")[col])
+def tables(block: str) -> list[tuple[str, list[list[str]]]]:
+    """(the results file the paragraph before cites, the table's body rows as cells) of every
+    table in `block`."""
+    lines = block.splitlines()
+    found, i = [], 0
+    while i < len(lines):
+        if lines[i].startswith("|"):
+            before = "\n".join(lines[max(0, i - 4):i])
+            cited = re.findall(r"`([^`]+results[^`]*\.md)`", before)[-1]
+            rows = []
+            while i < len(lines) and lines[i].startswith("|"):
+                rows.append([c.strip() for c in lines[i].strip().strip("|").split("|")])
+                i += 1
+            found.append((cited, rows[2:]))
+        i += 1
+    return found
 
 
-def unmatched(readme: str, root: Path = ROOT) -> list[str]:
-    """Every number of the README's results table that its cited file does not hold."""
-    cited, rows = first_table(readme)
-    results = (root / cited).read_text()
-    head, body = rows[0], rows[2:]
+def unmatched(block: str, root: Path = ROOT) -> list[str]:
+    """Every number of the block's tables, bar the first column (what the row is) and the
+    ratios ("60x"), that its cited file does not hold; MB may quote a file's kB."""
     missing = []
-    for cells in body:
-        sec = section(results, cells[0])
-        held = numbers(sec)
-        for title, cell in zip(head[1:], cells[1:]):
-            for sign, value, places, after in numbers(cell):
-                if "fewer bytes" in title and after == "x":
-                    ratio = wire_mb(sec, DDP_ROW) / wire_mb(sec, OURS_ROW)
-                    ok = round(ratio, places) == value
-                else:
-                    ok = any(round(v, places) == value and (not sign or s == sign)
-                             for s, v, _, _ in held)
-                if not ok:
-                    missing.append(f"{cells[0]!r}, {title!r}: {sign}{value:.{places}f}")
+    for cited, rows in tables(block):
+        held = numbers((root / cited).read_text())
+        values = [(s, v) for s, v, _, _ in held] + [(s, v / 1000) for s, v, _, _ in held]
+        for cells in rows:
+            for cell in cells[1:]:
+                for sign, value, places, after in numbers(cell):
+                    if after == "x":
+                        continue  # a ratio, computed from numbers of the same file
+                    if not any(round(v, places) == value and (not sign or s == sign)
+                               for s, v in values):
+                        missing.append(f"{cells[0]!r}: {sign}{value:.{places}f} not in {cited}")
     return missing
 
 
-def test_every_number_of_the_first_screen_table_is_in_its_results_file():
+def test_the_first_screen_is_rendered_from_the_committed_results():
     readme = (ROOT / "README.md").read_text()
-    cited, rows = first_table(readme)
-    assert (ROOT / cited).is_file(), cited
-    assert len(rows) > 2 and all(len(r) == len(rows[0]) for r in rows)
-    assert unmatched(readme) == []
+    assert first_screen.current(readme) == first_screen.render(), (
+        "README.md's first screen differs from its results: run "
+        "python experiments/imagenet/first_screen.py --write")
+
+
+def test_every_number_of_the_first_screen_tables_is_in_its_results_file():
+    block = first_screen.current((ROOT / "README.md").read_text())
+    found = tables(block)
+    assert len(found) == 2 and all(rows for _, rows in found)
+    assert all((ROOT / cited).is_file() for cited, _ in found)
+    assert unmatched(block) == []
 
 
 def test_a_changed_number_is_caught():
     readme = (ROOT / "README.md").read_text()
-    _, rows = first_table(readme)
-    top1 = rows[2][1].split("%")[0]  # DDP's top-1 in the first row, e.g. "85.07"
+    block = first_screen.current(readme)
+    top1 = re.search(r"\| (\d+\.\d\d)% ±", block).group(1)  # DDP's top-1 in the first row
     wrong = f"{float(top1) + 0.01:.2f}"
-    assert unmatched(readme.replace(f"| {top1}%", f"| {wrong}%", 1))[0].endswith(wrong)
-    ratio = rows[2][-1]  # e.g. "51x"
-    worse = f"{int(ratio[:-1]) + 1}x"
-    assert unmatched(readme.replace(f"| {ratio} |", f"| {worse} |", 1)) != []
-    delta = re.search(r"\(([+-])(\d+\.\d+)\)", rows[2][2])  # the CSC row's difference
-    flipped = {"+": "-", "-": "+"}[delta.group(1)] + delta.group(2)
-    assert unmatched(readme.replace(delta.group(0), f"({flipped})", 1)) != []
+    changed = block.replace(f"| {top1}% ±", f"| {wrong}% ±", 1)
+    assert unmatched(changed)[0].split(": ")[1].startswith(wrong)
+    assert first_screen.replaced(readme, changed) != first_screen.replaced(
+        readme, first_screen.render())
+    delta = re.search(r"\| [+-]\d+\.\d\d \(", block).group(0)  # the CSC row's difference
+    assert unmatched(block.replace(delta, "| +7.77 (", 1)) != []
 
 
 def paragraph(readme: str, opening: str) -> str:
