@@ -123,11 +123,12 @@ def _provenance(root: Path) -> str:
     if prov["runs"] and prov["without_times"] == prov["runs"]:
         return (f"{said}; its {prov['runs']} runs were made before runs recorded their commit, "
                 "host and times, over several invocations: `make compare` remakes it as one run")
-    return f"{said}. " + compare.provenance_line(prov)
+    return f"{said}. " + compare.provenance_line(prov).rstrip(".")
 
 
 def timing(comp: list, root: Path) -> list[str]:
     """The time table of the one `make compare` run, plain SGD, and every target it set."""
+    comp = [res for res in comp if "plain" in res["recipes"]]  # a model whose stage ran
     rec0 = comp[0]["recipes"]["plain"]
     lines = ["", f"**Time and bytes** (the same models, 2 CPU ranks on an emulated switch, plain "
              f"SGD, {rec0['rows'][DDP]['epochs']} epochs; step: the median of the repeats, "
