@@ -130,15 +130,16 @@ def timing(comp: list, root: Path) -> list[str]:
     """The time table of the one `make compare` run, plain SGD, and every target it set."""
     comp = [res for res in comp if "plain" in res["recipes"]]  # a model whose stage ran
     rec0 = comp[0]["recipes"]["plain"]
-    lines = ["", f"**Time and bytes** (the same models, 2 CPU ranks on an emulated switch, plain "
+    lines = ["", f"**Time** (the same models, 2 CPU ranks on an emulated switch, plain "
              f"SGD, {rec0['rows'][DDP]['epochs']} epochs; step: the median of the repeats, "
              f"fastest-slowest and n in brackets where recorded; time to the target top-1: "
              f"training time to the first epoch at or above it, mean of seeds; at 10 Gbit/s "
-             f"derived from the step time there; `{COMPARED}/results.md`): "
+             f"derived from the step time there; bytes: what rank 0's NIC sent per step, every "
+             f"protocol's; `{COMPARED}/results.md`): "
              + _provenance(root) + ".", "",
              "| model, link | DDP step (ms) | CSC step (ms) | DDP's step over CSC's | most any "
-             "setting could gain | time to target: DDP, CSC (s) | sooner |",
-             "|---|---|---|---|---|---|---|"]
+             "setting could gain | time to target: DDP, CSC (s) | sooner | MB a step: DDP, CSC |",
+             "|---|---|---|---|---|---|---|---|"]
     misses = []
     for res in comp:
         plain = res["recipes"]["plain"]
@@ -151,11 +152,15 @@ def timing(comp: list, root: Path) -> list[str]:
                 continue
             td, to = (compare._mean(ddp[col]), compare._mean(ours[col])) if col else (0, 0)
             derived = "" if link == "1 Gbit/s" else ", derived"
+            nic = (f"{compare._mb(ddp['wire_bytes_per_step_nic'])}, "
+                   f"{compare._mb(ours['wire_bytes_per_step_nic'])}" if link == "1 Gbit/s"
+                   else "-")
             lines.append(
                 f"| {compare.LABELS[res['model']]} (target {plain['target_top1']:g}%), {link} | "
                 f"{_ms(sd)} | {_ms(so)} | {sd[0] / so[0]:.2f}x | "
                 + (f"{sd[0] / sb[0]:.2f}x" if sb else "-") + " | "
-                + (f"{td:.0f}, {to:.0f}{derived} | {td / to:.2f}x |" if td and to else "- | - |"))
+                + (f"{td:.0f}, {to:.0f}{derived} | {td / to:.2f}x |" if td and to else "- | - |")
+                + f" {nic} |")
         for recipe, rec in res["recipes"].items():
             misses += [f"{compare.LABELS[res['model']]}, {RECIPES[recipe]}: {text}: {numbers}"
                        for text, ok, numbers in rec["verdict"] if not ok]
