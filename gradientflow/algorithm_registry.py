@@ -6,7 +6,7 @@ Config validation (`algorithm=`), the Channel (which algorithm carries a message
 the simulator (the cluster model's time and bytes) read this table; none of them names an
 algorithm. Adding one is one entry here (its name and formulas: plain arithmetic) plus its
 module under gradientflow/algorithms/, which attaches what runs it (`attach`: its handler,
-which messages it carries) and is listed in that package's MODULES.
+which messages it carries) and is imported by that package's `__init__.py`.
 
 Leaf module (the bottom layer, tests/test_layers.py): config and the simulator read it, so it
 imports nothing of gradientflow.
