@@ -49,8 +49,8 @@ def _load(folder: str, root: Path) -> dict | list:
 
 
 def _pm(values: list) -> str:
-    sd = statistics.stdev(values) if len(values) > 1 else 0.0
-    return f"{statistics.mean(values):.2f}% ± {sd:.2f}"
+    mean, sd = compare.mean_sd(values)
+    return f"{mean:.2f}% ± {sd:.2f}"
 
 
 def _diff(d: dict) -> str:
