@@ -25,20 +25,30 @@ def numbers(text: str) -> list[tuple[str, float, int, str]]:
              text[m.end():m.end() + 1]) for m in NUMBER.finditer(text)]
 
 
+def paragraph_before(lines: list[str], i: int) -> str:
+    """The paragraph that ends above line `i` (blank lines between skipped)."""
+    j = i - 1
+    while j >= 0 and not lines[j].strip():
+        j -= 1
+    start = j
+    while start > 0 and lines[start - 1].strip():
+        start -= 1
+    return "\n".join(lines[start:j + 1])
+
+
 def tables(block: str) -> list[tuple[str, list[list[str]]]]:
-    """(the results file the paragraph before cites, the table's body rows as cells) of every
-    table in `block`."""
+    """(the results file the paragraph before cites, the table's rows as cells, its header
+    first and the separator second) of every table in `block`."""
     lines = block.splitlines()
     found, i = [], 0
     while i < len(lines):
         if lines[i].startswith("|"):
-            before = "\n".join(lines[max(0, i - 4):i])
-            cited = re.findall(r"`([^`]+results[^`]*\.md)`", before)[-1]
+            cited = re.findall(r"`([^`]+results[^`]*\.md)`", paragraph_before(lines, i))[-1]
             rows = []
             while i < len(lines) and lines[i].startswith("|"):
                 rows.append([c.strip() for c in lines[i].strip().strip("|").split("|")])
                 i += 1
-            found.append((cited, rows[2:]))
+            found.append((cited, rows))
         i += 1
     return found
 
@@ -50,15 +60,76 @@ def unmatched(block: str, root: Path = ROOT) -> list[str]:
     for cited, rows in tables(block):
         held = numbers((root / cited).read_text())
         values = [(s, v) for s, v, _, _ in held] + [(s, v / 1000) for s, v, _, _ in held]
-        for cells in rows:
+        for cells in rows[2:]:
             for cell in cells[1:]:
                 for sign, value, places, after in numbers(cell):
                     if after == "x":
-                        continue  # a ratio, computed from numbers of the same file
+                        continue  # a ratio: wrong_ratios checks it
                     if not any(round(v, places) == value and (not sign or s == sign)
                                for s, v in values):
                         missing.append(f"{cells[0]!r}: {sign}{value:.{places}f} not in {cited}")
     return missing
+
+
+def _first(cell: str) -> tuple[float, int]:
+    """(value, decimals) of the first number in a cell."""
+    _, value, places, _ = numbers(cell)[0]
+    return value, places
+
+
+def _rounded_ratio_holds(ratio: tuple, top: tuple, bottom: tuple) -> bool:
+    """Whether a ratio shown at its rounding can be `top` over `bottom`, each shown at theirs."""
+    (r, rp), (a, ap), (b, bp) = ratio, top, bottom
+    ha, hb, hr = 0.5 * 10 ** -ap, 0.5 * 10 ** -bp, 0.5 * 10 ** -rp
+    return (a - ha) / (b + hb) - hr <= r <= (a + ha) / (b - hb) + hr
+
+
+def section(results: str, title: str) -> str:
+    """The cited file's section whose heading is `title` (a model's label)."""
+    parts = re.split(r"^## ", results, flags=re.M)
+    found = [p for p in parts if p.split("\n", 1)[0].strip() == title]
+    assert len(found) == 1, f"no section '## {title}'"
+    return found[0]
+
+
+def file_cell(sec: str, row: str, title: str) -> float:
+    """The number in a section's table under column `title` in the row of setting `row`."""
+    table = [line for line in sec.splitlines() if line.startswith("|")]
+    head = [c.strip() for c in table[0].strip("|").split("|")]
+    line = next(line for line in table if line.startswith(f"| {row} |"))
+    return float(line.strip("|").split("|")[head.index(title)])
+
+
+def wrong_ratios(block: str, root: Path = ROOT) -> list[str]:
+    """Every ratio of the block's tables that is not what it says: "fewer bytes" is DDP's bytes
+    a step over the CSC default's in the cited file's section for the row's model; "DDP's step
+    over CSC's" and "sooner" are the row's own DDP number over its CSC number (within their
+    rounding). "Most any setting could gain" divides by the bound's step, which the row does
+    not show; the render test pins it."""
+    wrong = []
+    for cited, rows in tables(block):
+        head, body = rows[0], rows[2:]
+        results = (root / cited).read_text()
+        for cells in body:
+            col = dict(zip(head, cells))
+            if "fewer bytes" in col:
+                sec = section(results, cells[0].split(" (")[0])
+                ratio = (file_cell(sec, "DDP gloo dense FP32", "kB/step sent")
+                         / file_cell(sec, "GradientFlow CSC 1% default", "kB/step sent"))
+                shown, places = _first(col["fewer bytes"])
+                if round(ratio, places) != shown:
+                    wrong.append(f"{cells[0]!r}: {shown:g}x fewer bytes, the file gives "
+                                 f"{ratio:.2f}x")
+            pairs = [("DDP's step over CSC's", col.get("DDP step (ms)"), col.get("CSC step (ms)"))]
+            times = col.get("time to target: DDP, CSC (s)", "-")
+            if times != "-":
+                (_, a, ap, _), (_, b, bp, _) = numbers(times)[:2]
+                pairs.append(("sooner", f"{a:.{ap}f}", f"{b:.{bp}f}"))
+            for title, top, bottom in pairs:
+                if title in col and col[title] != "-" and top and bottom and not \
+                        _rounded_ratio_holds(_first(col[title]), _first(top), _first(bottom)):
+                    wrong.append(f"{cells[0]!r}: {title} {col[title]} is not {top} over {bottom}")
+    return wrong
 
 
 def test_the_first_screen_is_rendered_from_the_committed_results():
@@ -71,9 +142,11 @@ def test_the_first_screen_is_rendered_from_the_committed_results():
 def test_every_number_of_the_first_screen_tables_is_in_its_results_file():
     block = first_screen.current((ROOT / "README.md").read_text())
     found = tables(block)
-    assert len(found) == 2 and all(rows for _, rows in found)
+    assert len(found) == 2 and all(rows[2:] for _, rows in found)
+    assert all(len(r) == len(rows[0]) for _, rows in found for r in rows)
     assert all((ROOT / cited).is_file() for cited, _ in found)
     assert unmatched(block) == []
+    assert wrong_ratios(block) == []
 
 
 def test_a_changed_number_is_caught():
@@ -87,6 +160,12 @@ def test_a_changed_number_is_caught():
         readme, first_screen.render())
     delta = re.search(r"\| [+-]\d+\.\d\d \(", block).group(0)  # the CSC row's difference
     assert unmatched(block.replace(delta, "| +7.77 (", 1)) != []
+    fewer = re.search(r"\| (\d+)x \|\n", block)  # the first row's "fewer bytes"
+    worse = f"| {int(fewer.group(1)) + 1}x |\n"
+    assert wrong_ratios(block.replace(fewer.group(0), worse, 1)) != []
+    step = re.search(r"\| (\d+\.\d\d)x \|", block)  # the first "DDP's step over CSC's"
+    assert wrong_ratios(block.replace(step.group(0), f"| {float(step.group(1)) + 0.1:.2f}x |",
+                                      1)) != []
 
 
 def paragraph(readme: str, opening: str) -> str:
