@@ -120,15 +120,19 @@ def wrong_ratios(block: str, root: Path = ROOT) -> list[str]:
                 if round(ratio, places) != shown:
                     wrong.append(f"{cells[0]!r}: {shown:g}x fewer bytes, the file gives "
                                  f"{ratio:.2f}x")
-            pairs = [("DDP's step over CSC's", col.get("DDP step (ms)"), col.get("CSC step (ms)"))]
-            times = col.get("time to target: DDP, CSC (s)", "-")
-            if times != "-":
-                (_, a, ap, _), (_, b, bp, _) = numbers(times)[:2]
-                pairs.append(("sooner", f"{a:.{ap}f}", f"{b:.{bp}f}"))
+            # (ratio's column, (value, decimals) over (value, decimals)) the row shows
+            pairs = []
+            if col.get("DDP step (ms)") and col.get("CSC step (ms)"):
+                pairs.append(("DDP's step over CSC's", _first(col["DDP step (ms)"]),
+                              _first(col["CSC step (ms)"])))
+            times = numbers(col.get("time to target: DDP, CSC (s)", "-"))
+            if len(times) >= 2:
+                pairs.append(("sooner", times[0][1:3], times[1][1:3]))
             for title, top, bottom in pairs:
-                if title in col and col[title] != "-" and top and bottom and not \
-                        _rounded_ratio_holds(_first(col[title]), _first(top), _first(bottom)):
-                    wrong.append(f"{cells[0]!r}: {title} {col[title]} is not {top} over {bottom}")
+                if col.get(title, "-") != "-" and not \
+                        _rounded_ratio_holds(_first(col[title]), top, bottom):
+                    wrong.append(f"{cells[0]!r}: {title} {col[title]} is not {top[0]:.{top[1]}f} "
+                                 f"over {bottom[0]:.{bottom[1]}f}")
     return wrong
 
 
