@@ -2,7 +2,8 @@
 committed results it cites, and each number of its tables (bar the ratios, computed from them)
 is in the results file the paragraph before the table cites (at the README's rounding, with its
 sign). A number copied or changed by hand, or a results file rerun without `--write`, fails here.
-The digits paragraph below the block holds only numbers of the results folders it cites."""
+The digits paragraph below the block holds only numbers of the results folders it cites, and
+experiments/imagenet/README.md's table of every peer only numbers of the file it cites."""
 
 from __future__ import annotations
 
@@ -170,6 +171,21 @@ def test_a_changed_number_is_caught():
     step = re.search(r"\| (\d+\.\d\d)x \|", block)  # the first "DDP's step over CSC's"
     assert wrong_ratios(block.replace(step.group(0), f"| {float(step.group(1)) + 0.1:.2f}x |",
                                       1)) != []
+
+
+def test_the_timed_comparisons_table_of_peers_is_in_its_results_file():
+    """experiments/imagenet/README.md's table of every peer, copied from the `make compare` run,
+    holds only numbers of the results file it cites (a path relative to that README)."""
+    here = ROOT / "experiments" / "imagenet"
+    text = (here / "README.md").read_text()
+    start = text.index("### The timed comparison")
+    sec = text[start:text.index("\n### ", start)]
+    assert [cited for cited, _ in tables(sec)] == ["results/fashion/results.md"]
+    assert unmatched(sec, here) == []
+    # a number changed by hand is caught
+    assert "12.34" not in (here / "results/fashion/results.md").read_text()
+    top1 = re.search(r"\| (\d+\.\d\d) ±", sec).group(1)
+    assert unmatched(sec.replace(f"| {top1} ±", "| 12.34 ±", 1), here) != []
 
 
 def paragraph(readme: str, opening: str) -> str:
